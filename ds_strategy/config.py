@@ -1,0 +1,306 @@
+"""ZeroConfig: the one place ZeRO's settings are defaulted and validated.
+
+Front-ends (the DeepSpeed JSON reader in ``deepspeed_config.py``, strategy constructor arguments) translate
+into this dataclass and carry no defaults of their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ds_strategy.auto_values import deepspeed_auto_values
+
+AUTO = "auto"
+
+_PRECISIONS = {
+    "32-true": "32-true", "bf16-mixed": "bf16-mixed", "16-mixed": "16-mixed",
+    "bf16-true": "bf16-true", "16-true": "16-true",
+    32: "32-true", "32": "32-true", "bf16": "bf16-mixed", 16: "16-mixed", "16": "16-mixed",
+}
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_COMPUTE_DTYPES = {"32": torch.float32, "bf16": torch.bfloat16, "16": torch.float16}  # by precision prefix
+_COMMUNICATION_DTYPES = {
+    None: None,
+    **{short: short for short in _DTYPES},
+    **{dtype: short for short, dtype in _DTYPES.items()},
+    "float32": "fp32", "float16": "fp16", "bfloat16": "bf16",
+}
+_GRADIENT_REDUCTIONS = {name: name for name in ("auto", "reduce_scatter", "all_reduce")}
+
+
+class ZeroConfigError(ValueError):
+    """A ZeroConfig field got a value it does not allow; ``field`` names it so front-ends can say which
+    of their own keys produced it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroConfig:
+    """What ZeRO shards, how it batches communication, and how it scales the loss.
+
+    N is the data-parallel world size; every size is a count of elements, not bytes. Fields named as in
+    DeepSpeed keep DeepSpeed's default and meaning. Construction validates and normalises every field;
+    ``from_dict`` and ``replace`` re-validate, and the instance is frozen so nothing skips that.
+
+    Partitioning and gradient communication:
+        stage (default 2): what each rank keeps only a 1/N shard of. 0 = nothing (plain data parallel,
+            gradients all-reduced); 1 = optimizer state (Adam's two fp32 moments, plus fp32 master weights
+            under mixed precision); 2 = also gradients, reduced straight into the owner's shard; 3 = also
+            parameters, all-gathered per unit before its forward/backward and freed after.
+        reduce_bucket_size (default 5e8, or "auto"): gradients are flattened into buckets of this many
+            elements per collective. Larger: fewer, better-utilised collectives but a bigger staging buffer.
+        allgather_bucket_size (default 5e8): same, for the stage 1/2 all-gather of updated parameters.
+        overlap_comm (default True): launch each bucket's reduction as soon as it fills, on a side stream,
+            overlapping backward compute at the cost of keeping buckets alive until they finish.
+        contiguous_gradients (default True): copy reduced gradient shards into one preallocated flat
+            buffer, avoiding fragmentation at the cost of one extra copy.
+        communication_dtype (default None = auto): dtype gradients travel in. Auto is fp32 for fp32 and
+            fp16 training (fp16 sums overflow) and bf16 for bf16 training. "fp16"/"bf16" halve the bytes
+            sent but lose precision in the sum.
+        gradient_reduction (default "auto"): the collective that reduces gradients. "reduce_scatter" sends
+            (N-1)/N of the bucket and leaves each rank its shard; "all_reduce" sends twice that and each rank
+            slices its shard, yet is faster on gloo; "auto" picks per backend (``gradient_collective``).
+
+    Stage 3 parameter gathering:
+        prefetch_bucket_size (default 5e7, or "auto"): elements of upcoming units gathered ahead of use.
+        param_persistence_threshold (default 1e5, or "auto"): parameters this small stay gathered on every
+            rank; they cost little memory and would otherwise cost one latency-bound collective each.
+        max_live_parameters (default 1e9): cap on gathered elements alive at once; gathering waits for
+            frees beyond it, trading speed for peak memory.
+        reshard_after_forward (default True): free a unit's gathered parameters after its forward and
+            gather again for backward. False keeps them until backward: one fewer all-gather, more memory.
+        unit_modules (default ()): module classes, or class names, whose instances are the units that are
+            gathered/freed together and that bound gradient buckets. Empty auto-detects the repeated
+            child block type (e.g. a transformer layer).
+        unit_min_params (default 0): when > 0 and unit_modules is empty, form units by parameter count
+            instead of by class, with this many elements as the threshold for a unit.
+
+    Optimizer step:
+        gradient_clipping (default 0.0 = off): clip the global gradient norm to this before the step.
+        gradient_accumulation_steps (default 1): micro-batches summed before each optimizer step.
+        train_micro_batch_size_per_gpu (default None = whatever the data loader yields): per-rank batch.
+
+    Precision and dynamic loss scaling (DeepSpeed semantics):
+        precision (default "32-true"): "32-true", "bf16-mixed", "16-mixed", "bf16-true" or "16-true";
+            Lightning's 32, "32", "bf16", 16 and "16" are normalised. "-mixed" keeps fp32 master weights
+            and optimizer state beside half-precision compute weights; "-true" keeps only the half copy.
+        loss_scale (default 0.0 = dynamic): a fixed loss scale, or 0 to scale dynamically (16-* only).
+        initial_scale_power (default 16): dynamic scaling starts at 2**initial_scale_power.
+        loss_scale_window (default 1000): overflow-free steps before the scale doubles.
+        hysteresis (default 2): overflows tolerated before the scale halves.
+        min_loss_scale (default 1.0): the scale never drops below this.
+        max_consecutive_min_scale_skips (default 10): consecutive overflowing steps at the minimum scale
+            after which training raises instead of silently skipping every step.
+
+    The three sizes that accept "auto" keep the string until ``resolve_auto(hidden_size)`` substitutes
+    DeepSpeed's formulas; engine code must resolve before reading them.
+    """
+
+    stage: int = 2
+    reduce_bucket_size: int | str = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    overlap_comm: bool = True
+    contiguous_gradients: bool = True
+    communication_dtype: str | None = None
+    gradient_reduction: str = "auto"
+    prefetch_bucket_size: int | str = 50_000_000
+    param_persistence_threshold: int | str = 100_000
+    max_live_parameters: int = 1_000_000_000
+    reshard_after_forward: bool = True
+    unit_modules: tuple[type[torch.nn.Module] | str, ...] = ()
+    unit_min_params: int = 0
+    gradient_clipping: float = 0.0
+    gradient_accumulation_steps: int = 1
+    train_micro_batch_size_per_gpu: int | None = None
+    precision: str = "32-true"
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+    max_consecutive_min_scale_skips: int = 10
+
+    def __post_init__(self) -> None:
+        checked = {
+            "stage": _choice("stage", self.stage, {s: s for s in range(4)}),
+            "reduce_bucket_size": _integer("reduce_bucket_size", self.reduce_bucket_size, 1, auto=True),
+            "allgather_bucket_size": _integer("allgather_bucket_size", self.allgather_bucket_size, 1),
+            "overlap_comm": _flag("overlap_comm", self.overlap_comm),
+            "contiguous_gradients": _flag("contiguous_gradients", self.contiguous_gradients),
+            "communication_dtype": _choice(
+                "communication_dtype", self.communication_dtype, _COMMUNICATION_DTYPES,
+                "None (auto), 'fp32', 'fp16', 'bf16', 'float32', 'float16', 'bfloat16' or that torch dtype",
+            ),
+            "gradient_reduction": _choice("gradient_reduction", self.gradient_reduction, _GRADIENT_REDUCTIONS),
+            "prefetch_bucket_size": _integer("prefetch_bucket_size", self.prefetch_bucket_size, 1, auto=True),
+            "param_persistence_threshold": _integer(
+                "param_persistence_threshold", self.param_persistence_threshold, 0, auto=True
+            ),
+            "max_live_parameters": _integer("max_live_parameters", self.max_live_parameters, 1),
+            "reshard_after_forward": _flag("reshard_after_forward", self.reshard_after_forward),
+            "unit_modules": _unit_modules(self.unit_modules),
+            "unit_min_params": _integer("unit_min_params", self.unit_min_params, 0),
+            "gradient_clipping": _real("gradient_clipping", self.gradient_clipping, 0.0),
+            "gradient_accumulation_steps": _integer(
+                "gradient_accumulation_steps", self.gradient_accumulation_steps, 1
+            ),
+            "train_micro_batch_size_per_gpu": _integer(
+                "train_micro_batch_size_per_gpu", self.train_micro_batch_size_per_gpu, 1, none=True
+            ),
+            "precision": _choice(
+                "precision", self.precision, _PRECISIONS,
+                "one of '32-true', 'bf16-mixed', '16-mixed', 'bf16-true', '16-true' (or 32, '32', 'bf16', 16, '16')",
+            ),
+            "loss_scale": _real("loss_scale", self.loss_scale, 0.0),
+            "initial_scale_power": _integer("initial_scale_power", self.initial_scale_power, 0, maximum=64),
+            "loss_scale_window": _integer("loss_scale_window", self.loss_scale_window, 1),
+            "hysteresis": _integer("hysteresis", self.hysteresis, 1),
+            "min_loss_scale": _real("min_loss_scale", self.min_loss_scale, 0.0, exclusive=True),
+            "max_consecutive_min_scale_skips": _integer(
+                "max_consecutive_min_scale_skips", self.max_consecutive_min_scale_skips, 1
+            ),
+        }
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def from_dict(cls, options: Mapping[str, Any]) -> ZeroConfig:
+        """Build from field names to values; an unknown name raises, suggesting the closest field."""
+        if not isinstance(options, Mapping):
+            raise ValueError(f"ZeroConfig.from_dict expects a mapping of field names, got {type(options).__name__}")
+        _check_field_names(options)
+        return cls(**options)
+
+    def replace(self, **changes: Any) -> ZeroConfig:
+        """A copy with ``changes`` applied and every field validated again."""
+        _check_field_names(changes)
+        return dataclasses.replace(self, **changes)
+
+    def resolve_auto(self, hidden_size: int) -> ZeroConfig:
+        """A copy whose "auto" sizes are DeepSpeed's values for this hidden size (see ``hidden_size_of``)."""
+        if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
+            raise ValueError(f"resolve_auto(hidden_size={hidden_size!r}) is not allowed; expected an integer >= 1")
+        values = deepspeed_auto_values(hidden_size)
+        return self.replace(**{name: value for name, value in values.items() if getattr(self, name) == AUTO})
+
+    @property
+    def has_auto_values(self) -> bool:
+        """Whether some size is still "auto" and ``resolve_auto`` must run before the engine reads it."""
+        return AUTO in (self.reduce_bucket_size, self.prefetch_bucket_size, self.param_persistence_threshold)
+
+    @property
+    def partitions_optimizer(self) -> bool:
+        """Each rank holds optimizer state (and fp32 master weights) for its shard only (stage >= 1)."""
+        return self.stage >= 1
+
+    @property
+    def partitions_gradients(self) -> bool:
+        """Each rank keeps only its shard of the reduced gradients (stage >= 2)."""
+        return self.stage >= 2
+
+    @property
+    def partitions_parameters(self) -> bool:
+        """Each rank holds only its parameter shard between uses (stage >= 3)."""
+        return self.stage >= 3
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """Dtype of the parameters the forward pass sees."""
+        return _COMPUTE_DTYPES[self.precision.split("-")[0]]
+
+    @property
+    def master_weights_separate(self) -> bool:
+        """Mixed precision: the optimizer updates an fp32 copy distinct from the compute weights."""
+        return self.precision.endswith("-mixed")
+
+    @property
+    def uses_loss_scaling(self) -> bool:
+        """fp16 compute: gradients need loss scaling to stay representable."""
+        return self.precision.startswith("16-")
+
+    @property
+    def gradient_communication_dtype(self) -> torch.dtype:
+        """``communication_dtype`` with auto resolved: bf16 for bf16 training, fp32 otherwise."""
+        if self.communication_dtype is not None:
+            return _DTYPES[self.communication_dtype]
+        return torch.bfloat16 if self.precision.startswith("bf16") else torch.float32
+
+    def gradient_collective(self, backend: str) -> str:
+        """``gradient_reduction`` with auto resolved for a process-group backend: all_reduce on gloo
+        (measured faster there than its reduce_scatter), reduce_scatter elsewhere."""
+        if self.gradient_reduction != AUTO:
+            return self.gradient_reduction
+        return "all_reduce" if backend == "gloo" else "reduce_scatter"
+
+
+def _check_field_names(options: Mapping[str, Any]) -> None:
+    names = [field.name for field in dataclasses.fields(ZeroConfig)]
+    for key in options:
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"expected one of {', '.join(names)}"
+            raise ZeroConfigError(str(key), f"ZeroConfig has no field {key!r}; {hint}")
+
+
+def _reject(name: str, value: Any, expected: str) -> ZeroConfigError:
+    return ZeroConfigError(name, f"ZeroConfig.{name}={value!r} is not allowed; expected {expected}")
+
+
+def _choice(name: str, value: Any, aliases: Mapping[Any, Any], expected: str | None = None) -> Any:
+    try:
+        known = not isinstance(value, bool) and value in aliases
+    except TypeError:  # unhashable
+        known = False
+    if not known:
+        raise _reject(name, value, expected or "one of " + ", ".join(map(repr, dict.fromkeys(aliases.values()))))
+    return aliases[value]
+
+
+def _integer(
+    name: str, value: Any, minimum: int, *, maximum: int | None = None, auto: bool = False, none: bool = False
+) -> int | str:
+    if (auto and isinstance(value, str) and value == AUTO) or (none and value is None):
+        return value
+    expected = f"an integer >= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
+    expected += ' or "auto"' if auto else ""
+    expected += " or None" if none else ""
+    whole = isinstance(value, numbers.Real) and not isinstance(value, bool) and float(value).is_integer()
+    if not whole or int(value) < minimum or (maximum is not None and int(value) > maximum):
+        raise _reject(name, value, expected)
+    return int(value)
+
+
+def _real(name: str, value: Any, minimum: float, *, exclusive: bool = False) -> float:
+    in_range = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    in_range = in_range and (value > minimum if exclusive else value >= minimum)
+    if not in_range:
+        raise _reject(name, value, f"a finite number {'>' if exclusive else '>='} {minimum}")
+    return float(value)
+
+
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _reject(name, value, "True or False")
+    return value
+
+
+def _unit_modules(value: Any) -> tuple[type[torch.nn.Module] | str, ...]:
+    units = (value,) if isinstance(value, (str, type)) else value
+    expected = "a tuple of torch.nn.Module subclasses or class-name strings"
+    if not isinstance(units, (list, tuple)):
+        raise _reject("unit_modules", value, expected)
+    for unit in units:
+        is_module_class = isinstance(unit, type) and issubclass(unit, torch.nn.Module)
+        if not (is_module_class or (isinstance(unit, str) and unit)):
+            raise _reject("unit_modules", value, expected)
+    return tuple(units)

@@ -1,0 +1,157 @@
+"""ZeroStrategy: Lightning's hooks translated into ZeroEngine calls; no sharding logic lives here."""
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from ..config import ZeroConfig
+from ..deepspeed_config import config_from_deepspeed
+from ..zero.engine import ZeroEngine
+from .precision import ZeroPrecision
+
+# Strategy names registered with Lightning, and the ZeroConfig fields each one sets.
+PRESETS: dict[str, dict[str, Any]] = {
+    "zero0": {"stage": 0},
+    "zero1": {"stage": 1},
+    "zero2": {"stage": 2},
+}
+
+
+class ZeroStrategy(DDPStrategy):
+    """ZeRO data parallelism for the Lightning Trainer: ``Trainer(strategy="zero2")`` or ``ZeroStrategy(stage=1)``.
+
+    Subclasses ``DDPStrategy`` for its launchers and process-group setup, but never wraps the model in DDP:
+    the :class:`ZeroEngine` shards parameters, gradients and optimizer state and reduces gradients itself.
+    Gradient accumulation and checkpoint scheduling stay with the Trainer. Config fields can be passed as keyword
+    arguments or as a :class:`ZeroConfig`.
+    """
+
+    strategy_name = "zero"
+
+    def __init__(self, config: ZeroConfig | Mapping | None = None, *, accelerator=None, parallel_devices=None,
+                 cluster_environment=None, checkpoint_io=None, precision_plugin: Precision | None = None,
+                 process_group_backend: str | None = None, start_method: str = "popen", **config_fields: Any):
+        if isinstance(config, Mapping):
+            config = ZeroConfig.from_dict(config)
+        config = config or ZeroConfig()
+        self.config = config.replace(**config_fields) if config_fields else config
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
+                         start_method=start_method)
+        self.engine: ZeroEngine | None = None
+
+    @classmethod
+    def from_deepspeed_config(cls, ds_config: Mapping | str | os.PathLike, **kwargs: Any) -> "ZeroStrategy":
+        """Build from a DeepSpeed JSON config (a dict or a path); unsupported keys raise a ValueError."""
+        return cls(config_from_deepspeed(ds_config), **kwargs)
+
+    # -- precision --------------------------------------------------------------------------------------------
+    @property
+    def precision_plugin(self) -> ZeroPrecision:
+        return self._precision_plugin if self._precision_plugin is not None else ZeroPrecision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        """Lightning hands every strategy a generic plugin for the ``precision`` flag; turn it into ours."""
+        if plugin is not None and not isinstance(plugin, ZeroPrecision):
+            plugin = ZeroPrecision(str(plugin.precision))
+        self._precision_plugin = plugin
+
+    # -- setup ------------------------------------------------------------------------------------------------
+    def setup(self, trainer) -> None:
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            if len(self.optimizers) != 1:
+                raise ValueError(f"ZeroStrategy supports exactly one optimizer, configure_optimizers returned "
+                                 f"{len(self.optimizers)}")
+            config = self._resolved_config()
+            self.engine = ZeroEngine(self.lightning_module, self.optimizers[0], config)
+            self._check_trainer_matches(trainer, config)
+            self.precision_plugin.engine = self.engine
+            rank_zero_info(self.engine.summary())
+        else:
+            _sync_module_states(self.model)
+        self.setup_precision_plugin()
+
+    def _resolved_config(self) -> ZeroConfig:
+        if not self.config.has_auto_values:
+            return self.config
+        from ..auto_values import hidden_size_of
+        return self.config.resolve_auto(hidden_size_of(self.lightning_module))
+
+    def _check_trainer_matches(self, trainer, config: ZeroConfig) -> None:
+        """A DeepSpeed config's accumulation and clipping must agree with the Trainer, which owns both loops."""
+        if config.gradient_accumulation_steps != 1 and trainer.accumulate_grad_batches != config.gradient_accumulation_steps:
+            raise ValueError(
+                f"ZeroConfig.gradient_accumulation_steps={config.gradient_accumulation_steps} but the Trainer has "
+                f"accumulate_grad_batches={trainer.accumulate_grad_batches}; the Trainer runs accumulation, so pass "
+                f"Trainer(accumulate_grad_batches={config.gradient_accumulation_steps})")
+        if config.gradient_clipping and trainer.gradient_clip_val is None:
+            trainer.gradient_clip_val = config.gradient_clipping
+
+    # -- training ---------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def block_backward_sync(self):
+        """Lightning's non-boundary accumulation micro-batches: no gradient communication at stage 0/1."""
+        if self.engine is None:
+            yield
+            return
+        with self.engine.no_sync():
+            yield
+
+    def _wait_for_params(self) -> None:
+        if self.engine is not None:
+            self.engine.wait_for_params()
+
+    def training_step(self, *args: Any, **kwargs: Any):
+        self._wait_for_params()
+        return super().training_step(*args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any):
+        self._wait_for_params()
+        return super().validation_step(*args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any):
+        self._wait_for_params()
+        return super().test_step(*args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any):
+        self._wait_for_params()
+        return super().predict_step(*args, **kwargs)
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self._wait_for_params()
+        return super().lightning_module_state_dict()
+
+    # -- reporting --------------------------------------------------------------------------------------------
+    def memory_report(self) -> dict[str, dict[str, int]]:
+        """This rank's bytes per kind of model state and place; see :func:`ds_strategy.zero.memory_report`."""
+        return self.engine.memory_report()
+
+    def comm_stats(self) -> dict[str, dict[str, float]]:
+        return self.engine.comm_stats()
+
+    def teardown(self) -> None:
+        if self.engine is not None:
+            self.engine.wait_for_params()
+            self.engine.remove_hooks()
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        for name, fields in PRESETS.items():
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=f"ZeRO {fields}", **fields)

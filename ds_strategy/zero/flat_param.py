@@ -1,0 +1,158 @@
+"""One flat buffer holding the parameters of one unit and one optimizer param group, and its shards.
+
+A :class:`FlatParam` is the engine's atom: the parameters of a unit that share an optimizer param group are laid
+end to end in one 1-D buffer, padded so that every rank owns an equal contiguous shard. The module's parameters
+become views into the full buffer; the optimizer sees only this rank's shard. Which of the three states (full
+parameters, gradients, optimizer state) are partitioned is a :class:`ShardPolicy`, so stages 0-3 are one code path.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ShardPolicy:
+    """What a flat buffer keeps partitioned across ranks (the ZeRO paper's P_os, P_g, P_p).
+
+    ``params``: the full buffer exists only while gathered (stage 3); otherwise every rank keeps it.
+    ``grads``: gradients are reduced into a 1/N shard as soon as they are produced (stage >= 2); otherwise a
+    full gradient buffer accumulates locally and is reduced once per optimizer step.
+    ``optimizer``: the optimizer updates only this rank's shard (stage >= 1); otherwise the whole buffer.
+    """
+
+    params: bool
+    grads: bool
+    optimizer: bool
+
+    @classmethod
+    def for_stage(cls, stage: int, persistent: bool = False) -> "ShardPolicy":
+        """Stage 3 parameters below the persistence threshold stay whole, like stage 2."""
+        return cls(params=stage >= 3 and not persistent, grads=stage >= 2, optimizer=stage >= 1)
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one parameter lives inside the unpadded flat layout."""
+
+    name: str
+    shape: torch.Size
+    offset: int
+    numel: int
+
+
+class FlatParam:
+    """The parameters of one (unit, param group) pair as one padded flat buffer plus this rank's shard.
+
+    Tensors it owns:
+      ``full``: the whole padded buffer in the compute dtype; module parameters are views of it. Freed (storage
+        resized to 0) while sharded under stage 3.
+      ``shard``: this rank's slice of the parameters. A view of ``full`` unless parameters are partitioned.
+      ``master``: what the optimizer updates: fp32 shard (or the whole buffer at stage 0). It is ``shard`` itself
+        when the compute dtype is fp32, else a separate fp32 copy.
+      ``grad_full`` / ``grad_shard``: gradient accumulation, see :class:`~ds_strategy.zero.grad_reducer.GradReducer`.
+    """
+
+    def __init__(self, name: str, params: list[tuple[str, nn.Parameter]], group_index: int, policy: ShardPolicy,
+                 rank: int, world_size: int, compute_dtype: torch.dtype, grad_dtype: torch.dtype):
+        self.name = name
+        self.params = [p for _, p in params]
+        self.group_index = group_index
+        self.policy = policy
+        self.rank = rank
+        self.world_size = world_size
+        self.compute_dtype = compute_dtype
+        self.grad_dtype = grad_dtype
+        self.slots: list[ParamSlot] = []
+        offset = 0
+        for pname, p in params:
+            self.slots.append(ParamSlot(pname, p.shape, offset, p.numel()))
+            offset += p.numel()
+        self.numel = offset
+        self.shard_numel = max(1, math.ceil(offset / world_size))
+        self.padded_numel = self.shard_numel * world_size
+        self.shard_offset = rank * self.shard_numel
+        self.device = self.params[0].device
+        self.full = torch.zeros(self.padded_numel, dtype=compute_dtype, device=self.device)
+        self.shard: torch.Tensor
+        self.master: torch.Tensor
+        self.grad_full: torch.Tensor | None = None
+        self.grad_shard: torch.Tensor | None = None
+
+    # -- construction -----------------------------------------------------------------------------------------
+    def adopt_params(self, values: list[torch.Tensor] | None = None) -> None:
+        """Copy the parameters' current values (or ``values``) into ``full`` and make the parameters its views."""
+        with torch.no_grad():
+            for i, (slot, p) in enumerate(zip(self.slots, self.params)):
+                src = p if values is None else values[i]
+                self.full.narrow(0, slot.offset, slot.numel).copy_(src.reshape(-1))
+        self.shard = self.full.narrow(0, self.shard_offset, self.shard_numel)
+        if self.policy.params:
+            self.shard = self.shard.clone()
+        self.master = self._make_master()
+        self.point_params_at_full()
+        if self.policy.params:
+            self.free_full()
+
+    def _make_master(self) -> torch.Tensor:
+        source = self.shard if self.policy.optimizer else self.full
+        if source.dtype == torch.float32:
+            return source
+        return source.detach().to(torch.float32)
+
+    # -- views ------------------------------------------------------------------------------------------------
+    def param_views(self) -> list[torch.Tensor]:
+        return [self.full.narrow(0, s.offset, s.numel).view(s.shape) for s in self.slots]
+
+    def point_params_at_full(self) -> None:
+        for p, view in zip(self.params, self.param_views()):
+            p.data = view
+
+    def point_params_at_empty(self) -> None:
+        """Note: outside a gather a partitioned parameter is an empty tensor, never stale memory."""
+        empty = torch.empty(0, dtype=self.compute_dtype, device=self.device)
+        for p in self.params:
+            p.data = empty
+
+    # -- full buffer lifetime (stage 3) -----------------------------------------------------------------------
+    @property
+    def is_full_allocated(self) -> bool:
+        return self.full.untyped_storage().size() > 0
+
+    def alloc_full(self) -> None:
+        storage = self.full.untyped_storage()
+        nbytes = self.padded_numel * self.full.element_size()
+        if storage.size() != nbytes:
+            storage.resize_(nbytes)
+
+    def free_full(self) -> None:
+        self.full.untyped_storage().resize_(0)
+
+    # -- master <-> shard ---------------------------------------------------------------------------------------
+    def master_region(self) -> torch.Tensor:
+        """The slice of ``full`` (or ``shard``) that ``master`` stands for."""
+        return self.shard if self.policy.optimizer else self.full
+
+    def copy_master_to_params(self) -> None:
+        """After a step on a separate fp32 master, refresh the compute-dtype copy it stands for."""
+        region = self.master_region()
+        if region.data_ptr() != self.master.data_ptr():
+            region.copy_(self.master)
+
+    # -- introspection ------------------------------------------------------------------------------------------
+    def shard_slots(self) -> list[tuple[ParamSlot, int, int]]:
+        """(slot, start within the slot, length) for each parameter piece inside this rank's shard."""
+        lo, hi = self.shard_offset, self.shard_offset + self.shard_numel
+        pieces = []
+        for slot in self.slots:
+            start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if start < end:
+                pieces.append((slot, start - slot.offset, end - start))
+        return pieces
+
+    def __repr__(self) -> str:
+        return (f"FlatParam({self.name}, numel={self.numel}, shard={self.shard_numel}x{self.world_size}, "
+                f"policy={self.policy})")

@@ -1,0 +1,165 @@
+"""Gradient reduction: from the gradients autograd produces to averaged gradients in the optimizer's region."""
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+from torch.autograd import Variable
+
+from ..comm.collectives import Collectives, PendingCollective
+from .flat_param import FlatParam
+
+
+class GradReducer:
+    """Collects each parameter's gradient as autograd finishes it and reduces whole flat buffers across ranks.
+
+    Note: how accumulation interacts with reduction.
+      Gradients not partitioned (stage 0/1): each parameter's ``.grad`` becomes a view of the flat buffer's
+      ``grad_full``, so later micro-batches accumulate in place. With ``sync`` off (the non-boundary micro-batches
+      of gradient accumulation) nothing is communicated; on the boundary micro-batch ``grad_full`` is all-reduced
+      (stage 0) or reduce-scattered into ``grad_shard`` (stage 1): one reduction per optimizer step.
+      Gradients partitioned (stage 2/3): a rank never keeps a full gradient buffer, so every micro-batch is
+      reduced (DeepSpeed's choice as well): the gradient is copied into a scratch buffer of the flat buffer's
+      size, the parameter's ``.grad`` is dropped, and once the flat buffer is complete the scratch is
+      reduce-scattered and added into the fp32 ``grad_shard``. That costs one reduce-scatter per micro-batch.
+
+    Note: collective order. Ranks must issue collectives in the same order or gloo/NCCL pair the wrong buffers.
+    A flat buffer is reduced only after every flat buffer before it in the fixed ``order`` (reverse forward
+    order) has been launched; the buffers still missing at the end of backward (unused parameters) are launched
+    then, in that order, with zeros for what never arrived.
+
+    Note: bucket lifetime. A scratch buffer lives from the first gradient copied into it until its reduction
+    has been waited on and added into ``grad_shard``. At most ``bucket_numel`` elements of scratch are in flight:
+    launching past that waits for the oldest reductions first. Everything is waited on at the end of backward,
+    so the optimizer never reads a shard a reduction is still writing.
+    """
+
+    def __init__(self, flat_params: list[FlatParam], collectives: Collectives, overlap: bool, bucket_numel: int):
+        self.order = list(reversed(flat_params))
+        self.collectives = collectives
+        self.overlap = overlap
+        self.bucket_numel = bucket_numel
+        self.sync = True
+        self.peak_scratch_bytes = 0
+        self._slot_of = {id(p): (fp, i) for fp in flat_params for i, p in enumerate(fp.params)}
+        self._ready_count = {id(fp): 0 for fp in flat_params}
+        self._scratch: dict[int, torch.Tensor] = {}
+        self._next = 0
+        self._in_flight: deque[tuple[PendingCollective, object, int]] = deque()
+        self._callback_queued = False
+        self._handles = []
+        for fp in flat_params:
+            self._allocate(fp)
+
+    def _allocate(self, fp: FlatParam) -> None:
+        if not fp.policy.grads:
+            fp.grad_full = torch.zeros(fp.padded_numel, dtype=fp.grad_dtype, device=fp.device)
+        if fp.policy.optimizer:
+            if fp.grad_full is not None and self.collectives.use_all_reduce and fp.grad_dtype == torch.float32:
+                fp.grad_shard = fp.grad_full.narrow(0, fp.shard_offset, fp.shard_numel)
+            else:
+                fp.grad_shard = torch.zeros(fp.shard_numel, dtype=torch.float32, device=fp.device)
+
+    def register_hooks(self) -> None:
+        for fp in self.order:
+            for p in fp.params:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # -- backward ----------------------------------------------------------------------------------------------
+    def _on_grad(self, param: torch.Tensor) -> None:
+        fp, index = self._slot_of[id(param)]
+        if not self._callback_queued:
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
+        slot = fp.slots[index]
+        grad = param.grad
+        if fp.policy.grads:
+            self._scratch_for(fp).narrow(0, slot.offset, slot.numel).copy_(grad.reshape(-1))
+            param.grad = None
+        else:
+            view = fp.grad_full.narrow(0, slot.offset, slot.numel).view(slot.shape)
+            if grad.data_ptr() != view.data_ptr():
+                view.add_(grad)
+                param.grad = view
+        self._ready_count[id(fp)] += 1
+        self._launch_ready()
+
+    def _scratch_for(self, fp: FlatParam) -> torch.Tensor:
+        scratch = self._scratch.get(id(fp))
+        if scratch is None:
+            scratch = torch.zeros(fp.padded_numel, dtype=fp.grad_dtype, device=fp.device)
+            self._scratch[id(fp)] = scratch
+            live = sum(t.numel() * t.element_size() for t in self._scratch.values())
+            self.peak_scratch_bytes = max(self.peak_scratch_bytes, live)
+        return scratch
+
+    def _launch_ready(self, force: bool = False) -> None:
+        while self._next < len(self.order):
+            fp = self.order[self._next]
+            if not force and self._ready_count[id(fp)] < len(fp.params):
+                return
+            self._next += 1
+            if fp.policy.grads or self.sync:
+                self._launch(fp)
+
+    def _launch(self, fp: FlatParam) -> None:
+        world = self.collectives.world_size
+        if fp.policy.grads:
+            scratch = self._scratch_for(fp)
+            out = (scratch.narrow(0, fp.shard_offset, fp.shard_numel) if self.collectives.use_all_reduce
+                   else torch.empty(fp.shard_numel, dtype=scratch.dtype, device=scratch.device))
+            pending = self.collectives.reduce_scatter(out, scratch)
+            finish = (fp, out)
+            size = scratch.numel()
+        elif fp.policy.optimizer:
+            pending = self.collectives.reduce_scatter(fp.grad_shard, fp.grad_full)
+            finish, size = (fp, None), 0
+        else:
+            pending = self.collectives.all_reduce(fp.grad_full)
+            finish, size = (fp, None), 0
+        self._in_flight.append((pending, finish, size))
+        while self._in_flight and (not self.overlap or self._scratch_in_flight() > self.bucket_numel):
+            self._finish_oldest(world)
+
+    def _scratch_in_flight(self) -> int:
+        return sum(size for _, _, size in self._in_flight)
+
+    def _finish_oldest(self, world: int) -> None:
+        pending, (fp, out), _ = self._in_flight.popleft()
+        pending.wait()
+        if out is not None:
+            fp.grad_shard.add_(out, alpha=1.0 / world)
+            del self._scratch[id(fp)]
+        elif fp.policy.optimizer:
+            fp.grad_shard.div_(world)
+        else:
+            fp.grad_full.div_(world)
+
+    def _end_of_backward(self) -> None:
+        self._launch_ready(force=True)
+        self.wait_all()
+        self._next = 0
+        for key in self._ready_count:
+            self._ready_count[key] = 0
+        self._callback_queued = False
+
+    def wait_all(self) -> None:
+        """Finish every reduction in flight (the optimizer must not read a shard still being written)."""
+        while self._in_flight:
+            self._finish_oldest(self.collectives.world_size)
+
+    # -- optimizer step ----------------------------------------------------------------------------------------
+    def reduced_grad(self, fp: FlatParam) -> torch.Tensor:
+        """The averaged gradient of the region the optimizer updates (shard, or whole buffer at stage 0)."""
+        return fp.grad_shard if fp.policy.optimizer else fp.grad_full
+
+    def zero_grads(self, fp: FlatParam) -> None:
+        if fp.grad_full is not None:
+            fp.grad_full.zero_()
+        if fp.grad_shard is not None and fp.policy.grads:
+            fp.grad_shard.zero_()

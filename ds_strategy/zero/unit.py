@@ -1,0 +1,102 @@
+"""A unit: a module whose flat parameters are gathered and released together, with a named state machine."""
+from __future__ import annotations
+
+import enum
+
+from torch import nn
+
+from ..comm.collectives import Collectives, PendingCollective
+from .flat_param import FlatParam
+
+
+class ShardedState(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+class TrainingState(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+# Which training-state changes are legal; anything else is an engine bug and is asserted.
+_LEGAL = {
+    TrainingState.IDLE: {TrainingState.FORWARD, TrainingState.BACKWARD, TrainingState.IDLE},
+    TrainingState.FORWARD: {TrainingState.IDLE, TrainingState.BACKWARD, TrainingState.FORWARD},
+    TrainingState.BACKWARD: {TrainingState.IDLE, TrainingState.BACKWARD, TrainingState.FORWARD},
+}
+
+
+class Unit:
+    """The flat parameters of one module (all its param groups) plus their gather state.
+
+    Note: gather lifetime. ``gather()`` launches the all-gathers into the full buffers and returns at once;
+    ``wait_gathered()`` must run before any parameter of the unit is read, because until then the full buffers
+    (which the parameters view) are being written by the collective. Under stage 3 ``release()`` frees the full
+    buffers and points the parameters at empty tensors; it is only legal once nothing that autograd saved still
+    needs them (after forward with ``reshard_after_forward``, or after the unit's backward has finished).
+    """
+
+    def __init__(self, name: str, module: nn.Module, flat_params: list[FlatParam], collectives: Collectives):
+        self.name = name
+        self.module = module
+        self.flat_params = flat_params
+        self.collectives = collectives
+        self.partitioned = [fp for fp in flat_params if fp.policy.params]
+        self.sharded_state = ShardedState.SHARDED if self.partitioned else ShardedState.GATHERED
+        self.training_state = TrainingState.IDLE
+        self._pending: list[PendingCollective] = []
+
+    @property
+    def numel(self) -> int:
+        return sum(fp.numel for fp in self.flat_params)
+
+    @property
+    def gathered_numel(self) -> int:
+        """Elements of partitioned parameters this unit holds in full right now."""
+        return sum(fp.padded_numel for fp in self.partitioned if fp.is_full_allocated)
+
+    def set_training_state(self, state: TrainingState) -> None:
+        assert state in _LEGAL[self.training_state], f"unit {self.name}: {self.training_state} -> {state}"
+        self.training_state = state
+
+    # -- gather / release ----------------------------------------------------------------------------------------
+    def refresh(self, flat_params: list[FlatParam]) -> None:
+        """Launch all-gathers that bring whole (never freed) buffers up to date after a partitioned optimizer step."""
+        for fp in flat_params:
+            self._pending.append(self.collectives.all_gather(fp.full, fp.shard))
+
+    def gather(self) -> None:
+        """Launch the all-gathers of the partitioned flat params without waiting (a prefetch)."""
+        if self.sharded_state is not ShardedState.SHARDED:
+            return
+        for fp in self.partitioned:
+            fp.alloc_full()
+            self._pending.append(self.collectives.all_gather(fp.full, fp.shard))
+        self.sharded_state = ShardedState.GATHERING
+
+    def wait_gathered(self) -> None:
+        """Block until every launched gather is done; partitioned parameters then view the full buffers."""
+        self.gather()
+        for pending in self._pending:
+            pending.wait()
+        self._pending.clear()
+        if self.sharded_state is ShardedState.GATHERING:
+            for fp in self.partitioned:
+                fp.point_params_at_full()
+            self.sharded_state = ShardedState.GATHERED
+
+    def release(self) -> None:
+        """Free the full buffers of the partitioned flat params (stage 3)."""
+        if not self.partitioned or self.sharded_state is ShardedState.SHARDED:
+            return
+        assert not self._pending, f"unit {self.name}: release while a gather is in flight"
+        for fp in self.partitioned:
+            fp.point_params_at_empty()
+            fp.free_full()
+        self.sharded_state = ShardedState.SHARDED
+
+    def __repr__(self) -> str:
+        return f"Unit({self.name!r}, numel={self.numel}, {self.sharded_state.value}/{self.training_state.value})"

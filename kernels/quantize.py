@@ -1,0 +1,73 @@
+"""Triton kernels for block-wise symmetric int8 quantise / dequantise (ZeRO++ qwZ/qgZ).
+
+The plain-PyTorch statement of the same functions, and the scheme itself, is in ``quantize_reference.py``.
+One program handles one block, so the block's ``max|x|`` is a single in-register reduction.
+
+[Note: matching the reference bit for bit]
+Triton's ``/`` on fp32 may compile to an approximate division, and libdevice's ``rint`` does not exist under
+the interpreter (``TRITON_INTERPRET=1``), so the kernel spells out both operations that must be exactly
+rounded: ``tl.math.div_rn`` for ``x / scale``, and ``_round_half_to_even`` for ``torch.round``. The latter
+is exact for |v| < 2**23 (here |v| <= 127.5) because ``v - floor(v)`` is exact there, except for v in
+(-0.5, 0), where the fraction may round up to 0.5 or 1.0, and with ``floor(v) = -1`` (odd) both still round up
+to 0, the right answer.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .quantize_reference import INT8_MAX
+
+
+@triton.jit
+def _round_half_to_even(v):
+    """``torch.round`` (ties to even) from floor and compare, valid for |v| < 2**23."""
+    floor = tl.floor(v)
+    fraction = v - floor
+    floor_is_odd = (floor - 2.0 * tl.floor(floor * 0.5)) != 0.0
+    round_up = (fraction > 0.5) | ((fraction == 0.5) & floor_is_odd)
+    return tl.where(round_up, floor + 1.0, floor)
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, q_ptr, scale_ptr, numel, BLOCK: tl.constexpr, QMAX: tl.constexpr):
+    """Quantise one block: store its scale and its ``BLOCK`` int8 values (zeros past ``numel``)."""
+    block = tl.program_id(0)
+    offsets = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offsets, mask=offsets < numel, other=0.0).to(tl.float32)
+    scale = tl.max(tl.abs(x), axis=0) * (1.0 / QMAX)
+    scale = tl.where(scale > 0.0, scale, 1.0)
+    q = _round_half_to_even(tl.math.div_rn(x, scale))
+    tl.store(q_ptr + offsets, q.to(tl.int8))
+    tl.store(scale_ptr + block, scale)
+
+
+@triton.jit
+def _dequantize_kernel(q_ptr, scale_ptr, out_ptr, numel, BLOCK: tl.constexpr):
+    """Dequantise one block into ``out`` (fp32 product, rounded once to ``out``'s dtype)."""
+    block = tl.program_id(0)
+    offsets = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_range = offsets < numel
+    q = tl.load(q_ptr + offsets, mask=in_range, other=0)
+    value = q.to(tl.float32) * tl.load(scale_ptr + block)
+    tl.store(out_ptr + offsets, value.to(out_ptr.dtype.element_ty), mask=in_range)
+
+
+def quantize_blockwise_triton(x: Tensor, block_size: int = 256) -> tuple[Tensor, Tensor]:
+    """Triton version of ``quantize_blockwise_reference``; ``block_size`` must be a power of two."""
+    n_blocks = triton.cdiv(x.numel(), block_size)
+    q = torch.empty(n_blocks * block_size, dtype=torch.int8, device=x.device)
+    scales = torch.empty(n_blocks, dtype=torch.float32, device=x.device)
+    if n_blocks > 0:
+        _quantize_kernel[(n_blocks,)](x, q, scales, x.numel(), BLOCK=block_size, QMAX=INT8_MAX)
+    return q, scales
+
+
+def dequantize_blockwise_triton(q: Tensor, scales: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
+    """Triton version of ``dequantize_blockwise_reference``."""
+    out = torch.empty(numel, dtype=dtype, device=q.device)
+    n_blocks = scales.numel()
+    if n_blocks > 0:
+        _dequantize_kernel[(n_blocks,)](q, scales, out, numel, BLOCK=q.numel() // n_blocks)
+    return out

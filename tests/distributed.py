@@ -1,0 +1,119 @@
+"""Run a test body on several real gloo ranks, one spawned process each, and collect what each returns.
+
+Tests call ``run_ranks(fn, world_size, ...)`` and assert on the returned list. ``fn`` must be importable by
+name (defined at module level in a test module or helper) because the spawn start method pickles it by
+reference. A failure on any rank becomes an AssertionError in the test process carrying that rank's traceback;
+a rank that does not finish in time is killed, and the error carries the stack it was stuck in. Collectives
+keep gloo's own (long) timeout: the runner's deadline is what stops a hang.
+"""
+
+import faulthandler
+import os
+import pickle
+import queue
+import signal
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+_POLL_S = 0.2
+_STACK_DUMP_WAIT_S = 1.0
+# Spawning a rank re-imports torch, which takes seconds, and many on a loaded machine; that is not the test's time.
+_JOIN_TIMEOUT_S = 120.0
+
+
+def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 120.0, **kwargs) -> list:
+    """Call ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo ranks; return values in rank order.
+
+    ``timeout`` (seconds) bounds the run from the moment every rank has joined the process group; start-up has
+    its own, generous bound.
+    """
+    ctx = mp.get_context("spawn")
+    reports = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="ds_strategy_ranks_") as tmp:
+        stack_files = [Path(tmp, f"rank{rank}.stack") for rank in range(world_size)]
+        for stack_file in stack_files:
+            stack_file.touch()
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(rank, world_size, Path(tmp, "store"), stack_files[rank], fn, args, kwargs, reports),
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        try:
+            for proc in procs:
+                proc.start()
+            return _collect(procs, reports, stack_files, timeout)
+        finally:
+            for proc in procs:
+                if proc.is_alive():
+                    proc.kill()
+                proc.join()
+            reports.close()
+
+
+def _collect(procs, reports, stack_files, timeout: float) -> list:
+    """Wait for every rank to join and then to return; raise on the first error, a silent death, or a deadline."""
+    world_size = len(procs)
+    joined, values = set(), {}
+    deadline, awaited = time.monotonic() + _JOIN_TIMEOUT_S, f"join the process group within {_JOIN_TIMEOUT_S} s"
+    while len(values) < world_size:
+        pending = [rank for rank in range(world_size) if rank not in values]
+        # A rank that had exited before this poll began has flushed its reports already, if it made any.
+        exited = [rank for rank in pending if procs[rank].exitcode is not None]
+        if time.monotonic() > deadline:
+            late = [rank for rank in pending if rank not in joined] or pending
+            raise AssertionError(
+                f"rank(s) {late} did not {awaited}; stacks:\n"
+                + "\n".join(_dump_stack(procs[rank], stack_files[rank]) for rank in late)
+            )
+        try:
+            rank, kind, payload = reports.get(timeout=_POLL_S)
+        except queue.Empty:
+            if exited:
+                codes = {rank: procs[rank].exitcode for rank in exited}
+                raise AssertionError(f"rank(s) exited without reporting a result (rank: exit code): {codes}")
+            continue
+        if kind == "error":
+            raise AssertionError(f"rank {rank} of {world_size} raised:\n{payload}")
+        if kind == "joined":
+            joined.add(rank)
+            if len(joined) == world_size:
+                deadline, awaited = time.monotonic() + timeout, f"finish within {timeout} s"
+        else:
+            values[rank] = pickle.loads(payload)
+    return [values[rank] for rank in range(world_size)]
+
+
+def _dump_stack(proc, stack_file: Path) -> str:
+    """Ask a stuck rank for its Python stacks (via faulthandler) before it is killed."""
+    os.kill(proc.pid, signal.SIGUSR1)
+    give_up = time.monotonic() + _STACK_DUMP_WAIT_S
+    while time.monotonic() < give_up and not stack_file.stat().st_size:
+        time.sleep(0.05)
+    return f"--- {stack_file.stem} ---\n{stack_file.read_text() or '(no stack: the rank was still starting)'}"
+
+
+def _worker(rank, world_size, store, stack_file, fn, args, kwargs, reports):
+    """Body of one rank's process: join the group, run ``fn``, report its pickled value or the traceback."""
+    torch.set_num_threads(1)
+    with open(stack_file, "w") as stack_out:
+        faulthandler.register(signal.SIGUSR1, file=stack_out, all_threads=True)
+        try:
+            dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+            reports.put((rank, "joined", None))
+            try:
+                value = fn(rank, world_size, *args, **kwargs)
+            finally:
+                dist.destroy_process_group()
+            reports.put((rank, "value", pickle.dumps(value)))
+        except BaseException:
+            reports.put((rank, "error", traceback.format_exc()))

@@ -1,0 +1,200 @@
+"""Each Triton kernel in ds_strategy.kernels computes exactly what its PyTorch reference does.
+
+On a GPU the kernels are compiled and tested on CUDA tensors. On a CPU they run through Triton's interpreter,
+which a ``@triton.jit`` function uses only if TRITON_INTERPRET is set when it is *defined*; that includes the
+helpers inside ``triton.language`` (``tl.sum``, ``tl.max``), so the variable must be set before
+``triton.language`` is first imported. This module sets it just for that import (unless the environment
+already has it) and again while its own tests run, so other test modules keep the fast reference path on CPU.
+If ``triton.language`` was imported earlier in the session without it, the kernel tests skip; run this file
+on its own or with TRITON_INTERPRET=1 in the environment. The interpreter is slow, so sizes stay modest.
+"""
+
+import os
+import types
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+
+_INTERPRET_SET_HERE = not ON_GPU and "TRITON_INTERPRET" not in os.environ
+if _INTERPRET_SET_HERE:
+    os.environ["TRITON_INTERPRET"] = "1"
+try:
+    from ds_strategy.kernels import grad_stats, quantize
+except ImportError:  # triton is not installed
+    grad_stats = quantize = None
+if _INTERPRET_SET_HERE:
+    del os.environ["TRITON_INTERPRET"]
+
+import ds_strategy.kernels as kernels  # noqa: E402
+from ds_strategy.kernels import Backend  # noqa: E402
+
+
+def _interpreted(jit_function) -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(jit_function, InterpretedFunction)
+
+
+def _kernels_runnable() -> bool:
+    """Whether the kernels can run here: compiled on a GPU, or fully defined for the interpreter on a CPU."""
+    if grad_stats is None:
+        return False
+    import triton.language as tl
+
+    return ON_GPU or (_interpreted(tl.sum) and _interpreted(grad_stats._unscale_and_check_kernel))
+
+
+KERNELS_RUNNABLE = _kernels_runnable()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _interpreter_for_cpu_tensors():
+    """Keep TRITON_INTERPRET=1 while this module's tests run, when the CPU kernels can be interpreted."""
+    with pytest.MonkeyPatch.context() as env:
+        if KERNELS_RUNNABLE and not ON_GPU:
+            env.setenv("TRITON_INTERPRET", "1")
+        yield
+
+
+@pytest.fixture
+def triton_kernels():
+    """The Triton kernel modules, or a skip saying why they cannot run here."""
+    if not KERNELS_RUNNABLE:
+        reason = "triton is not installed" if grad_stats is None else (
+            "triton.language was imported before TRITON_INTERPRET=1 was set; run this file alone")
+        pytest.skip(reason)
+    return types.SimpleNamespace(grad_stats=grad_stats, quantize=quantize)
+
+
+GRAD_BLOCK = 1024  # grad_stats.BLOCK_SIZE, stated here so the sizes exist without triton
+GRAD_SIZES = [0, 1, 1000, GRAD_BLOCK - 1, GRAD_BLOCK + 1, 2**16 + 3]
+SPECIALS = {"finite": None, "zeros": 0.0, "inf": float("inf"), "-inf": float("-inf"), "nan": float("nan")}
+
+
+def _gradient(numel: int, dtype: torch.dtype, special: str) -> torch.Tensor:
+    """A scaled-looking gradient; ``special`` replaces three elements, or every element for "zeros"."""
+    grad = torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 1024
+    value = SPECIALS[special]
+    if special == "zeros":
+        grad.zero_()
+    elif value is not None and numel > 0:
+        grad[[0, numel // 2, numel - 1]] = value
+    return grad.to(device=DEVICE, dtype=dtype)
+
+
+def _assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True)
+
+
+def _assert_equal_but_for_interpreter_bf16_rounding(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Bitwise equal, except that bf16 may differ by one ulp.
+
+    Triton's interpreter truncates fp32 -> bf16 casts, where compiled kernels (and PyTorch) round to nearest
+    even. Casts that are exact, such as multiplying by a power-of-two inverse loss scale, are unaffected.
+    """
+    interpreted = _interpreted(quantize._dequantize_kernel)
+    rtol = 2.0**-7 if interpreted and actual.dtype == torch.bfloat16 else 0.0
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=0, equal_nan=True)
+
+
+def test_dispatch_runs_triton_on_cuda_tensors_or_interpreted_cpu_tensors(triton_kernels):
+    assert kernels.select_backend(torch.ones(3, device=DEVICE)) is Backend.TRITON
+
+
+def test_dispatch_uses_the_reference_on_cpu_without_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert kernels.select_backend(torch.ones(3)) is Backend.REFERENCE
+
+
+@pytest.mark.parametrize("inv_scale", [1.0, 1 / 1024])  # powers of two, as dynamic loss scales are
+@pytest.mark.parametrize("special", list(SPECIALS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("numel", GRAD_SIZES)
+def test_unscale_and_check_kernel_matches_reference(triton_kernels, numel, dtype, special, inv_scale):
+    grad_kernel = _gradient(numel, dtype, special)
+    grad_reference = grad_kernel.clone()
+    sq_kernel, inf_kernel = triton_kernels.grad_stats.unscale_and_check_triton(grad_kernel, inv_scale)
+    sq_reference, inf_reference = kernels.unscale_and_check_reference(grad_reference, inv_scale)
+
+    _assert_bitwise_equal(grad_kernel, grad_reference)
+    assert inf_kernel.dtype == sq_kernel.dtype == torch.float32
+    assert inf_kernel.item() == inf_reference.item() == float(special in ("inf", "-inf", "nan") and numel > 0)
+    if inf_reference.item() == 0:  # with an inf/nan present the norm is meaningless
+        torch.testing.assert_close(sq_kernel, sq_reference, rtol=1e-5, atol=0)
+
+
+def test_unscale_and_check_reference_unscales_in_place_and_sums_unscaled_squares():
+    grad = torch.tensor([2048.0, -1024.0, 0.0])
+    sq_norm, found_inf = kernels.unscale_and_check_reference(grad, 1 / 1024)
+    assert grad.tolist() == [2.0, -1.0, 0.0]
+    assert sq_norm.item() == 5.0 and found_inf.item() == 0.0
+
+
+def test_unscale_and_check_entry_point_runs_the_kernel(triton_kernels, monkeypatch):
+    grad_stats = triton_kernels.grad_stats
+    kernel, calls = grad_stats.unscale_and_check_triton, []
+
+    def recording_kernel(*args):
+        calls.append(args)
+        return kernel(*args)
+
+    monkeypatch.setattr(grad_stats, "unscale_and_check_triton", recording_kernel)
+    sq_norm, found_inf = kernels.unscale_and_check(torch.full((10,), 2.0, device=DEVICE), 0.5)
+    assert len(calls) == 1 and sq_norm.item() == 10.0 and found_inf.item() == 0.0
+
+
+QUANT_SIZES = [0, 1, 63, 64, 65, 1000, 2**14 + 3]
+
+
+def _values(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Values spanning several magnitudes, with one all-zero block when there is room for it."""
+    generator = torch.Generator().manual_seed(numel)
+    x = torch.randn(numel, generator=generator) * torch.logspace(-3, 3, numel) if numel else torch.empty(0)
+    x[64:128] = 0.0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("block_size", [64, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("numel", QUANT_SIZES)
+def test_quantize_kernels_match_reference(triton_kernels, numel, dtype, block_size):
+    x = _values(numel, dtype).to(DEVICE)
+    q_kernel, scales_kernel = triton_kernels.quantize.quantize_blockwise_triton(x, block_size)
+    q_reference, scales_reference = kernels.quantize_blockwise_reference(x, block_size)
+    _assert_bitwise_equal(q_kernel, q_reference)
+    _assert_bitwise_equal(scales_kernel, scales_reference)
+    _assert_equal_but_for_interpreter_bf16_rounding(
+        triton_kernels.quantize.dequantize_blockwise_triton(q_kernel, scales_kernel, numel, dtype),
+        kernels.dequantize_blockwise_reference(q_reference, scales_reference, numel, dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("numel", QUANT_SIZES)
+def test_quantize_round_trip_error_is_at_most_half_a_step(numel, dtype):
+    block_size = 64
+    x = _values(numel, dtype).float()
+    q, scales = kernels.quantize_blockwise_reference(x.to(dtype), block_size)
+    restored = kernels.dequantize_blockwise_reference(q, scales, numel, torch.float32)
+
+    assert q.dtype == torch.int8 and q.numel() == scales.numel() * block_size >= numel
+    padded = torch.nn.functional.pad(x, (0, q.numel() - numel)).view(-1, block_size)
+    block_max = padded.abs().amax(dim=1)
+    half_step = torch.where(block_max > 0, block_max / 127, 1.0) / 2
+    fp32_rounding = block_max * 2.0**-22  # a few ulps of the largest value, from x / scale and q * scale
+    bound = (half_step + fp32_rounding).repeat_interleave(block_size)[:numel]
+    assert torch.all((restored - x).abs() <= bound)
+
+
+def test_all_zero_block_gets_scale_one_and_restores_exactly():
+    q, scales = kernels.quantize_blockwise(torch.zeros(300), block_size=256)
+    assert scales.tolist() == [1.0, 1.0] and not q.any()
+    assert kernels.dequantize_blockwise(q, scales, 300, torch.bfloat16).eq(0).all()
+
+
+def test_dequantize_rejects_mismatched_numel():
+    q, scales = kernels.quantize_blockwise(torch.ones(300), block_size=256)
+    with pytest.raises(ValueError, match="numel=256"):
+        kernels.dequantize_blockwise(q, scales, 256, torch.float32)

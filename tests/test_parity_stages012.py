@@ -1,0 +1,51 @@
+"""Stages 0, 1 and 2 on real gloo ranks train exactly like one unsharded process fed the same global batch."""
+import pytest
+from distributed import run_ranks
+from training_loops import Recipe, assert_matches, train_reference, train_stages
+
+STAGES = (0, 1, 2)
+GPT = Recipe(model="TinyGPT")
+MLP = Recipe(model="MLP")
+
+
+@pytest.fixture(scope="module")
+def gpt_runs():
+    return run_ranks(train_stages, 2, GPT, STAGES), train_reference(GPT, 2)
+
+
+@pytest.fixture(scope="module")
+def mlp_runs():
+    return run_ranks(train_stages, 2, MLP, STAGES), train_reference(MLP, 2)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_gpt_with_tied_embeddings_matches_single_process(gpt_runs, stage):
+    ranks, reference = gpt_runs
+    for rank in ranks:
+        assert_matches(rank[stage], reference)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_mlp_matches_single_process(mlp_runs, stage):
+    ranks, reference = mlp_runs
+    for rank in ranks:
+        assert_matches(rank[stage], reference)
+
+
+@pytest.mark.parametrize("model", ["FrozenParamModel", "UnusedParamModel", "BatchNormModel", "OddSizeModel"])
+def test_edge_model_matches_single_process(model):
+    recipe = Recipe(model=model, steps=4)
+    ranks = run_ranks(train_stages, 2, recipe, (1, 2))
+    reference = train_reference(recipe, 2)
+    for rank in ranks:
+        for stage in (1, 2):
+            assert_matches(rank[stage], reference)
+
+
+def test_odd_sized_model_on_four_ranks_matches_single_process():
+    recipe = Recipe(model="OddSizeModel", steps=4)
+    ranks = run_ranks(train_stages, 4, recipe, STAGES)
+    reference = train_reference(recipe, 4)
+    for rank in ranks:
+        for stage in STAGES:
+            assert_matches(rank[stage], reference)

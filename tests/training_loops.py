@@ -1,0 +1,131 @@
+"""The two training loops every parity test compares: ZeRO on real ranks, and one process on the global batch.
+
+Both draw the same global batches from one seeded generator. The ZeRO rank trains on its slice of each
+global micro-batch; the reference runs every rank's slice through one unsharded model and averages the losses,
+which is exactly what data parallelism computes (per-slice BatchNorm statistics included).
+"""
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ds_strategy.config import ZeroConfig
+from ds_strategy.zero.engine import ZeroEngine
+
+import models
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What to train and how: the settings the parity tests share."""
+
+    model: str = "TinyGPT"
+    steps: int = 10
+    accumulate: int = 2
+    clip: float = 1.0
+    per_rank_batch: int = 4
+    lr: float = 1e-2
+    eps: float = 1e-6
+    zero: dict = field(default_factory=dict)
+
+
+def build(recipe: Recipe):
+    torch.manual_seed(0)
+    model = getattr(models, recipe.model)()
+    optimizer = torch.optim.AdamW(models.param_groups(model), lr=recipe.lr, betas=(0.9, 0.99), eps=recipe.eps)
+    return model, optimizer
+
+
+def _micro_batches(recipe: Recipe, world_size: int):
+    """Yields (step, micro, global batch) in the same order for every caller."""
+    model_cls = getattr(models, recipe.model)
+    generator = torch.Generator().manual_seed(1234)
+    for step in range(recipe.steps):
+        for micro in range(recipe.accumulate):
+            yield step, micro, model_cls.make_batch(generator, recipe.per_rank_batch * world_size)
+
+
+def _rank_slice(batch, rank: int, per_rank: int):
+    return tuple(t[rank * per_rank:(rank + 1) * per_rank] for t in batch)
+
+
+def train_zero(rank: int, world_size: int, recipe: Recipe, stage: int) -> dict:
+    """Run on each rank under ``run_ranks``: returns global losses per step and the final full parameters."""
+    torch.set_num_threads(1)
+    model, optimizer = build(recipe)
+    engine = ZeroEngine(model, optimizer, ZeroConfig(stage=stage, **recipe.zero))
+    losses, step_loss = [], torch.zeros(())
+    for step, micro, batch in _micro_batches(recipe, world_size):
+        boundary = micro == recipe.accumulate - 1
+        with contextlib.nullcontext() if boundary else engine.no_sync():
+            loss = model(_rank_slice(batch, rank, recipe.per_rank_batch)) / recipe.accumulate
+            loss.backward()
+        step_loss += loss.detach()
+        if boundary:
+            if recipe.clip:
+                engine.clip_grad_norm_(recipe.clip)
+            engine.step()
+            dist.all_reduce(step_loss)
+            losses.append(step_loss.item() / world_size)
+            step_loss = torch.zeros(())
+    engine.wait_for_params()
+    return {"losses": losses, "params": full_state(engine, model), "memory": engine.memory_report()}
+
+
+def full_state(engine: ZeroEngine, model: torch.nn.Module) -> dict:
+    """Parameters by name, whole (gathered unit by unit under stage 3)."""
+    if hasattr(engine, "full_state_dict"):
+        return {k: v.clone() for k, v in engine.full_state_dict(rank0_only=False).items()}
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def train_reference(recipe: Recipe, world_size: int) -> dict:
+    """One process, unsharded, the same global batches split into ``world_size`` slices per micro-batch."""
+    model, optimizer = build(recipe)
+    losses, step_loss = [], 0.0
+    for step, micro, batch in _micro_batches(recipe, world_size):
+        slices = [_rank_slice(batch, r, recipe.per_rank_batch) for r in range(world_size)]
+        loss = torch.stack([model(s) for s in slices]).mean() / recipe.accumulate
+        loss.backward()
+        step_loss += loss.item()
+        if micro == recipe.accumulate - 1:
+            _zero_missing_grads(model)
+            if recipe.clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.clip)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(step_loss)
+            step_loss = 0.0
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def _zero_missing_grads(model: torch.nn.Module) -> None:
+    """A trainable parameter that took no part in the loss gets a zero gradient, as under DDP (and ZeRO): the
+    optimizer still applies weight decay and momentum to it, where plain torch would skip it."""
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
+def train_stages(rank: int, world_size: int, recipe: Recipe, stages: tuple) -> dict:
+    """Several stages in one process group (spawning ranks is the slow part of these tests)."""
+    return {stage: train_zero(rank, world_size, recipe, stage) for stage in stages}
+
+
+def assert_matches(zero: dict, reference: dict, rtol: float = 1e-5) -> None:
+    """Losses to ``rtol`` elementwise; each parameter tensor to ``rtol`` in relative norm, ||a - b|| / ||b||.
+
+    Note: why parameters are compared in norm. Sharded and unsharded runs add the same numbers in different
+    orders, so gradients differ in the last bits. Adam divides by sqrt(v) + eps, which turns last-bit noise in
+    a coordinate whose true gradient is ~0 (the attention key bias has an exactly-zero gradient) into a step of
+    up to ``lr``; an elementwise check would then measure float noise, not the engine. The recipes use
+    eps=1e-6 for the same reason. A bug in sharding (a wrong slice, a missed or doubled gradient) moves whole
+    tensors by far more than 1e-5.
+    """
+    assert len(zero["losses"]) == len(reference["losses"])
+    torch.testing.assert_close(torch.tensor(zero["losses"]), torch.tensor(reference["losses"]), rtol=rtol, atol=0.0)
+    assert zero["params"].keys() == reference["params"].keys()
+    for name, value in reference["params"].items():
+        error = (zero["params"][name] - value).norm() / value.norm().clamp_min(1e-12)
+        assert error <= rtol, f"{name}: relative error {error:.2e} > {rtol:.0e}"
