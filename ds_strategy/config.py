@@ -79,6 +79,9 @@ class ZeroConfig:
             frees beyond it, trading speed for peak memory.
         reshard_after_forward (default True): free a unit's gathered parameters after its forward and
             gather again for backward. False keeps them until backward: one fewer all-gather, more memory.
+        collective_timeout (default 600 s): how long a rank waits for one collective before raising an error
+            that names it, instead of hanging forever when ranks issue different collectives (a rank that
+            skipped a unit, or ran fewer forward calls under stage 3).
         unit_modules (default ()): module classes, or class names, whose instances are the units that are
             gathered/freed together and that bound gradient buckets. Empty auto-detects the repeated
             child block type (e.g. a transformer layer).
@@ -117,6 +120,7 @@ class ZeroConfig:
     param_persistence_threshold: int | str = 100_000
     max_live_parameters: int = 1_000_000_000
     reshard_after_forward: bool = True
+    collective_timeout: float = 600.0
     unit_modules: tuple[type[torch.nn.Module] | str, ...] = ()
     unit_min_params: int = 0
     gradient_clipping: float = 0.0
@@ -148,6 +152,7 @@ class ZeroConfig:
             ),
             "max_live_parameters": _integer("max_live_parameters", self.max_live_parameters, 1),
             "reshard_after_forward": _flag("reshard_after_forward", self.reshard_after_forward),
+            "collective_timeout": _real("collective_timeout", self.collective_timeout, 0.0, exclusive=True),
             "unit_modules": _unit_modules(self.unit_modules),
             "unit_min_params": _integer("unit_min_params", self.unit_min_params, 0),
             "gradient_clipping": _real("gradient_clipping", self.gradient_clipping, 0.0),

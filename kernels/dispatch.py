@@ -1,15 +1,18 @@
 """Public kernel entry points: each call runs the Triton kernel or its PyTorch reference.
 
-``select_backend`` decides per tensor: Triton when Triton imports and either the tensor is on a CUDA (or ROCm)
-device, or ``TRITON_INTERPRET`` is set, which makes Triton run kernels on CPU tensors through its interpreter
-(slow, about 2-10 us per element; that is how the CPU tests exercise the kernel code). Everything else,
-including every CPU tensor in normal runs, uses the reference. The Triton modules are imported on first use,
+``select_backend`` decides per call: the Triton kernel for tensors on a CUDA (or ROCm) device when Triton imports,
+the reference for everything else, every CPU tensor included. A caller may force one with ``backend=``
+(``Backend.TRITON`` or ``"triton"``, ``Backend.REFERENCE`` or ``"reference"``); the kernel tests force Triton
+on CPU tensors, which Triton then runs through its interpreter. The Triton modules are imported on first use,
 so a machine without Triton never needs it.
 
-Triton fixes interpret-or-compile when each ``@triton.jit`` function is defined, its own ``triton.language``
-helpers included, so ``TRITON_INTERPRET`` only works if it is in the environment before ``triton.language``
-is first imported (Lightning and ``torch._dynamo`` may import it early); setting it later makes the
-interpreted kernels fail.
+Note: Triton's interpreter on CPU tensors. Triton fixes interpret-or-compile when each ``@triton.jit``
+function is defined, its own ``triton.language`` helpers included, so ``TRITON_INTERPRET=1`` only takes effect
+if it is in the environment before ``triton.language`` is first imported (Lightning and ``torch._dynamo`` may
+import it early; ``tests/conftest.py`` sets it before anything else). The interpreter is slow, about 2-10 us
+per element, which is why production calls never send CPU tensors to it: the environment variable decides
+nothing here, only the tensor's device or an explicit ``backend=`` does. Forcing Triton on a CPU tensor without
+the interpreter raises instead of failing inside Triton.
 
 The entry points validate their arguments once; the backends assume valid input.
 """
@@ -50,16 +53,24 @@ def interpreter_requested() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUTHY
 
 
-def select_backend(tensor: Tensor) -> Backend:
-    """The implementation a kernel call on ``tensor`` runs (see the module docstring)."""
-    on_gpu = tensor.device.type == "cuda"
-    interpreted_cpu = tensor.device.type == "cpu" and interpreter_requested()
-    if (on_gpu or interpreted_cpu) and triton_available():
-        return Backend.TRITON
-    return Backend.REFERENCE
+def select_backend(tensor: Tensor, backend: Backend | str | None = None) -> Backend:
+    """The implementation a kernel call on ``tensor`` runs: ``backend`` if given, else Triton for CUDA tensors
+    (when Triton imports) and the reference otherwise (see the module docstring)."""
+    if backend is None:
+        on_gpu = tensor.device.type == "cuda"
+        return Backend.TRITON if on_gpu and triton_available() else Backend.REFERENCE
+    chosen = Backend(backend)
+    if chosen is Backend.TRITON:
+        if not triton_available():
+            raise RuntimeError("backend='triton' was forced but triton is not installed")
+        if tensor.device.type == "cpu" and not interpreter_requested():
+            raise RuntimeError("backend='triton' was forced on a CPU tensor, which needs Triton's interpreter: set "
+                               "TRITON_INTERPRET=1 in the environment before triton is first imported")
+    return chosen
 
 
-def unscale_and_check(grad: Tensor, inv_scale: float) -> tuple[Tensor, Tensor]:
+def unscale_and_check(grad: Tensor, inv_scale: float,
+                      backend: Backend | str | None = None) -> tuple[Tensor, Tensor]:
     """Unscale a flat gradient shard in place; return fp32 scalars ``(sq_norm, found_inf)``.
 
     ``sq_norm`` is the sum of squares of the unscaled gradient and is meaningless when ``found_inf`` is 1
@@ -67,14 +78,15 @@ def unscale_and_check(grad: Tensor, inv_scale: float) -> tuple[Tensor, Tensor]:
     the exact definition.
     """
     _require_flat(grad, "grad", _GRAD_DTYPES)
-    if select_backend(grad) is Backend.TRITON:
+    if select_backend(grad, backend) is Backend.TRITON:
         from .grad_stats import unscale_and_check_triton
 
         return unscale_and_check_triton(grad, inv_scale)
     return unscale_and_check_reference(grad, inv_scale)
 
 
-def quantize_blockwise(x: Tensor, block_size: int = 256) -> tuple[Tensor, Tensor]:
+def quantize_blockwise(x: Tensor, block_size: int = 256,
+                       backend: Backend | str | None = None) -> tuple[Tensor, Tensor]:
     """Quantise flat ``x`` to ``(q int8 [n_blocks * block_size], scales fp32 [n_blocks])``.
 
     Symmetric, one scale ``max|x| / 127`` per block (1 for an all-zero block); see ``quantize_reference.py``.
@@ -82,21 +94,22 @@ def quantize_blockwise(x: Tensor, block_size: int = 256) -> tuple[Tensor, Tensor
     _require_flat(x, "x", _GRAD_DTYPES)
     if block_size <= 0 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a positive power of two, got {block_size}")
-    if select_backend(x) is Backend.TRITON:
+    if select_backend(x, backend) is Backend.TRITON:
         from .quantize import quantize_blockwise_triton
 
         return quantize_blockwise_triton(x, block_size)
     return quantize_blockwise_reference(x, block_size)
 
 
-def dequantize_blockwise(q: Tensor, scales: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
+def dequantize_blockwise(q: Tensor, scales: Tensor, numel: int, dtype: torch.dtype,
+                         backend: Backend | str | None = None) -> Tensor:
     """Invert ``quantize_blockwise``: a flat ``dtype`` tensor of the first ``numel`` dequantised values."""
     _require_flat(q, "q", (torch.int8,))
     _require_flat(scales, "scales", (torch.float32,))
     if not _is_quantized_shape(q.numel(), scales.numel(), numel):
         raise ValueError(f"q ({q.numel()} values) and scales ({scales.numel()} blocks) "
                          f"are not what quantize_blockwise makes of numel={numel} values")
-    if select_backend(q) is Backend.TRITON:
+    if select_backend(q, backend) is Backend.TRITON:
         from .quantize import dequantize_blockwise_triton
 
         return dequantize_blockwise_triton(q, scales, numel, dtype)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ds_strategy.data import random_token_batch
-from ds_strategy.models import GPT, gpt_config, weight_decay_groups
+from ds_strategy.models import GPT, GPTConfig, gpt_config, weight_decay_groups
 
 
 def param_groups(model: nn.Module, weight_decay: float = 0.1) -> list[dict]:
@@ -127,3 +127,33 @@ class OddSizeModel(_Regression):
 
 
 EDGE_MODELS = (FrozenParamModel, UnusedParamModel, BatchNormModel, OddSizeModel)
+
+
+class CheckpointedTinyGPT(TinyGPT):
+    """Each block runs under non-reentrant activation checkpointing: backward re-runs the block's forward, so a
+    stage-3 unit is used again while it is in its backward state."""
+
+    def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        idx, targets = batch
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class DeepTinyGPT(GPT):
+    """Six tiny blocks: enough units that gathering everything at once is clearly more than the stage-3 bound."""
+
+    config = GPTConfig(vocab_size=96, block_size=32, n_layer=6, n_head=2, n_embd=32)
+
+    def __init__(self):
+        super().__init__(self.config)
+
+    @classmethod
+    def make_batch(cls, generator: torch.Generator, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return random_token_batch(generator, batch_size, cls.config.block_size, cls.config.vocab_size)
+
+    def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        _, loss = super().forward(*batch)
+        return loss

@@ -1,35 +1,21 @@
 """Each Triton kernel in ds_strategy.kernels computes exactly what its PyTorch reference does.
 
 On a GPU the kernels are compiled and tested on CUDA tensors. On a CPU they run through Triton's interpreter,
-which a ``@triton.jit`` function uses only if TRITON_INTERPRET is set when it is *defined*; that includes the
-helpers inside ``triton.language`` (``tl.sum``, ``tl.max``), so the variable must be set before
-``triton.language`` is first imported. This module sets it just for that import (unless the environment
-already has it) and again while its own tests run, so other test modules keep the fast reference path on CPU.
-If ``triton.language`` was imported earlier in the session without it, the kernel tests skip; run this file
-on its own or with TRITON_INTERPRET=1 in the environment. The interpreter is slow, so sizes stay modest.
+which ``tests/conftest.py`` requests (TRITON_INTERPRET=1) before triton is first imported; the tests call the
+Triton functions directly or force ``backend="triton"``, since production dispatch keeps CPU tensors on the
+reference. The interpreter is slow, so sizes stay modest.
 """
 
-import os
 import types
 
 import pytest
 import torch
 
+import ds_strategy.kernels as kernels
+from ds_strategy.kernels import Backend
+
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
-
-_INTERPRET_SET_HERE = not ON_GPU and "TRITON_INTERPRET" not in os.environ
-if _INTERPRET_SET_HERE:
-    os.environ["TRITON_INTERPRET"] = "1"
-try:
-    from ds_strategy.kernels import grad_stats, quantize
-except ImportError:  # triton is not installed
-    grad_stats = quantize = None
-if _INTERPRET_SET_HERE:
-    del os.environ["TRITON_INTERPRET"]
-
-import ds_strategy.kernels as kernels  # noqa: E402
-from ds_strategy.kernels import Backend  # noqa: E402
 
 
 def _interpreted(jit_function) -> bool:
@@ -38,34 +24,19 @@ def _interpreted(jit_function) -> bool:
     return isinstance(jit_function, InterpretedFunction)
 
 
-def _kernels_runnable() -> bool:
-    """Whether the kernels can run here: compiled on a GPU, or fully defined for the interpreter on a CPU."""
-    if grad_stats is None:
-        return False
+@pytest.fixture(scope="module")
+def triton_kernels():
+    """The Triton kernel modules, runnable here: compiled on a GPU, interpreted on a CPU."""
+    pytest.importorskip("triton", reason="triton is not installed (pip install -e .[test])")
     import triton.language as tl
 
-    return ON_GPU or (_interpreted(tl.sum) and _interpreted(grad_stats._unscale_and_check_kernel))
+    from ds_strategy.kernels import grad_stats, quantize
 
-
-KERNELS_RUNNABLE = _kernels_runnable()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _interpreter_for_cpu_tensors():
-    """Keep TRITON_INTERPRET=1 while this module's tests run, when the CPU kernels can be interpreted."""
-    with pytest.MonkeyPatch.context() as env:
-        if KERNELS_RUNNABLE and not ON_GPU:
-            env.setenv("TRITON_INTERPRET", "1")
-        yield
-
-
-@pytest.fixture
-def triton_kernels():
-    """The Triton kernel modules, or a skip saying why they cannot run here."""
-    if not KERNELS_RUNNABLE:
-        reason = "triton is not installed" if grad_stats is None else (
-            "triton.language was imported before TRITON_INTERPRET=1 was set; run this file alone")
-        pytest.skip(reason)
+    if not ON_GPU:
+        assert kernels.interpreter_requested() and _interpreted(tl.sum), (
+            "triton.language was imported without TRITON_INTERPRET=1, so the kernels cannot run on CPU tensors; "
+            "tests/conftest.py sets it, so something imported triton before pytest loaded the conftest")
+        assert _interpreted(grad_stats._unscale_and_check_kernel)
     return types.SimpleNamespace(grad_stats=grad_stats, quantize=quantize)
 
 
@@ -95,23 +66,34 @@ def _assert_equal_but_for_interpreter_bf16_rounding(actual: torch.Tensor, expect
     Triton's interpreter truncates fp32 -> bf16 casts, where compiled kernels (and PyTorch) round to nearest
     even. Casts that are exact, such as multiplying by a power-of-two inverse loss scale, are unaffected.
     """
-    interpreted = _interpreted(quantize._dequantize_kernel)
+    interpreted = not ON_GPU
     rtol = 2.0**-7 if interpreted and actual.dtype == torch.bfloat16 else 0.0
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=0, equal_nan=True)
 
 
-def test_dispatch_runs_triton_on_cuda_tensors_or_interpreted_cpu_tensors(triton_kernels):
-    assert kernels.select_backend(torch.ones(3, device=DEVICE)) is Backend.TRITON
+def test_dispatch_runs_triton_on_cuda_tensors_only():
+    expected = Backend.TRITON if ON_GPU and kernels.triton_available() else Backend.REFERENCE
+    assert kernels.select_backend(torch.ones(3, device=DEVICE)) is expected
 
 
-def test_dispatch_uses_the_reference_on_cpu_without_the_interpreter(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+def test_dispatch_keeps_cpu_tensors_on_the_reference_even_with_the_interpreter_requested(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert kernels.select_backend(torch.ones(3)) is Backend.REFERENCE
+
+
+def test_forcing_triton_on_a_cpu_tensor_without_the_interpreter_raises(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        kernels.unscale_and_check(torch.ones(3), 1.0, backend="triton")
+
+
+def test_forcing_the_reference_runs_the_reference_on_any_device():
+    assert kernels.select_backend(torch.ones(3, device=DEVICE), "reference") is Backend.REFERENCE
 
 
 @pytest.mark.parametrize("inv_scale", [1.0, 1 / 1024])  # powers of two, as dynamic loss scales are
 @pytest.mark.parametrize("special", list(SPECIALS))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("numel", GRAD_SIZES)
 def test_unscale_and_check_kernel_matches_reference(triton_kernels, numel, dtype, special, inv_scale):
     grad_kernel = _gradient(numel, dtype, special)
@@ -133,7 +115,7 @@ def test_unscale_and_check_reference_unscales_in_place_and_sums_unscaled_squares
     assert sq_norm.item() == 5.0 and found_inf.item() == 0.0
 
 
-def test_unscale_and_check_entry_point_runs_the_kernel(triton_kernels, monkeypatch):
+def test_unscale_and_check_entry_point_runs_the_kernel_when_forced(triton_kernels, monkeypatch):
     grad_stats = triton_kernels.grad_stats
     kernel, calls = grad_stats.unscale_and_check_triton, []
 
@@ -142,7 +124,7 @@ def test_unscale_and_check_entry_point_runs_the_kernel(triton_kernels, monkeypat
         return kernel(*args)
 
     monkeypatch.setattr(grad_stats, "unscale_and_check_triton", recording_kernel)
-    sq_norm, found_inf = kernels.unscale_and_check(torch.full((10,), 2.0, device=DEVICE), 0.5)
+    sq_norm, found_inf = kernels.unscale_and_check(torch.full((10,), 2.0, device=DEVICE), 0.5, backend="triton")
     assert len(calls) == 1 and sq_norm.item() == 10.0 and found_inf.item() == 0.0
 
 

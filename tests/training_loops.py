@@ -55,7 +55,7 @@ def train_zero(rank: int, world_size: int, recipe: Recipe, stage: int) -> dict:
     torch.set_num_threads(1)
     model, optimizer = build(recipe)
     engine = ZeroEngine(model, optimizer, ZeroConfig(stage=stage, **recipe.zero))
-    losses, step_loss = [], torch.zeros(())
+    losses, step_loss, gathered_between_steps = [], torch.zeros(()), 0
     for step, micro, batch in _micro_batches(recipe, world_size):
         boundary = micro == recipe.accumulate - 1
         with contextlib.nullcontext() if boundary else engine.no_sync():
@@ -66,18 +66,22 @@ def train_zero(rank: int, world_size: int, recipe: Recipe, stage: int) -> dict:
             if recipe.clip:
                 engine.clip_grad_norm_(recipe.clip)
             engine.step()
+            if engine.gatherer is not None:
+                gathered_between_steps = max(gathered_between_steps, engine.gatherer.gathered_numel())
             dist.all_reduce(step_loss)
             losses.append(step_loss.item() / world_size)
             step_loss = torch.zeros(())
-    engine.wait_for_params()
-    return {"losses": losses, "params": full_state(engine, model), "memory": engine.memory_report()}
+    params = full_state(engine, model)
+    return {"losses": losses, "params": params, "memory": engine.memory_report(),
+            "gathered_between_steps": gathered_between_steps,
+            "peak_gathered": engine.gatherer.peak_gathered_numel if engine.gatherer else 0,
+            "unit_numels": [sum(fp.padded_numel for fp in u.partitioned) for u in engine.units]}
 
 
 def full_state(engine: ZeroEngine, model: torch.nn.Module) -> dict:
     """Parameters by name, whole (gathered unit by unit under stage 3)."""
-    if hasattr(engine, "full_state_dict"):
-        return {k: v.clone() for k, v in engine.full_state_dict(rank0_only=False).items()}
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
+    state = engine.full_state_dict(rank0_only=False)
+    return {name: state[name] for name, _ in model.named_parameters()}
 
 
 def train_reference(recipe: Recipe, world_size: int) -> dict:

@@ -11,6 +11,7 @@ all-gather). So stage 1/2 costs 2Ψ per step and stage 3 costs 3Ψ, whichever im
 """
 from __future__ import annotations
 
+import datetime
 import time
 from dataclasses import dataclass, field
 
@@ -51,18 +52,36 @@ class CommStats:
             stats.calls, stats.bytes, stats.wait_seconds = 0, 0, 0.0
 
 
+class CollectiveMismatchError(RuntimeError):
+    """A collective did not complete in time: the ranks are not issuing the same collectives."""
+
+
 class PendingCollective:
     """A launched collective; :meth:`wait` blocks until it is done and books the time spent blocked."""
 
-    def __init__(self, work, stats: KindStats, on_done=None):
+    def __init__(self, work, stats: KindStats, on_done=None, kind: str = "", label: str = "",
+                 rank: int = 0, timeout: float = 600.0):
         self._work = work
         self._stats = stats
         self._on_done = on_done
+        self._describe = (kind, label, rank, timeout)
+
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
 
     def wait(self) -> None:
         if self._work is not None:
             start = time.perf_counter()
-            self._work.wait()
+            try:
+                self._work.wait(datetime.timedelta(seconds=self._describe[3]))
+            except RuntimeError as error:
+                kind, label, rank, timeout = self._describe
+                raise CollectiveMismatchError(
+                    f"rank {rank}: {kind} for {label or 'an engine buffer'} did not complete within {timeout:g} s "
+                    f"({error}). The ranks are issuing different collectives: one skipped a unit or ran a "
+                    f"different number of forward/backward calls (under ZeRO-3 every rank must run the same "
+                    f"forward calls, e.g. keep generating dummy tokens until all ranks finish). Raise "
+                    f"ZeroConfig.collective_timeout if the collective is merely slow.") from error
             self._stats.wait_seconds += time.perf_counter() - start
             self._work = None
         if self._on_done is not None:
@@ -78,25 +97,26 @@ class Collectives:
     all-reduce of 108 MB against 140 ms for a reduce-scatter and 160 ms for an all-gather (2 ranks, this CPU).
     """
 
-    def __init__(self, group=None, use_all_reduce: bool = False):
+    def __init__(self, group=None, use_all_reduce: bool = False, timeout: float = 600.0):
         self.group = group
+        self.timeout = timeout
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.use_all_reduce = use_all_reduce
         self.stats = CommStats()
 
-    def _launch(self, kind: str, nbytes: int, fn, on_done=None) -> PendingCollective:
+    def _launch(self, kind: str, nbytes: int, fn, on_done=None, label: str = "") -> PendingCollective:
         """Launch ``fn`` asynchronously; without a process group a one-rank collective is run in process."""
         self.stats.record(kind, nbytes)
         work = fn() if dist.is_initialized() else None
-        return PendingCollective(work, self.stats.kinds[kind], on_done)
+        return PendingCollective(work, self.stats.kinds[kind], on_done, kind, label, self.rank, self.timeout)
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> PendingCollective:
         """Sum (or ``op``) ``tensor`` in place across ranks."""
         nbytes = 2 * tensor.numel() * tensor.element_size()
         return self._launch("all_reduce", nbytes, lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True))
 
-    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor) -> PendingCollective:
+    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, label: str = "") -> PendingCollective:
         """Sum ``full`` across ranks and leave this rank's ``1/N`` slice of the sum in ``output``.
 
         With ``use_all_reduce`` ``full`` itself is summed in place (so it must be a scratch buffer) and the slice
@@ -106,13 +126,13 @@ class Collectives:
         if not self.use_all_reduce and dist.is_initialized():
             return self._launch(
                 "reduce_scatter", nbytes,
-                lambda: dist.reduce_scatter_tensor(output, full, group=self.group, async_op=True))
+                lambda: dist.reduce_scatter_tensor(output, full, group=self.group, async_op=True), label=label)
         mine = full.narrow(0, self.rank * output.numel(), output.numel())
         return self._launch(
             "all_reduce", 2 * nbytes, lambda: dist.all_reduce(full, group=self.group, async_op=True),
-            on_done=lambda: output.copy_(mine) if output.data_ptr() != mine.data_ptr() else None)
+            on_done=lambda: output.copy_(mine) if output.data_ptr() != mine.data_ptr() else None, label=label)
 
-    def all_gather(self, full: torch.Tensor, shard: torch.Tensor) -> PendingCollective:
+    def all_gather(self, full: torch.Tensor, shard: torch.Tensor, label: str = "") -> PendingCollective:
         """Fill ``full`` with every rank's ``shard`` in rank order; ``shard`` may be this rank's slice of ``full``.
 
         With ``use_all_reduce`` the rest of ``full`` is zeroed and summed, which is exact (x + 0 == x).
@@ -121,14 +141,15 @@ class Collectives:
         if not self.use_all_reduce and dist.is_initialized():
             return self._launch(
                 "all_gather", nbytes,
-                lambda: dist.all_gather_into_tensor(full, shard, group=self.group, async_op=True))
+                lambda: dist.all_gather_into_tensor(full, shard, group=self.group, async_op=True), label=label)
         start = self.rank * shard.numel()
         mine = full.narrow(0, start, shard.numel())
         if mine.data_ptr() != shard.data_ptr():
             mine.copy_(shard)
         full.narrow(0, 0, start).zero_()
         full.narrow(0, start + shard.numel(), full.numel() - start - shard.numel()).zero_()
-        return self._launch("all_reduce", 2 * nbytes, lambda: dist.all_reduce(full, group=self.group, async_op=True))
+        return self._launch("all_reduce", 2 * nbytes, lambda: dist.all_reduce(full, group=self.group, async_op=True),
+                            label=label)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> PendingCollective:
         nbytes = tensor.numel() * tensor.element_size()

@@ -2,40 +2,48 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.pytorch.overrides.distributed import _sync_module_states
-from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from ..config import ZeroConfig
 from ..deepspeed_config import config_from_deepspeed
+from ..precision_flag import reconcile_precision
 from ..zero.engine import ZeroEngine
-from .precision import ZeroPrecision
+from .checkpointing import ZeroCheckpointing
+from .precision import ZeroPrecision, zero_precision_for
+
+if TYPE_CHECKING:
+    from lightning.pytorch.plugins.precision import Precision
 
 # Strategy names registered with Lightning, and the ZeroConfig fields each one sets.
 PRESETS: dict[str, dict[str, Any]] = {
     "zero0": {"stage": 0},
     "zero1": {"stage": 1},
     "zero2": {"stage": 2},
+    "zero3": {"stage": 3},
 }
 
 
-class ZeroStrategy(DDPStrategy):
+class ZeroStrategyMixin:
     """ZeRO data parallelism for the Lightning Trainer: ``Trainer(strategy="zero2")`` or ``ZeroStrategy(stage=1)``.
 
     Subclasses ``DDPStrategy`` for its launchers and process-group setup, but never wraps the model in DDP:
     the :class:`ZeroEngine` shards parameters, gradients and optimizer state and reduces gradients itself.
     Gradient accumulation and checkpoint scheduling stay with the Trainer. Config fields can be passed as keyword
     arguments or as a :class:`ZeroConfig`.
+
+    This mixin holds the hooks; :func:`zero_strategy_for` puts it on ``lightning.pytorch``'s or
+    ``pytorch_lightning``'s DDPStrategy, whose Trainers each accept only their own package's classes.
     """
 
     strategy_name = "zero"
+    precision_class: type  # this package's ZeroPrecision, set by zero_strategy_for
 
     def __init__(self, config: ZeroConfig | Mapping | None = None, *, accelerator=None, parallel_devices=None,
                  cluster_environment=None, checkpoint_io=None, precision_plugin: Precision | None = None,
@@ -58,32 +66,42 @@ class ZeroStrategy(DDPStrategy):
     # -- precision --------------------------------------------------------------------------------------------
     @property
     def precision_plugin(self) -> ZeroPrecision:
-        return self._precision_plugin if self._precision_plugin is not None else ZeroPrecision()
+        if self._precision_plugin is None:
+            self._precision_plugin = self.precision_class(self.config.precision)
+        return self._precision_plugin
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
-        """Lightning hands every strategy a generic plugin for the ``precision`` flag; turn it into ours."""
-        if plugin is not None and not isinstance(plugin, ZeroPrecision):
-            plugin = ZeroPrecision(str(plugin.precision))
+        """Lightning hands every strategy a generic plugin for the ``precision`` flag; turn it into ours.
+
+        The flag and ``ZeroConfig.precision`` are reconciled (:func:`~ds_strategy.precision_flag.reconcile_precision`):
+        a flag left at "32-true" defers to the config. On CPU Lightning itself turns ``precision="16-mixed"`` into
+        "bf16-mixed" before any strategy sees it; pass ``ZeroStrategy(precision="16-mixed")`` to train fp16 there.
+        """
+        if plugin is not None:
+            self.config = reconcile_precision(self.config, str(plugin.precision), "Trainer(precision)")
+            if not isinstance(plugin, self.precision_class) or plugin.precision != self.config.precision:
+                plugin = self.precision_class(self.config.precision)
         self._precision_plugin = plugin
 
     # -- setup ------------------------------------------------------------------------------------------------
     def setup(self, trainer) -> None:
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
+        if not any(p.is_meta for p in self.model.parameters()):  # meta-built models are materialised sharded
+            self.model_to_device()
+        optimizer = None
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             if len(self.optimizers) != 1:
                 raise ValueError(f"ZeroStrategy supports exactly one optimizer, configure_optimizers returned "
                                  f"{len(self.optimizers)}")
-            config = self._resolved_config()
-            self.engine = ZeroEngine(self.lightning_module, self.optimizers[0], config)
-            self._check_trainer_matches(trainer, config)
-            self.precision_plugin.engine = self.engine
-            rank_zero_info(self.engine.summary())
-        else:
-            _sync_module_states(self.model)
+            optimizer = self.optimizers[0]
+        config = self._resolved_config()
+        self.engine = ZeroEngine(self.lightning_module, optimizer, config, device=self.root_device)
+        self._check_trainer_matches(trainer, config)
+        self.precision_plugin.attach_engine(self.engine, self.lightning_module)
+        rank_zero_info(self.engine.summary())
         self.setup_precision_plugin()
 
     def _resolved_config(self) -> ZeroConfig:
@@ -112,29 +130,51 @@ class ZeroStrategy(DDPStrategy):
         with self.engine.no_sync():
             yield
 
-    def _wait_for_params(self) -> None:
+    @contextlib.contextmanager
+    def model_sharded_context(self):
+        """Under stage 3, ``configure_model`` builds on the meta device; the engine materialises shards only."""
+        if not self.config.partitions_parameters:
+            yield
+            return
+        with torch.device("meta"):
+            yield
+
+    def _before_forward(self) -> None:
+        """A LightningModule's steps call submodules, not the root's forward: make the root unit usable."""
         if self.engine is not None:
-            self.engine.wait_for_params()
+            self.engine.before_forward()
 
     def training_step(self, *args: Any, **kwargs: Any):
-        self._wait_for_params()
+        self._before_forward()
         return super().training_step(*args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any):
-        self._wait_for_params()
+        self._before_forward()
         return super().validation_step(*args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any):
-        self._wait_for_params()
+        self._before_forward()
         return super().test_step(*args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any):
-        self._wait_for_params()
+        self._before_forward()
         return super().predict_step(*args, **kwargs)
 
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        self._wait_for_params()
-        return super().lightning_module_state_dict()
+    def _reshard(self) -> None:
+        if self.engine is not None:
+            self.engine.reshard()
+
+    def on_validation_end(self) -> None:
+        self._reshard()
+        super().on_validation_end()
+
+    def on_test_end(self) -> None:
+        self._reshard()
+        super().on_test_end()
+
+    def on_predict_end(self) -> None:
+        self._reshard()
+        super().on_predict_end()
 
     # -- reporting --------------------------------------------------------------------------------------------
     def memory_report(self) -> dict[str, dict[str, int]]:
@@ -146,7 +186,7 @@ class ZeroStrategy(DDPStrategy):
 
     def teardown(self) -> None:
         if self.engine is not None:
-            self.engine.wait_for_params()
+            self.engine.reshard()
             self.engine.remove_hooks()
         super().teardown()
 
@@ -155,3 +195,15 @@ class ZeroStrategy(DDPStrategy):
         for name, fields in PRESETS.items():
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=f"ZeRO {fields}", **fields)
+
+
+def zero_strategy_for(package: str, module: str) -> type:
+    """ZeroStrategy on ``package``'s DDPStrategy (``"lightning.pytorch"`` or ``"pytorch_lightning"``), with that
+    package's ZeroPrecision; exposed as ``ZeroStrategy`` in ``module`` so that it pickles (spawn launchers)."""
+    ddp = importlib.import_module(f"{package}.strategies").DDPStrategy
+    namespace = {"__doc__": ZeroStrategyMixin.__doc__, "__module__": module,
+                 "precision_class": zero_precision_for(package, module)}
+    return type("ZeroStrategy", (ZeroCheckpointing, ZeroStrategyMixin, ddp), namespace)
+
+
+ZeroStrategy = zero_strategy_for("lightning.pytorch", __name__)

@@ -11,14 +11,25 @@ from torch import nn
 
 from ..comm.collectives import Collectives
 from ..config import ZeroConfig
+from ..precision import GradStats, LossScaler, unscale_and_check_shards
 from .flat_param import FlatParam, ShardPolicy
 from .grad_reducer import GradReducer
 from .memory_report import memory_report
 from .optimizer_retarget import param_group_index, retarget_optimizer
-from .unit import Unit
+from .param_gatherer import ParamGatherer
+from .sharded_init import materialise_sharded
+from .unit import ShardedState, Unit
 from .wrap_policy import select_unit_modules
 
 log = logging.getLogger(__name__)
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    """Where the flat buffers go: the module's device, or the CPU for a module built on the meta device."""
+    for p in module.parameters():
+        if not p.is_meta:
+            return p.device
+    return torch.device("cpu")
 
 
 class ZeroEngine:
@@ -31,22 +42,37 @@ class ZeroEngine:
     """
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, config: ZeroConfig,
-                 process_group=None):
+                 process_group=None, device: torch.device | str | None = None):
         self.module = module
         self.optimizer = optimizer
         self.config = config
         self.process_group = process_group
+        self.device = torch.device(device) if device is not None else _device_of(module)
         backend = dist.get_backend(process_group) if dist.is_initialized() else "gloo"
-        self.collectives = Collectives(process_group, use_all_reduce=config.gradient_collective(backend) == "all_reduce")
+        self.collectives = Collectives(process_group, use_all_reduce=config.gradient_collective(backend) == "all_reduce",
+                                       timeout=config.collective_timeout)
         self.rank, self.world_size = self.collectives.rank, self.collectives.world_size
-        self._sync_buffers_and_params()
         self.units = self._build_units()
         self.flat_params = [fp for unit in self.units for fp in unit.flat_params]
+        self._materialise()
         self.reducer = GradReducer(self.flat_params, self.collectives, overlap=config.overlap_comm,
-                                   bucket_numel=int(config.reduce_bucket_size))
+                                   bucket_numel=int(config.reduce_bucket_size),
+                                   comm_dtype=config.gradient_communication_dtype)
+        self.loss_scaler = LossScaler.from_config(config) if config.uses_loss_scaling else None
+        self._grad_stats: GradStats | None = None
+        self._master_grads: list[torch.Tensor] | None = None
         self.reducer.register_hooks()
-        self._unit_of_module = {id(u.module): u for u in self.units}
-        self._hooks = [u.module.register_forward_pre_hook(self._before_unit_forward) for u in self.units]
+        self.gatherer = None
+        if config.partitions_parameters:
+            self.gatherer = ParamGatherer(self.units, self.units[0], config.reshard_after_forward,
+                                          int(config.prefetch_bucket_size), int(config.max_live_parameters))
+            self.reducer.on_launched = self._on_flat_param_launched
+            self.reducer.on_backward_end = self.gatherer.end_of_backward
+        self._launched_per_unit: dict[int, int] = {}
+        self._unit_of_fp = {id(fp): unit for unit in self.units for fp in unit.flat_params}
+        self._hooks = [self.units[0].module.register_forward_pre_hook(lambda module, args: self.before_forward())]
+        self._hooks += [u.module.register_forward_pre_hook(lambda module, args, u=u: u.wait_gathered())
+                        for u in self.units[1:] if not u.partitioned]
         if optimizer is not None:
             retarget_optimizer(optimizer, self.flat_params)
 
@@ -68,10 +94,9 @@ class ZeroEngine:
                                  f"freeze it (requires_grad=False) or add it to the optimizer")
             where = owners.get(id(p), [])
             members[where[0] + 1 if len(where) == 1 else 0].append((name, p))
-        names = [""] + [name for name, _ in chosen]
+        names = ["<root>"] + [name for name, _ in chosen]
         modules = [self.module] + [module for _, module in chosen]
-        return [Unit(name or "<root>", module, self._flat_params_of(name or "<root>", params, group_of),
-                     self.collectives)
+        return [Unit(name, module, self._flat_params_of(name, params, group_of), self.collectives)
                 for name, module, params in zip(names, modules, members)]
 
     def _flat_params_of(self, unit_name: str, params: list[tuple[str, nn.Parameter]],
@@ -87,28 +112,110 @@ class ZeroEngine:
         for (group, persistent), members in buckets.items():
             policy = ShardPolicy.for_stage(cfg.stage, persistent=persistent)
             fp = FlatParam(f"{unit_name}/group{group}{'/persistent' if persistent else ''}", members, group, policy,
-                           self.rank, self.world_size, compute_dtype=members[0][1].dtype,
-                           grad_dtype=members[0][1].dtype)
-            fp.adopt_params()
+                           self.rank, self.world_size, device=self.device, **self._dtypes(members[0][1].dtype))
             flat.append(fp)
         return flat
 
-    def _sync_buffers_and_params(self) -> None:
-        """Every rank starts from rank 0's parameters and buffers, as DDP does."""
-        if self.world_size == 1:
-            return
+    def _dtypes(self, param_dtype: torch.dtype) -> dict[str, torch.dtype]:
+        """Compute (parameters, autograd's gradients) and master (optimizer weights, reduced gradients, state)
+        dtypes for ``config.precision``: "-mixed" keeps an fp32 master beside 16-bit compute weights, "-true"
+        keeps only the 16-bit copy, and "32-true" leaves the module's own dtype with an fp32 master."""
+        cfg = self.config
+        compute = param_dtype if cfg.precision == "32-true" else cfg.compute_dtype
+        master = compute if cfg.precision in ("bf16-true", "16-true") else torch.float32
+        return {"compute_dtype": compute, "grad_dtype": compute, "master_dtype": master}
+
+    def _materialise(self) -> None:
+        """Move the parameters into their flat buffers, every rank starting from rank 0's values (as DDP does).
+
+        A model built on the meta device is initialised unit by unit instead (see :mod:`.sharded_init`).
+        """
+        broadcast = (lambda t: self.collectives.broadcast(t, src=0).wait()) if self.world_size > 1 else (lambda t: None)
         with torch.no_grad():
-            for tensor in list(self.module.parameters()) + list(self.module.buffers()):
-                self.collectives.broadcast(tensor.data, src=0).wait()
+            for buffer in self.module.buffers():
+                if buffer.is_meta:
+                    raise ValueError("buffers built on the meta device are not supported; create buffers on a real "
+                                     "device inside configure_model (parameters may stay on meta)")
+                broadcast(buffer)
+            if any(p.is_meta for fp in self.flat_params for p in fp.params):
+                materialise_sharded(self.module, self.units, broadcast)
+                return
+            for fp in self.flat_params:
+                fp.adopt_params()
+                broadcast(fp.full)
+                fp.finish_sharding()
+            for p in self.module.parameters():
+                if not p.requires_grad:
+                    broadcast(p.data)
 
     # -- forward ----------------------------------------------------------------------------------------------
-    def _before_unit_forward(self, module: nn.Module, args) -> None:
-        self._unit_of_module[id(module)].wait_gathered()
+    def before_forward(self) -> None:
+        """Make the root unit usable: called by the root module's forward pre-hook and by adapters whose step
+        functions (e.g. a LightningModule's ``training_step``) call submodules without the root's forward."""
+        root = self.units[0]
+        root.wait_gathered()
+        if self.gatherer is not None:
+            self.gatherer.before_root_forward()
 
     def wait_for_params(self) -> None:
-        """Block until every unit's parameters are up to date (call before reading them outside forward)."""
+        """Block until the stage 1/2 parameter refresh is complete (call before reading parameters outside
+        forward). Stage 3 parameters stay partitioned: use :meth:`full_state_dict` or :meth:`gathered`."""
         for unit in self.units:
-            unit.wait_gathered()
+            if not unit.partitioned:
+                unit.wait_gathered()
+
+    def reshard(self) -> None:
+        """Free every gathered stage-3 unit (after an evaluation forward; before saving)."""
+        self.wait_for_params()
+        if self.gatherer is not None:
+            self.gatherer.release_all()
+
+    @contextlib.contextmanager
+    def gathered(self, unit: Unit):
+        """Temporarily hold one unit's full parameters (stage 3), e.g. to export or inspect them."""
+        was_sharded = unit.sharded_state is ShardedState.SHARDED
+        unit.wait_gathered()
+        try:
+            yield unit
+        finally:
+            if was_sharded:
+                unit.release()
+
+    def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """The module's whole ``state_dict`` in fp32 for parameters, gathered one unit at a time.
+
+        Never the empty views a partitioned parameter has between uses. With ``rank0_only`` other ranks take
+        part in the gathers but return an empty dict, so peak memory off rank 0 stays one unit.
+        """
+        self.reshard()
+        keep = not rank0_only or self.rank == 0
+        keys_of: dict[int, list[str]] = {}
+        for key, value in self.module.state_dict(keep_vars=True).items():
+            keys_of.setdefault(id(value), []).append(key)
+        result: dict[str, torch.Tensor] = {}
+        for unit in self.units:
+            with self.gathered(unit):
+                for fp in unit.flat_params:
+                    for p in fp.params:
+                        for key in keys_of.pop(id(p), []) if keep else ():
+                            result[key] = p.detach().to(torch.float32, copy=True)
+        if not keep:
+            return {}
+        for key, value in self.module.state_dict().items():
+            result.setdefault(key, value.detach().clone())
+        order = list(self.module.state_dict().keys())
+        return {key: result[key] for key in order}
+
+    def _on_flat_param_launched(self, fp: FlatParam) -> None:
+        unit = self._unit_of_fp[id(fp)]
+        if not fp.policy.params:
+            return
+        count = self._launched_per_unit.get(id(unit), 0) + 1
+        if count == len(unit.partitioned):
+            self._launched_per_unit.pop(id(unit), None)
+            self.gatherer.on_flat_params_reduced(unit)
+        else:
+            self._launched_per_unit[id(unit)] = count
 
     # -- backward ---------------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -120,28 +227,64 @@ class ZeroEngine:
         finally:
             self.reducer.sync = previous
 
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the current loss scale under fp16 loss scaling, else ``loss`` itself.
+
+        Backward through the result (``backward`` does both); the step divides the scale out again.
+        """
+        return loss * self.loss_scaler.scale if self.loss_scaler is not None else loss
+
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        self.scale_loss(loss).backward()
 
     # -- optimizer step ---------------------------------------------------------------------------------------
+    def unscale_gradients(self) -> GradStats:
+        """Divide the loss scale out of this rank's reduced gradients, check every rank's for inf/nan and take
+        the global norm: one pass and one all-reduce (see :mod:`ds_strategy.precision.grad_stats`).
+
+        Call after the step's last backward; ``clip_grad_norm_`` and ``step`` call it when they need it, and later
+        calls until ``step`` return the same statistics without touching the gradients again.
+        """
+        if self._grad_stats is None:
+            inv_scale = self.loss_scaler.inv_scale if self.loss_scaler is not None else 1.0
+            self._grad_stats = unscale_and_check_shards(self._optimizer_grads(), inv_scale, self.collectives,
+                                                        sharded=self.config.partitions_optimizer)
+        return self._grad_stats
+
+    def _optimizer_grads(self) -> list[torch.Tensor]:
+        """Each flat buffer's reduced gradient in its master's dtype: what clipping scales and the optimizer reads.
+
+        ``grad_shard`` itself, or at stage 0 ``grad_full``, converted to an fp32 copy under mixed precision.
+        """
+        if self._master_grads is None:
+            self.reducer.wait_all()
+            self._master_grads = [self.reducer.reduced_grad(fp).to(fp.master_dtype) for fp in self.flat_params]
+        return self._master_grads
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale gradients so their global norm over all shards of all ranks is at most ``max_norm``.
 
-        Returns the norm before clipping; it equals the unsharded model's gradient norm.
+        Returns the norm before clipping, of the unscaled gradients; it equals the unsharded model's gradient norm.
         """
         total = self.grad_norm(norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for fp in self.flat_params:
-            self.reducer.reduced_grad(fp).mul_(coef.to(fp.grad_dtype))
+        for grad in self._optimizer_grads():
+            grad.mul_(coef.to(grad.dtype))
         return total
 
     def clip_grad_value_(self, clip_value: float) -> None:
-        for fp in self.flat_params:
-            self.reducer.reduced_grad(fp).clamp_(-clip_value, clip_value)
+        if self.loss_scaler is not None:
+            self.unscale_gradients()
+        for grad in self._optimizer_grads():
+            grad.clamp_(-clip_value, clip_value)
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        self.reducer.wait_all()
-        grads = [self.reducer.reduced_grad(fp).float() for fp in self.flat_params]
+        """Global ``norm_type``-norm of the unscaled gradients; the 2-norm comes from ``unscale_gradients``."""
+        if norm_type == 2.0:
+            return self.unscale_gradients().norm
+        if self.loss_scaler is not None:
+            self.unscale_gradients()
+        grads = [g.float() for g in self._optimizer_grads()]
         if math.isinf(norm_type):
             local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros(())
             op = dist.ReduceOp.MAX
@@ -152,18 +295,29 @@ class ZeroEngine:
             self.collectives.all_reduce(local, op=op).wait()
         return local if math.isinf(norm_type) else local.pow(1.0 / norm_type)
 
-    def step(self) -> None:
+    def step(self) -> bool:
         """Run the optimizer on this rank's shards, then bring every rank's parameters up to date.
+
+        Returns False when fp16 loss scaling found an inf/nan on some rank: then no rank steps, parameters and
+        optimizer state stay as they were, the gradients are discarded and the loss scaler is updated (see
+        :mod:`ds_strategy.precision.loss_scaler`). bf16 and fp32 training never skip.
 
         Note: stage 1/2 parameter refresh. After the step each rank holds updated values only in its own shard.
         The all-gathers that fill in the rest are launched here and waited on by each unit's forward pre-hook
         (or ``wait_for_params``), so they overlap with the next forward. With ``overlap_comm=False`` they are
-        waited on here.
+        waited on here. Under mixed precision ``copy_master_to_params`` first rounds the updated fp32 master
+        into the 16-bit shard, so the all-gathers move 16-bit values.
         """
-        self.reducer.wait_all()
-        for fp in self.flat_params:
-            fp.master.grad = self.reducer.reduced_grad(fp)
+        if self.loss_scaler is not None:
+            overflow = self.unscale_gradients().found_inf
+            self.loss_scaler.update(overflow)
+            if overflow:
+                self.zero_grad()
+                return False
+        for fp, grad in zip(self.flat_params, self._optimizer_grads()):
+            fp.master.grad = grad
         self.optimizer.step()
+        self._grad_stats = self._master_grads = None
         for fp in self.flat_params:
             fp.master.grad = None
             fp.copy_master_to_params()
@@ -172,8 +326,10 @@ class ZeroEngine:
             unit.refresh([fp for fp in unit.flat_params if fp.policy.optimizer and not fp.policy.params])
         if not self.config.overlap_comm:
             self.wait_for_params()
+        return True
 
     def zero_grad(self) -> None:
+        self._grad_stats = self._master_grads = None
         for fp in self.flat_params:
             self.reducer.zero_grads(fp)
             for p in fp.params:
@@ -195,6 +351,8 @@ class ZeroEngine:
 
     def remove_hooks(self) -> None:
         self.reducer.remove_hooks()
+        if self.gatherer is not None:
+            self.gatherer.remove_hooks()
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()

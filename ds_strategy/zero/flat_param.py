@@ -51,13 +51,18 @@ class FlatParam:
       ``full``: the whole padded buffer in the compute dtype; module parameters are views of it. Freed (storage
         resized to 0) while sharded under stage 3.
       ``shard``: this rank's slice of the parameters. A view of ``full`` unless parameters are partitioned.
-      ``master``: what the optimizer updates: fp32 shard (or the whole buffer at stage 0). It is ``shard`` itself
-        when the compute dtype is fp32, else a separate fp32 copy.
+      ``master``: what the optimizer updates, in ``master_dtype``: this rank's shard (or the whole buffer at stage
+        0). It is ``shard`` itself when the two dtypes agree (fp32 training, or a "-true" 16-bit precision), else
+        a separate copy (mixed precision: fp32 master beside 16-bit compute weights, refreshed into them after
+        each step by ``copy_master_to_params``).
       ``grad_full`` / ``grad_shard``: gradient accumulation, see :class:`~ds_strategy.zero.grad_reducer.GradReducer`.
+        ``grad_full`` holds autograd's gradients in ``grad_dtype`` (the compute dtype); ``grad_shard``, the
+        reduced gradient the optimizer reads, is in ``master_dtype``.
     """
 
     def __init__(self, name: str, params: list[tuple[str, nn.Parameter]], group_index: int, policy: ShardPolicy,
-                 rank: int, world_size: int, compute_dtype: torch.dtype, grad_dtype: torch.dtype):
+                 rank: int, world_size: int, compute_dtype: torch.dtype, grad_dtype: torch.dtype,
+                 device: torch.device, master_dtype: torch.dtype = torch.float32):
         self.name = name
         self.params = [p for _, p in params]
         self.group_index = group_index
@@ -66,6 +71,7 @@ class FlatParam:
         self.world_size = world_size
         self.compute_dtype = compute_dtype
         self.grad_dtype = grad_dtype
+        self.master_dtype = master_dtype
         self.slots: list[ParamSlot] = []
         offset = 0
         for pname, p in params:
@@ -75,33 +81,52 @@ class FlatParam:
         self.shard_numel = max(1, math.ceil(offset / world_size))
         self.padded_numel = self.shard_numel * world_size
         self.shard_offset = rank * self.shard_numel
-        self.device = self.params[0].device
-        self.full = torch.zeros(self.padded_numel, dtype=compute_dtype, device=self.device)
+        self.device = device
+        self.full = torch.empty(self.padded_numel, dtype=compute_dtype, device=device)
+        if any(p.is_meta for p in self.params):
+            self.free_full()  # a meta-built model gets its storage one unit at a time (sharded_init)
+        else:
+            self.full.zero_()  # the padding stays zero for ever
         self.shard: torch.Tensor
         self.master: torch.Tensor
         self.grad_full: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
 
     # -- construction -----------------------------------------------------------------------------------------
-    def adopt_params(self, values: list[torch.Tensor] | None = None) -> None:
-        """Copy the parameters' current values (or ``values``) into ``full`` and make the parameters its views."""
+    def adopt_params(self) -> None:
+        """Copy the parameters' current values into ``full``; the parameters become its views."""
         with torch.no_grad():
-            for i, (slot, p) in enumerate(zip(self.slots, self.params)):
-                src = p if values is None else values[i]
-                self.full.narrow(0, slot.offset, slot.numel).copy_(src.reshape(-1))
+            for slot, p in zip(self.slots, self.params):
+                self.full.narrow(0, slot.offset, slot.numel).copy_(p.reshape(-1))
+        self.point_params_at_full()
+
+    def adopt_meta_params(self) -> None:
+        """Give parameters built on the meta device real (uninitialised) storage: views of ``full``.
+
+        ``swap_tensors`` keeps each Parameter object, so optimizers and tied modules still refer to it.
+        """
+        self.alloc_full()
+        self.full.zero_()
+        for p, view in zip(self.params, self.param_views()):
+            torch.utils.swap_tensors(p, nn.Parameter(torch.empty(0, dtype=view.dtype, device=view.device),
+                                                     requires_grad=p.requires_grad))
+            p.data = view
+
+    def finish_sharding(self) -> None:
+        """Cut this rank's shard out of ``full`` and set up the optimizer's master; free ``full`` at stage 3."""
         self.shard = self.full.narrow(0, self.shard_offset, self.shard_numel)
         if self.policy.params:
             self.shard = self.shard.clone()
         self.master = self._make_master()
-        self.point_params_at_full()
         if self.policy.params:
+            self.point_params_at_empty()
             self.free_full()
 
     def _make_master(self) -> torch.Tensor:
         source = self.shard if self.policy.optimizer else self.full
-        if source.dtype == torch.float32:
+        if source.dtype == self.master_dtype:
             return source
-        return source.detach().to(torch.float32)
+        return source.detach().to(self.master_dtype)
 
     # -- views ------------------------------------------------------------------------------------------------
     def param_views(self) -> list[torch.Tensor]:

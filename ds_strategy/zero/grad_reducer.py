@@ -23,6 +23,16 @@ class GradReducer:
       size, the parameter's ``.grad`` is dropped, and once the flat buffer is complete the scratch is
       reduce-scattered and added into the fp32 ``grad_shard``. That costs one reduce-scatter per micro-batch.
 
+    Note: gradient dtypes under mixed precision. Autograd produces gradients in the compute dtype, and
+    ``grad_full`` (stage 0/1) keeps them so: 2 bytes per parameter in 16-bit training. They travel in
+    ``comm_dtype`` (``ZeroConfig.gradient_communication_dtype``: fp32 for fp16 training, whose sums of scaled
+    gradients would overflow fp16; bf16 for bf16 training): stage 2/3 scratch buffers are allocated in it, and a
+    stage 0/1 ``grad_full`` of another dtype is converted into a temporary for its one reduction. The average is
+    taken in the wider dtype. The reduced ``grad_shard`` is in the master dtype (fp32 under mixed precision):
+    that is where micro-batches accumulate at stage 2/3 and where the loss scale is divided out, which in fp16
+    would underflow the small gradients that loss scaling exists to keep. At stage 0 the optimizer region is
+    ``grad_full`` itself; the engine converts it for the step.
+
     Note: collective order. Ranks must issue collectives in the same order or gloo/NCCL pair the wrong buffers.
     A flat buffer is reduced only after every flat buffer before it in the fixed ``order`` (reverse forward
     order) has been launched; the buffers still missing at the end of backward (unused parameters) are launched
@@ -34,9 +44,11 @@ class GradReducer:
     so the optimizer never reads a shard a reduction is still writing.
     """
 
-    def __init__(self, flat_params: list[FlatParam], collectives: Collectives, overlap: bool, bucket_numel: int):
+    def __init__(self, flat_params: list[FlatParam], collectives: Collectives, overlap: bool, bucket_numel: int,
+                 comm_dtype: torch.dtype | None = None):
         self.order = list(reversed(flat_params))
         self.collectives = collectives
+        self.comm_dtype = comm_dtype
         self.overlap = overlap
         self.bucket_numel = bucket_numel
         self.sync = True
@@ -48,6 +60,8 @@ class GradReducer:
         self._in_flight: deque[tuple[PendingCollective, object, int]] = deque()
         self._callback_queued = False
         self._handles = []
+        self.on_launched = lambda fp: None
+        self.on_backward_end = lambda: None
         for fp in flat_params:
             self._allocate(fp)
 
@@ -55,10 +69,14 @@ class GradReducer:
         if not fp.policy.grads:
             fp.grad_full = torch.zeros(fp.padded_numel, dtype=fp.grad_dtype, device=fp.device)
         if fp.policy.optimizer:
-            if fp.grad_full is not None and self.collectives.use_all_reduce and fp.grad_dtype == torch.float32:
+            same_dtype = fp.grad_dtype == fp.master_dtype == self._comm_dtype(fp)
+            if fp.grad_full is not None and self.collectives.use_all_reduce and same_dtype:
                 fp.grad_shard = fp.grad_full.narrow(0, fp.shard_offset, fp.shard_numel)
             else:
-                fp.grad_shard = torch.zeros(fp.shard_numel, dtype=torch.float32, device=fp.device)
+                fp.grad_shard = torch.zeros(fp.shard_numel, dtype=fp.master_dtype, device=fp.device)
+
+    def _comm_dtype(self, fp: FlatParam) -> torch.dtype:
+        return self.comm_dtype or fp.grad_dtype
 
     def register_hooks(self) -> None:
         for fp in self.order:
@@ -92,7 +110,7 @@ class GradReducer:
     def _scratch_for(self, fp: FlatParam) -> torch.Tensor:
         scratch = self._scratch.get(id(fp))
         if scratch is None:
-            scratch = torch.zeros(fp.padded_numel, dtype=fp.grad_dtype, device=fp.device)
+            scratch = torch.zeros(fp.padded_numel, dtype=self._comm_dtype(fp), device=fp.device)
             self._scratch[id(fp)] = scratch
             live = sum(t.numel() * t.element_size() for t in self._scratch.values())
             self.peak_scratch_bytes = max(self.peak_scratch_bytes, live)
@@ -113,17 +131,23 @@ class GradReducer:
             scratch = self._scratch_for(fp)
             out = (scratch.narrow(0, fp.shard_offset, fp.shard_numel) if self.collectives.use_all_reduce
                    else torch.empty(fp.shard_numel, dtype=scratch.dtype, device=scratch.device))
-            pending = self.collectives.reduce_scatter(out, scratch)
+            pending = self.collectives.reduce_scatter(out, scratch, label=f"gradients of {fp.name}")
             finish = (fp, out)
             size = scratch.numel()
         elif fp.policy.optimizer:
-            pending = self.collectives.reduce_scatter(fp.grad_shard, fp.grad_full)
-            finish, size = (fp, None), 0
+            send = fp.grad_full.to(self._comm_dtype(fp))
+            out = (fp.grad_shard if fp.grad_shard.dtype == send.dtype
+                   else torch.empty(fp.shard_numel, dtype=send.dtype, device=send.device))
+            pending = self.collectives.reduce_scatter(out, send, label=f"gradients of {fp.name}")
+            finish, size = (fp, out), 0
         else:
-            pending = self.collectives.all_reduce(fp.grad_full)
-            finish, size = (fp, None), 0
+            send = fp.grad_full.to(self._comm_dtype(fp))
+            pending = self.collectives.all_reduce(send)
+            finish, size = (fp, send), 0
         self._in_flight.append((pending, finish, size))
-        while self._in_flight and (not self.overlap or self._scratch_in_flight() > self.bucket_numel):
+        self.on_launched(fp)
+        while self._in_flight and (not self.overlap or self._scratch_in_flight() > self.bucket_numel
+                                   or self._in_flight[0][0].is_completed()):
             self._finish_oldest(world)
 
     def _scratch_in_flight(self) -> int:
@@ -132,13 +156,11 @@ class GradReducer:
     def _finish_oldest(self, world: int) -> None:
         pending, (fp, out), _ = self._in_flight.popleft()
         pending.wait()
-        if out is not None:
+        if fp.policy.grads:
             fp.grad_shard.add_(out, alpha=1.0 / world)
             del self._scratch[id(fp)]
-        elif fp.policy.optimizer:
-            fp.grad_shard.div_(world)
         else:
-            fp.grad_full.div_(world)
+            _store_mean(fp.grad_shard if fp.policy.optimizer else fp.grad_full, out, world)
 
     def _end_of_backward(self) -> None:
         self._launch_ready(force=True)
@@ -147,6 +169,7 @@ class GradReducer:
         for key in self._ready_count:
             self._ready_count[key] = 0
         self._callback_queued = False
+        self.on_backward_end()
 
     def wait_all(self) -> None:
         """Finish every reduction in flight (the optimizer must not read a shard still being written)."""
@@ -163,3 +186,13 @@ class GradReducer:
             fp.grad_full.zero_()
         if fp.grad_shard is not None and fp.policy.grads:
             fp.grad_shard.zero_()
+
+
+def _store_mean(target: torch.Tensor, summed: torch.Tensor, world: int) -> None:
+    """``target = summed / world``, dividing in the wider of the two dtypes (``summed`` may be ``target``)."""
+    if summed.data_ptr() == target.data_ptr() and summed.dtype == target.dtype:
+        target.div_(world)
+    elif target.element_size() >= summed.element_size():
+        target.copy_(summed).div_(world)
+    else:
+        target.copy_(summed.div_(world))

@@ -24,8 +24,8 @@ class TrainingState(enum.Enum):
 # Which training-state changes are legal; anything else is an engine bug and is asserted.
 _LEGAL = {
     TrainingState.IDLE: {TrainingState.FORWARD, TrainingState.BACKWARD, TrainingState.IDLE},
-    TrainingState.FORWARD: {TrainingState.IDLE, TrainingState.BACKWARD, TrainingState.FORWARD},
-    TrainingState.BACKWARD: {TrainingState.IDLE, TrainingState.BACKWARD, TrainingState.FORWARD},
+    TrainingState.FORWARD: {TrainingState.IDLE},
+    TrainingState.BACKWARD: {TrainingState.IDLE},
 }
 
 
@@ -66,7 +66,7 @@ class Unit:
     def refresh(self, flat_params: list[FlatParam]) -> None:
         """Launch all-gathers that bring whole (never freed) buffers up to date after a partitioned optimizer step."""
         for fp in flat_params:
-            self._pending.append(self.collectives.all_gather(fp.full, fp.shard))
+            self._pending.append(self.collectives.all_gather(fp.full, fp.shard, label=f"unit {self.name} ({fp.name})"))
 
     def gather(self) -> None:
         """Launch the all-gathers of the partitioned flat params without waiting (a prefetch)."""
@@ -74,7 +74,7 @@ class Unit:
             return
         for fp in self.partitioned:
             fp.alloc_full()
-            self._pending.append(self.collectives.all_gather(fp.full, fp.shard))
+            self._pending.append(self.collectives.all_gather(fp.full, fp.shard, label=f"unit {self.name} ({fp.name})"))
         self.sharded_state = ShardedState.GATHERING
 
     def wait_gathered(self) -> None:

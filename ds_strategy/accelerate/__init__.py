@@ -1,0 +1,10 @@
+"""The Accelerate adapter: ``ZeroAccelerator``, an ``Accelerator`` whose ``prepare`` shards with ZeRO.
+
+Accelerate's config file cannot name a third-party back-end, so ZeRO's settings come from a ``ZeroConfig``, a
+YAML/JSON file, or ``$DS_STRATEGY_CONFIG`` (which ``ds-strategy launch`` fills from its YAML's ``ds_strategy:``
+section); see :mod:`.config_source`.
+"""
+from .accelerator import ZeroAcceleratedOptimizer, ZeroAccelerator
+from .config_source import ENV_VAR, load_zero_config
+
+__all__ = ["ENV_VAR", "ZeroAcceleratedOptimizer", "ZeroAccelerator", "load_zero_config"]

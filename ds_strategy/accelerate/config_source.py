@@ -1,0 +1,66 @@
+"""Where a ZeroAccelerator's ZeroConfig comes from: an object, a YAML/JSON file, or ``DS_STRATEGY_CONFIG``.
+
+Accelerate's own config file rejects unknown keys, so ZeRO settings reach the worker processes another way:
+``ds-strategy launch`` puts the ``ds_strategy:`` section of its YAML into the environment variable
+``DS_STRATEGY_CONFIG`` (inline JSON), and a user of plain ``accelerate launch`` may set it to a file path. A file
+holds ZeroConfig field names, a DeepSpeed JSON config (recognised by its ``zero_optimization`` key), or either
+under a top-level ``ds_strategy:`` key, so one accelerate-plus-ZeRO YAML serves both. Values are validated by
+ZeroConfig (or the DeepSpeed translator) when read, so a bad key fails before training starts.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ..config import ZeroConfig
+from ..deepspeed_config import config_from_deepspeed
+
+ENV_VAR = "DS_STRATEGY_CONFIG"
+SECTION = "ds_strategy"
+
+
+def load_zero_config(source: ZeroConfig | Mapping | str | os.PathLike | None = None) -> ZeroConfig:
+    """The ZeroConfig ``source`` describes; with no source, ``$DS_STRATEGY_CONFIG``, else the defaults."""
+    if isinstance(source, ZeroConfig):
+        return source
+    if source is None:
+        value = os.environ.get(ENV_VAR, "").strip()
+        if not value:
+            return ZeroConfig()
+        source = json.loads(value) if value.startswith("{") else value
+        where = f"${ENV_VAR}"
+    else:
+        where = str(source) if not isinstance(source, Mapping) else "the ZeRO config mapping"
+    options = source if isinstance(source, Mapping) else read_config_file(source)
+    try:
+        return config_from_mapping(options)
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from error
+
+
+def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    """A YAML (``.yaml``/``.yml``) or JSON file's top-level mapping."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"ZeRO config file {str(path)!r} does not exist")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix in (".yaml", ".yml"):
+        import yaml
+        options = yaml.safe_load(text) or {}
+    else:
+        options = json.loads(text)
+    if not isinstance(options, Mapping):
+        raise ValueError(f"ZeRO config file {str(path)!r} must hold a mapping, got {type(options).__name__}")
+    return dict(options)
+
+
+def config_from_mapping(options: Mapping[str, Any]) -> ZeroConfig:
+    """ZeroConfig fields, or a DeepSpeed config, optionally under a top-level ``ds_strategy`` key."""
+    if SECTION in options:
+        options = options[SECTION] or {}
+    if "zero_optimization" in options:
+        return config_from_deepspeed(options)
+    return ZeroConfig.from_dict(options)

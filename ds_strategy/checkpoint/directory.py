@@ -1,0 +1,158 @@
+"""A checkpoint directory on disk: its files, how it is published atomically and removed, and the checks made
+before anything is read from it.
+
+Layout of ``NAME/``::
+
+    __<rank>_0.distcp  one file per rank: that rank's pieces (torch.distributed.checkpoint's FileSystemWriter)
+    .metadata          DCP's index of every key: global size, dtype, and which file holds each chunk
+    meta.pt            rank 0, torch.save: the optimizer's param-group hyperparameters and the caller's extra
+                       state (Lightning's loops, LR schedulers, callbacks, precision plugin, hyperparameters)
+    manifest.json      rank 0, written last: see :mod:`.manifest`
+
+Note: [Atomic checkpoint directories]
+A checkpoint is written into the temporary sibling ``.NAME.partial`` and renamed to ``NAME`` only when complete:
+``dcp.save`` returns on rank 0 only after every rank's shard file and DCP's ``.metadata`` are written and fsynced;
+then rank 0 writes ``meta.pt`` and, last, ``manifest.json``, which lists every file with its size and so is the
+completion marker. An existing ``NAME`` is replaced in three steps: rename it to ``.NAME.previous``, rename the
+partial to ``NAME``, delete the previous one. A process killed at any moment therefore leaves either the old
+checkpoint at ``NAME`` or, between the two renames, no ``NAME`` and the complete old checkpoint at
+``.NAME.previous``, which loading falls back to and the next save moves back into place. A leftover ``.partial``
+has no manifest, is never loaded, and is removed by the next save of the same name. Before reading, loading
+checks that the manifest parses and that every file it lists exists with its recorded size, so a missing or
+truncated shard is reported by name before any training state changes.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import CheckpointError
+from .manifest import Manifest
+
+MANIFEST = "manifest.json"
+META = "meta.pt"
+
+
+def partial_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.partial")
+
+
+def previous_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.previous")
+
+
+# -- writing (rank 0) ---------------------------------------------------------------------------------------------
+def begin(path: Path) -> Path:
+    """Make an empty partial directory for ``path`` (removing a stale one) and return it."""
+    _recover(path)
+    partial = partial_path(path)
+    _remove_tree(partial)
+    partial.mkdir(parents=True)
+    return partial
+
+
+def finish(partial: Path, path: Path, manifest: Manifest, meta: dict[str, Any]) -> None:
+    """Write ``meta.pt`` and the manifest into the complete partial directory, then publish it at ``path``."""
+    _write_synced(partial / META, lambda f: torch.save(meta, f))
+    files = {p.name: p.stat().st_size for p in sorted(partial.iterdir()) if p.is_file()}
+    text = manifest.with_files(files).to_json()
+    _write_synced(partial / MANIFEST, lambda f: f.write(text.encode()))
+    _sync_directory(partial)
+    _publish(partial, path)
+
+
+def _publish(partial: Path, path: Path) -> None:
+    previous = previous_path(path)
+    _remove_tree(previous)
+    if path.exists() or path.is_symlink():
+        path.rename(previous)
+    partial.rename(path)
+    _sync_directory(path.parent)
+    _remove_tree(previous)
+
+
+def _recover(path: Path) -> None:
+    """Undo a save killed between its two renames: move a complete previous checkpoint back into place."""
+    previous = previous_path(path)
+    if previous.exists() and not path.exists() and (previous / MANIFEST).is_file():
+        previous.rename(path)
+        _sync_directory(path.parent)
+
+
+def remove(path: Path) -> None:
+    """Delete a checkpoint so that no crash leaves a partly deleted one that still looks complete."""
+    if path.is_dir() and not path.is_symlink():
+        doomed = path.with_name(f".{path.name}.removing")
+        _remove_tree(doomed)
+        path.rename(doomed)
+        _remove_tree(doomed)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def _remove_tree(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def _write_synced(path: Path, write) -> None:
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _sync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- reading ------------------------------------------------------------------------------------------------------
+def open_checkpoint(path: str | os.PathLike) -> tuple[Path, Manifest]:
+    """The directory to read and its manifest, after checking that it is a complete checkpoint whose files are
+    all present at their recorded sizes."""
+    path = Path(path)
+    if not path.exists():
+        previous = previous_path(path)
+        if (previous / MANIFEST).is_file():
+            warnings.warn(f"{path} does not exist but {previous} does: a save was interrupted while replacing "
+                          f"it; loading the previous checkpoint", stacklevel=3)
+            path = previous
+        else:
+            raise CheckpointError(f"{path}: no such checkpoint")
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is a file, not a ds_strategy checkpoint (a directory written by "
+                              f"ds_strategy.checkpoint.save or ZeroStrategy.save_checkpoint)")
+    manifest_file = path / MANIFEST
+    if not manifest_file.is_file():
+        what = ("an incomplete checkpoint (the save was interrupted before it finished)" if (path / ".metadata").exists()
+                or path.name.endswith(".partial") else "not a ds_strategy checkpoint")
+        raise CheckpointError(f"{path} is {what}: {manifest_file.name} is missing")
+    manifest = Manifest.from_json(manifest_file.read_text(), manifest_file)
+    for name, size in manifest.files.items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{file} is missing: the checkpoint {path} lists it as one of its files")
+        actual = file.stat().st_size
+        if actual != size:
+            raise CheckpointError(f"{file} is truncated or was modified: it has {actual} bytes, the manifest "
+                                  f"records {size}")
+    return path, manifest
+
+
+def read_meta(directory: Path) -> dict[str, Any]:
+    """Rank 0's ``meta.pt``: ``{"param_groups": [...] or None, "extra": {...}}``."""
+    try:
+        return torch.load(directory / META, map_location="cpu", weights_only=False)
+    except Exception as error:
+        raise CheckpointError(f"{directory / META} cannot be read: {error}") from error

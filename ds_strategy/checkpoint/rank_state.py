@@ -1,0 +1,149 @@
+"""What one rank contributes to a checkpoint, read from the module and its :class:`ZeroEngine` without gathering.
+
+For every flat parameter a rank writes the pieces of each named parameter inside its shard range
+(``FlatParam.shard_slots()``), taken from the fp32 ``master`` the optimizer updates, and the same pieces of each
+elementwise optimizer state. Shard ranges partition the flat layout, so every element is written exactly once
+whatever the stage (at stage 0 each rank holds everything but still writes only its shard range). Rank 0 also
+writes the replicated tensors: frozen parameters and buffers.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..zero.engine import ZeroEngine
+from ..zero.flat_param import FlatParam, ParamSlot
+from .flat_piece import FlatPiece
+from .manifest import Entry, Kind, StateKind
+
+
+def master_base(fp: FlatParam) -> int:
+    """Offset in the flat layout of ``fp.master[0]``: the shard's start, or 0 where master is the whole buffer."""
+    return fp.shard_offset if fp.policy.optimizer else 0
+
+
+def slot_pieces(fp: FlatParam, lo: int, hi: int) -> list[tuple[ParamSlot, int, int]]:
+    """(slot, start within the slot, length) for each parameter piece inside flat positions ``[lo, hi)``."""
+    pieces = []
+    for slot in fp.slots:
+        start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        if start < end:
+            pieces.append((slot, start - slot.offset, end - start))
+    return pieces
+
+
+def piece_of(tensor: torch.Tensor, fp: FlatParam, slot: ParamSlot, start: int, length: int) -> FlatPiece:
+    """The piece ``[start, start + length)`` of ``slot``'s parameter within ``tensor``, which is laid out like
+    ``fp.master``."""
+    local = slot.offset + start - master_base(fp)
+    return FlatPiece(tensor.narrow(0, local, length), start, slot.numel)
+
+
+def stored_names(engine: ZeroEngine) -> dict[tuple[int, str], str]:
+    """``(id(fp), slot.name)`` -> the ``state_dict`` name the slot's parameter is stored under (its first one)."""
+    first: dict[int, str] = {}
+    for name, tensor in engine.module.state_dict(keep_vars=True).items():
+        first.setdefault(id(tensor), name)
+    return {(id(fp), slot.name): first[id(p)] for fp in engine.flat_params for p, slot in zip(fp.params, fp.slots)}
+
+
+def describe(module: nn.Module, engine: ZeroEngine | None = None) -> dict[str, Entry]:
+    """Every ``state_dict`` entry of ``module`` as a manifest :class:`Entry`, in ``state_dict`` order."""
+    flat = {id(p): (fp, slot) for fp in engine.flat_params for p, slot in zip(fp.params, fp.slots)} if engine else {}
+    parameters = {id(p) for p in module.parameters()}
+    first: dict[int, str] = {}
+    entries: dict[str, Entry] = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if id(tensor) in first:
+            entries[name] = Entry(Kind.ALIAS, alias_of=first[id(tensor)])
+            continue
+        first[id(tensor)] = name
+        if id(tensor) in flat:
+            fp, slot = flat[id(tensor)]
+            entries[name] = Entry(Kind.PARAMETER, tuple(slot.shape), group=fp.group_index)
+        elif id(tensor) in parameters:
+            entries[name] = Entry(Kind.PARAMETER if tensor.requires_grad else Kind.FROZEN, tuple(tensor.shape))
+        else:
+            entries[name] = Entry(Kind.BUFFER, tuple(tensor.shape))
+    return entries
+
+
+def describe_optimizer(engine: ZeroEngine) -> dict[str, dict[str, StateKind]]:
+    """Each trainable parameter's optimizer state keys. Every flat parameter's first element lives on rank 0, so
+    rank 0's optimizer holds state for every flat parameter and can describe them all."""
+    names = stored_names(engine)
+    described = {}
+    for fp in engine.flat_params:
+        state = engine.optimizer.state.get(fp.master, {})
+        kinds = {key: _state_kind(key, value, fp) for key, value in state.items()}
+        for slot in fp.slots:
+            described[names[id(fp), slot.name]] = kinds
+    return described
+
+
+def _state_kind(key: str, value: Any, fp: FlatParam) -> StateKind:
+    if torch.is_tensor(value) and value.shape == fp.master.shape:
+        return StateKind.ELEMENTWISE
+    if not torch.is_tensor(value) or value.dim() == 0:
+        return StateKind.SCALAR
+    raise NotImplementedError(f"optimizer state {key!r} of {fp.name} has shape {tuple(value.shape)}, neither the "
+                              f"flat shard's {tuple(fp.master.shape)} nor a scalar; it cannot be checkpointed by "
+                              f"parameter name")
+
+
+def model_state(module: nn.Module, engine: ZeroEngine | None = None) -> dict[str, FlatPiece | torch.Tensor]:
+    """This rank's share of the module's ``state_dict``, by stored name: pieces of trainable parameters in its
+    shard, and (rank 0) every replicated tensor flattened to 1-D."""
+    state: dict[str, FlatPiece | torch.Tensor] = {}
+    if engine is not None:
+        names = stored_names(engine)
+        for fp in engine.flat_params:
+            for slot, start, length in fp.shard_slots():
+                state[names[id(fp), slot.name]] = piece_of(fp.master, fp, slot, start, length)
+    if _rank(engine) == 0:
+        for name, tensor in replicated_tensors(module, engine).items():
+            state[name] = tensor.detach().reshape(-1)
+    return state
+
+
+def replicated_tensors(module: nn.Module, engine: ZeroEngine | None) -> dict[str, torch.Tensor]:
+    """Stored name -> tensor for every entry not in the engine's flat buffers (all of them without an engine)."""
+    tensors = {}
+    for name, entry in describe(module, engine).items():
+        if entry.kind is Kind.ALIAS or (entry.kind is Kind.PARAMETER and engine is not None):
+            continue
+        tensors[name] = module.get_buffer(name) if entry.kind is Kind.BUFFER else module.get_parameter(name)
+    return tensors
+
+
+def optimizer_state(engine: ZeroEngine) -> dict[str, Any]:
+    """This rank's share of the optimizer step's state: ``{"state": {name: {key: value}}, "param_groups":
+    [hyperparameters], "loss_scaler": its state or None}``.
+
+    Elementwise states are pieces like the parameters'; a scalar state is written by the rank holding its
+    parameter's first element. The loss scaler decides whether a step happens, so it travels with the optimizer.
+    """
+    names = stored_names(engine)
+    state: dict[str, dict[str, Any]] = {}
+    for fp in engine.flat_params:
+        fp_state = engine.optimizer.state.get(fp.master, {})
+        for slot, start, length in fp.shard_slots():
+            entries = {}
+            for key, value in fp_state.items():
+                if _state_kind(key, value, fp) is StateKind.ELEMENTWISE:
+                    entries[key] = piece_of(value, fp, slot, start, length)
+                elif start == 0:
+                    entries[key] = value
+            state[names[id(fp), slot.name]] = entries
+    groups = [{k: v for k, v in group.items() if k != "params"} for group in engine.optimizer.param_groups]
+    scaler = engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None
+    return {"state": state, "param_groups": groups, "loss_scaler": scaler}
+
+
+def _rank(engine: ZeroEngine | None) -> int:
+    if engine is not None:
+        return engine.rank
+    return dist.get_rank() if dist.is_initialized() else 0

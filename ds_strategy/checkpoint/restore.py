@@ -1,0 +1,172 @@
+"""Reading a checkpoint back into a module and its :class:`ZeroEngine`, whatever world size and stage wrote it.
+
+Each rank asks DCP for exactly what it holds now: for every flat parameter, the pieces of the named parameters
+inside the range its ``master`` covers (its shard at stage >= 1, the whole buffer at stage 0), for the master
+values and each optimizer state; plus every replicated tensor whole. Everything is read into freshly allocated
+tensors (a :class:`Restore`), and only once the whole read has succeeded does :func:`apply_restore` copy it into
+the engine, so a failed load changes nothing.
+
+Note: [Refreshing compute parameters after a load]
+A load writes only ``master``. What the forward pass reads is derived from it exactly as after an optimizer step
+(``ZeroEngine.step``): ``copy_master_to_params`` (a cast, under mixed precision) updates the rank's compute
+region, then the stage 1/2 (and stage 3 persistent) buffers are all-gathered so every rank's ``full`` holds every
+shard. Stage 3 units are released first (``engine.reshard()``), so none keeps a gathered copy of the old values;
+their next gather reads the new shards.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from ..zero.engine import ZeroEngine
+from ..zero.flat_param import FlatParam
+from .errors import CheckpointError
+from .flat_piece import FlatPiece
+from .manifest import Manifest, StateKind, model_key, optimizer_key
+from .rank_state import describe, master_base, piece_of, replicated_tensors, slot_pieces, stored_names
+
+
+@dataclass
+class StagedOptimizerState:
+    """One flat parameter's new optimizer state: elementwise tensors being filled by their pieces, and scalars
+    given as the ``targets`` key DCP reads them into."""
+
+    fp: FlatParam
+    elementwise: dict[str, torch.Tensor] = field(default_factory=dict)
+    scalars: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Restore:
+    """This rank's DCP read targets and where each goes once the read has succeeded."""
+
+    targets: dict[str, FlatPiece | torch.Tensor | None] = field(default_factory=dict)
+    masters: list[tuple[FlatParam, torch.Tensor]] = field(default_factory=list)
+    optimizer_states: list[StagedOptimizerState] = field(default_factory=list)
+    replicated: list[tuple[torch.Tensor, str]] = field(default_factory=list)
+    param_groups: list[dict[str, Any]] | None = None
+    loss_scaler: dict[str, Any] | None = None
+
+
+def plan_restore(module: nn.Module, engine: ZeroEngine | None, manifest: Manifest, metadata: Metadata,
+                 meta: dict[str, Any], where: Path, load_optimizer: bool = True, strict: bool = True) -> Restore:
+    """Check the checkpoint fits and allocate this rank's targets; raises :class:`CheckpointError` otherwise.
+    ``meta`` is rank 0's ``meta.pt`` (param-group hyperparameters, loss scaler state)."""
+    manifest.check_fits(describe(module, engine), where, strict)
+    restore = Restore()
+    for name, tensor in replicated_tensors(module, engine).items():
+        source = manifest.source_of(name)
+        if source is not None:
+            key = model_key(source)
+            restore.targets[key] = torch.empty(tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+            restore.replicated.append((tensor, key))
+    if engine is None:
+        return restore
+    names = stored_names(engine)
+    for fp in engine.flat_params:
+        staged = fp.master.detach().clone()
+        for slot, start, length in _master_pieces(fp):
+            source = manifest.source_of(names[id(fp), slot.name])
+            if source is not None:
+                restore.targets[model_key(source)] = piece_of(staged, fp, slot, start, length)
+        restore.masters.append((fp, staged))
+    if load_optimizer and engine.optimizer is not None and manifest.optimizer_state is not None:
+        _check_param_groups(engine, manifest, meta["param_groups"], where)
+        restore.param_groups = meta["param_groups"]
+        restore.loss_scaler = meta["loss_scaler"]
+        for fp in engine.flat_params:
+            restore.optimizer_states.append(_plan_optimizer_state(fp, names, manifest, metadata, restore, where))
+    return restore
+
+
+def _master_pieces(fp: FlatParam):
+    base = master_base(fp)
+    return slot_pieces(fp, base, base + fp.master.numel())
+
+
+def _plan_optimizer_state(fp: FlatParam, names: dict[tuple[int, str], str], manifest: Manifest,
+                          metadata: Metadata, restore: Restore, where: Path) -> StagedOptimizerState:
+    """Targets for ``fp``'s optimizer state. Scalars are read from the first parameter of ``fp`` (every parameter
+    of a flat buffer steps together), which need not lie in this rank's shard."""
+    sources = [manifest.source_of(names[id(fp), slot.name]) for slot in fp.slots]
+    staged_state = StagedOptimizerState(fp)
+    for key, kind in manifest.optimizer_state.get(sources[0], {}).items():
+        if kind is StateKind.SCALAR:
+            dcp_key = optimizer_key(sources[0], key)
+            stored = metadata.state_dict_metadata.get(dcp_key)
+            restore.targets[dcp_key] = (torch.empty(stored.size, dtype=stored.properties.dtype)
+                                        if isinstance(stored, TensorStorageMetadata) else None)
+            staged_state.scalars[key] = dcp_key
+            continue
+        stored = metadata.state_dict_metadata.get(optimizer_key(sources[0], key))
+        dtype = stored.properties.dtype if isinstance(stored, TensorStorageMetadata) else fp.master.dtype
+        staged = torch.zeros_like(fp.master, dtype=dtype)
+        for slot, start, length in _master_pieces(fp):
+            source = manifest.source_of(names[id(fp), slot.name])
+            if manifest.optimizer_state.get(source, {}).get(key) is not StateKind.ELEMENTWISE:
+                raise CheckpointError(f"{where}: parameter {source} has no elementwise optimizer state {key!r} but "
+                                      f"{sources[0]}, which shares its flat buffer now, does")
+            restore.targets[optimizer_key(source, key)] = piece_of(staged, fp, slot, start, length)
+        staged_state.elementwise[key] = staged
+    return staged_state
+
+
+def _check_param_groups(engine: ZeroEngine, manifest: Manifest, param_groups: list[dict[str, Any]] | None,
+                        where: Path) -> None:
+    groups = engine.optimizer.param_groups
+    if param_groups is None or len(param_groups) != len(groups):
+        saved = "no" if param_groups is None else len(param_groups)
+        raise CheckpointError(f"{where}: the checkpoint has {saved} optimizer param groups, the optimizer has "
+                              f"{len(groups)}")
+    names = stored_names(engine)
+    moved = [f"{names[id(fp), slot.name]} (group {manifest.entries[source].group} then, {fp.group_index} now)"
+             for fp in engine.flat_params for slot in fp.slots
+             if (source := manifest.source_of(names[id(fp), slot.name])) is not None
+             and manifest.entries[source].group not in (None, fp.group_index)]
+    if moved:
+        raise CheckpointError(f"{where}: parameters are in different optimizer param groups than when saved: "
+                              f"{', '.join(moved)}")
+
+
+def apply_restore(restore: Restore, engine: ZeroEngine | None) -> None:
+    """Copy the staged values into the module, engine and optimizer (see [Refreshing compute parameters])."""
+    with torch.no_grad():
+        for tensor, key in restore.replicated:
+            tensor.copy_(restore.targets[key].view(tensor.shape))
+        if engine is None:
+            return
+        for fp, staged in restore.masters:
+            fp.master.copy_(staged)
+        if restore.param_groups is not None:
+            _load_optimizer(engine.optimizer, restore)
+        if restore.loss_scaler is not None and engine.loss_scaler is not None:
+            engine.loss_scaler.load_state_dict(restore.loss_scaler)
+        _refresh_compute_params(engine)
+
+
+def _load_optimizer(optimizer: torch.optim.Optimizer, restore: Restore) -> None:
+    """Through ``optimizer.load_state_dict``, which applies the optimizer's own dtype and device rules (e.g.
+    where a fused optimizer keeps ``step``) and replaces every state and hyperparameter."""
+    index = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+    state = {}
+    for staged in restore.optimizer_states:
+        values = {**staged.elementwise, **{key: restore.targets[dcp_key] for key, dcp_key in staged.scalars.items()}}
+        if values:
+            state[index[id(staged.fp.master)]] = values
+    groups = [{**saved, "params": [index[id(p)] for p in group["params"]]}
+              for group, saved in zip(optimizer.param_groups, restore.param_groups)]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _refresh_compute_params(engine: ZeroEngine) -> None:
+    engine.reshard()
+    for fp in engine.flat_params:
+        fp.copy_master_to_params()
+    for unit in engine.units:
+        unit.refresh([fp for fp in unit.flat_params if fp.policy.optimizer and not fp.policy.params])
+    engine.wait_for_params()

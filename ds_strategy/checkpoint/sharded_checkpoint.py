@@ -1,0 +1,113 @@
+"""Saving and loading a sharded checkpoint: collectives every rank of the process group calls together.
+
+Each rank writes only its own pieces through ``torch.distributed.checkpoint`` (nothing is gathered anywhere), and
+on load reads only the pieces covering what it holds now, so the world size, ZeRO stage and precision may all
+change between save and load. See :mod:`.directory` for the files and how a save is made atomic.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from ..zero.engine import ZeroEngine
+from . import directory
+from .errors import CheckpointError
+from .flat_piece import PieceLoadPlanner, PieceSavePlanner, quiet_single_process
+from .manifest import Manifest, model_key, optimizer_key
+from .rank_state import describe, describe_optimizer, model_state, optimizer_state
+from .restore import apply_restore, plan_restore
+
+
+def save(path: str | os.PathLike, module: nn.Module, engine: ZeroEngine | None = None, *,
+         extra: dict[str, Any] | None = None, with_optimizer: bool = True) -> None:
+    """Write ``module``'s state (sharded by ``engine``, if given), its optimizer's, and rank 0's ``extra`` to the
+    checkpoint directory ``path``, atomically. Every rank calls it."""
+    optimizer = optimizer_state(engine) if with_optimizer and engine is not None and engine.optimizer else None
+    write(path, model_state(module, engine), optimizer, manifest_for(module, engine, optimizer is not None),
+          extra=extra, process_group=engine.process_group if engine is not None else None)
+
+
+def manifest_for(module: nn.Module, engine: ZeroEngine | None, with_optimizer: bool) -> Manifest:
+    """The manifest of a checkpoint of ``module`` (its files are added when written)."""
+    saved_by = {"world_size": dist.get_world_size() if dist.is_initialized() else 1}
+    if engine is not None:
+        saved_by.update(stage=engine.config.stage, precision=engine.config.precision)
+    return Manifest(describe(module, engine), describe_optimizer(engine) if with_optimizer else None, saved_by)
+
+
+def write(path: str | os.PathLike, model: dict[str, Any], optimizer: dict[str, Any] | None, manifest: Manifest,
+          extra: dict[str, Any] | None = None, process_group=None) -> None:
+    """Write this rank's ``model`` and ``optimizer`` shares (see :mod:`.rank_state`) and rank 0's ``manifest``
+    and ``extra`` as one atomic checkpoint directory. Every rank calls it with the same ``path``."""
+    path = Path(path)
+    tensors = {model_key(name): value for name, value in model.items()}
+    for name, state in (optimizer or {}).get("state", {}).items():
+        tensors.update({optimizer_key(name, key): value for key, value in state.items()})
+    partial = directory.partial_path(path)
+    _on_rank0(lambda: directory.begin(path), process_group, f"preparing {partial}")
+    with quiet_single_process():
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(partial), planner=PieceSavePlanner(),
+                 process_group=process_group, no_dist=not dist.is_initialized())
+    meta = {"param_groups": optimizer["param_groups"] if optimizer else None,
+            "loss_scaler": optimizer["loss_scaler"] if optimizer else None, "extra": extra or {}}
+    _on_rank0(lambda: directory.finish(partial, path, manifest, meta), process_group, f"publishing {path}")
+
+
+def load(path: str | os.PathLike, module: nn.Module, engine: ZeroEngine | None = None, *,
+         load_optimizer: bool = True, strict: bool = True) -> dict[str, Any]:
+    """Restore ``module`` (and ``engine``'s master weights and optimizer) from the checkpoint at ``path``;
+    returns the ``extra`` state rank 0 saved. Every rank calls it.
+
+    Everything is checked and read before anything is changed: a checkpoint that is incomplete, damaged or of
+    a different model raises :class:`CheckpointError` and leaves the training state as it was. With
+    ``strict=False`` names missing on either side are skipped. A weights-only checkpoint leaves the optimizer
+    as it is.
+    """
+    where, manifest = directory.open_checkpoint(path)
+    reader = dcp.FileSystemReader(where)
+    try:
+        metadata = reader.read_metadata()
+    except Exception as error:
+        raise CheckpointError(f"{where / '.metadata'} cannot be read: {error}") from error
+    meta = directory.read_meta(where)
+    restore = plan_restore(module, engine, manifest, metadata, meta, where, load_optimizer, strict)
+    try:
+        with quiet_single_process():
+            dcp.load(restore.targets, storage_reader=reader, planner=PieceLoadPlanner(),
+                     process_group=engine.process_group if engine is not None else None,
+                     no_dist=not dist.is_initialized())
+    except Exception as error:
+        raise CheckpointError(f"reading the checkpoint {where} failed: {error}") from error
+    apply_restore(restore, engine)
+    return meta["extra"]
+
+
+def remove(path: str | os.PathLike) -> None:
+    """Delete the checkpoint at ``path`` (call on one rank)."""
+    directory.remove(Path(path))
+
+
+def _on_rank0(step: Callable[[], Any], process_group, what: str) -> Any:
+    """Run ``step`` on rank 0 only and make every rank raise if it failed there, so that no rank is left waiting
+    in the next collective."""
+    distributed = dist.is_initialized()
+    rank = dist.get_rank(process_group) if distributed else 0
+    error, result = None, None
+    if rank == 0:
+        try:
+            result = step()
+        except Exception as raised:
+            error = raised
+    if distributed:
+        message = [f"{type(error).__name__}: {error}" if error is not None else None]
+        dist.broadcast_object_list(message, group=process_group, group_src=0)
+        if rank != 0 and message[0] is not None:
+            raise CheckpointError(f"{what} failed on rank 0: {message[0]}")
+    if error is not None:
+        raise error
+    return result

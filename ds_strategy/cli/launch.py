@@ -1,0 +1,69 @@
+"""``ds-strategy launch``: accelerate's launcher, with ZeRO settings taken from the same YAML.
+
+Accelerate's config file rejects keys it does not know, so a ZeRO section cannot live in it as such. This command
+reads an ordinary accelerate YAML plus a ``ds_strategy:`` section, validates that section as a ZeroConfig (so a bad
+key fails here, before any process starts), hands the rest to ``accelerate launch --config_file`` and the section
+to the workers as ``$DS_STRATEGY_CONFIG``, where ``ZeroAccelerator()`` reads it. Accelerate's own sharding
+back-ends (DeepSpeed, FSDP, Megatron-LM) would shard a second time and are rejected.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HELP = "run a script under accelerate's launcher, with ZeRO settings from the config's ds_strategy section"
+
+_OTHER_SHARDING_TYPES = ("DEEPSPEED", "FSDP", "MEGATRON_LM")
+_OTHER_SHARDING_SECTIONS = ("deepspeed_config", "fsdp_config", "megatron_lm_config")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config_file", required=True,
+                        help="accelerate YAML with a ds_strategy: section of ZeroConfig fields")
+    parser.add_argument("training_script", help="the script each process runs")
+    parser.add_argument("training_script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+
+def run(args: argparse.Namespace) -> int:
+    import yaml
+    from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from ..accelerate.config_source import ENV_VAR, SECTION, config_from_mapping, read_config_file
+
+    try:
+        settings = read_config_file(args.config_file)
+        zero_section = settings.pop(SECTION, None) or {}
+        _check_no_other_sharding(settings)
+        config_from_mapping(zero_section)
+    except (OSError, ValueError) as error:
+        print(f"ds-strategy launch: {args.config_file}: {error}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="ds_strategy_launch_") as tmp:
+        accelerate_yaml = Path(tmp, "accelerate.yaml")
+        accelerate_yaml.write_text(yaml.safe_dump(settings))
+        launch_args = launch_command_parser().parse_args(
+            ["--config_file", str(accelerate_yaml), args.training_script, *args.training_script_args])
+        os.environ[ENV_VAR] = json.dumps(zero_section)
+        try:
+            launch_command(launch_args)
+        except (subprocess.CalledProcessError, ChildFailedError):  # the workers' output already says why
+            print(f"ds-strategy launch: {args.training_script} failed", file=sys.stderr)
+            return 1
+    return 0
+
+
+def _check_no_other_sharding(settings: dict) -> None:
+    distributed_type = str(settings.get("distributed_type", "")).upper()
+    if distributed_type in _OTHER_SHARDING_TYPES:
+        raise ValueError(f"distributed_type: {distributed_type} is accelerate's own sharding back-end, which would "
+                         f"shard on top of ZeRO; use MULTI_GPU (or MULTI_CPU) and put the ZeRO settings under ds_strategy:")
+    for section in _OTHER_SHARDING_SECTIONS:
+        if settings.get(section):
+            raise ValueError(f"{section}: configures accelerate's own sharding back-end, which conflicts with "
+                             f"ds_strategy's ZeRO; remove it and put the ZeRO settings under ds_strategy:")

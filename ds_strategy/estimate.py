@@ -1,0 +1,253 @@
+"""How many bytes of model state one rank holds under each ZeRO stage, before running anything.
+
+The core is the ZeRO paper's accounting (Rajbhandari et al. 2020, section 3 and Figure 1). With Ψ parameters,
+N ranks and mixed-precision Adam, a rank holds 2Ψ bytes of 16-bit parameters, 2Ψ of 16-bit gradients and
+12Ψ of fp32 optimizer state (master weights, momentum, variance), and each stage divides one more of those
+three terms by N:
+
+    stage 0 (baseline)   2Ψ   + 2Ψ   + 12Ψ        7.5B params on 64 ranks: 120 GB
+    stage 1 (P_os)       2Ψ   + 2Ψ   + 12Ψ/N                                31.4 GB
+    stage 2 (P_os+g)     2Ψ   + 2Ψ/N + 12Ψ/N                                16.6 GB
+    stage 3 (P_os+g+p)   2Ψ/N + 2Ψ/N + 12Ψ/N                                 1.9 GB
+
+``estimate_memory(7.5e9, 64)`` reproduces that table exactly. Other precisions change the bytes per parameter
+(fp32: 4 + 4 + 8; "-true" half precision: 2 + 2 + 4, no master copy, half-precision moments).
+
+Note: what a real model adds. Given a module (or ``largest_layer`` / ``reduce_bucket_size``), the estimate adds
+what the engine really allocates beyond the paper's terms: under stage 3 the largest unit gathered in full (its
+parameters are whole while it computes) and the parameters under ``param_persistence_threshold``, which stay
+whole on every rank; under stage >= 2 the gradient buckets, at most ``reduce_bucket_size`` elements in flight
+plus the flat buffer being filled, and never more than the whole gradient. Buckets are reported under
+``"buffers"``, as ``memory_report()`` does. Activations are not model state and are not estimated.
+
+Note: offload (DeepSpeed's ZeRO-Offload and ZeRO-Infinity semantics). ``offload_optimizer="cpu"`` (stage >= 1)
+moves the optimizer state to host memory, together with the fp32 gradient partition the host optimizer reads;
+``"nvme"`` (stage 3) moves the optimizer state to NVMe. ``offload_params="cpu"|"nvme"`` (stage 3) keeps each
+rank's parameter partition there; the gathered working set stays on the device. Staging buffers of the
+NVMe path are not counted.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from .config import ZeroConfig
+from .zero.wrap_policy import select_unit_modules
+
+PLACES = ("device", "host", "nvme")
+KINDS = ("params", "grads", "optimizer", "buffers")
+STAGES = (0, 1, 2, 3)
+OFFLOAD_MODES = ("none", "cpu", "nvme")
+STAGE_NAMES = {0: "baseline", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSize:
+    """What the estimator needs to know about a model, counted in elements.
+
+    ``params``: trainable parameters (a tied weight counts once); ``frozen``: parameters without gradients,
+    kept whole on every rank and never given optimizer state. ``largest_unit``: trainable elements of the
+    biggest unit stage 3 gathers at once (0 = unknown, no working set added). ``persistent``: trainable elements
+    in parameters below the persistence threshold, which stage 3 leaves whole.
+    """
+
+    params: int
+    frozen: int = 0
+    largest_unit: int = 0
+    persistent: int = 0
+
+    @classmethod
+    def of_module(cls, module: nn.Module, config: ZeroConfig | None = None) -> ModelSize:
+        """Count ``module``'s parameters and cut it into units the way :class:`ZeroEngine` does.
+
+        Works on a model built on the ``meta`` device, so a model too big to materialise can be estimated.
+        """
+        config = config or ZeroConfig()
+        threshold = config.param_persistence_threshold
+        threshold = ZeroConfig.__dataclass_fields__["param_persistence_threshold"].default if threshold == "auto" else threshold
+        unique = {id(p): p for p in module.parameters()}
+        trainable = {k: p for k, p in unique.items() if p.requires_grad}
+        units = select_unit_modules(module, config.unit_modules, config.unit_min_params)
+        owners: dict[int, int] = {}
+        for index, (_, unit) in enumerate(units):
+            for p in unit.parameters():
+                owners[id(p)] = -1 if id(p) in owners else index  # shared by two units: the root keeps it
+        unit_sizes = [0] * (len(units) + 1)  # slot -1 is the root
+        for key, p in trainable.items():
+            unit_sizes[owners.get(key, -1)] += p.numel()
+        return cls(
+            params=sum(p.numel() for p in trainable.values()),
+            frozen=sum(p.numel() for k, p in unique.items() if k not in trainable),
+            largest_unit=max(unit_sizes),
+            persistent=sum(p.numel() for p in trainable.values() if p.numel() < int(threshold)),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class BytesPerParam:
+    """Bytes per parameter of each model state for a precision and an optimizer with ``states`` moments."""
+
+    params: int
+    grads: int
+    optimizer: int
+
+    @classmethod
+    def of(cls, precision: str, optimizer_states: int = 2) -> BytesPerParam:
+        precision = ZeroConfig(precision=precision).precision  # validates and normalises Lightning's aliases
+        if precision == "32-true":
+            return cls(params=4, grads=4, optimizer=4 * optimizer_states)
+        if precision.endswith("-mixed"):
+            return cls(params=2, grads=2, optimizer=4 + 4 * optimizer_states)  # fp32 master + fp32 moments
+        return cls(params=2, grads=2, optimizer=2 * optimizer_states)  # "-true" half: no master copy
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one rank holds, laid out as ``ZeroEngine.memory_report()``: ``bytes[kind][place]``."""
+
+    stage: int
+    world_size: int
+    precision: str
+    offload_optimizer: str
+    offload_params: str
+    bytes: Mapping[str, Mapping[str, int]]
+
+    def total(self, place: str | None = None, kinds: tuple[str, ...] = KINDS) -> int:
+        """Bytes summed over ``kinds``, in one place or (None) everywhere."""
+        places = PLACES if place is None else (place,)
+        return sum(self.bytes[kind][p] for kind in kinds for p in places)
+
+    @property
+    def device(self) -> int:
+        return self.total("device")
+
+    @property
+    def host(self) -> int:
+        return self.total("host")
+
+    @property
+    def nvme(self) -> int:
+        return self.total("nvme")
+
+    @property
+    def label(self) -> str:
+        """The ZeRO paper's name for the stage (baseline, P_os, P_os+g, P_os+g+p)."""
+        return STAGE_NAMES[self.stage]
+
+
+def estimate_memory(
+    model_or_param_count: nn.Module | int | float | ModelSize,
+    world_size: int,
+    stage: int | None = None,
+    offload_optimizer: str = "none",
+    offload_params: str = "none",
+    precision: str = "bf16-mixed",
+    largest_layer: int | None = None,
+    *,
+    optimizer_states: int = 2,
+    reduce_bucket_size: int | None = None,
+    config: ZeroConfig | None = None,
+) -> MemoryEstimate | dict[int, MemoryEstimate]:
+    """Bytes per rank on device / host / nvme for ``stage``, or a ``{stage: estimate}`` dict when stage is None.
+
+    ``model_or_param_count``: a module (its units, persistent parameters and the bucket size of ``config``, or
+    ZeroConfig's default, are then counted too), a parameter count (the paper's pure formulas unless
+    ``largest_layer`` / ``reduce_bucket_size`` are given), or a :class:`ModelSize`. ``optimizer_states``: moments
+    per parameter (Adam 2, SGD with momentum 1). See the module docstring for the formulas and offload rules.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"estimate_memory world_size={world_size!r} is not allowed; expected an integer >= 1")
+    size, bucket = _model_size(model_or_param_count, largest_layer, reduce_bucket_size, config)
+    per_param = BytesPerParam.of(precision, optimizer_states)
+    precision = ZeroConfig(precision=precision).precision
+    if stage is None:
+        return {s: _estimate(size, world_size, s, offload_optimizer, offload_params, precision, per_param, bucket)
+                for s in STAGES if _offload_error(s, offload_optimizer, offload_params) is None}
+    return _estimate(size, world_size, stage, offload_optimizer, offload_params, precision, per_param, bucket)
+
+
+def valid_offloads(stage: int) -> list[tuple[str, str]]:
+    """The (offload_optimizer, offload_params) pairs DeepSpeed allows at ``stage``."""
+    return [(o, p) for o in OFFLOAD_MODES for p in OFFLOAD_MODES if _offload_error(stage, o, p) is None]
+
+
+def _model_size(model, largest_layer, reduce_bucket_size, config) -> tuple[ModelSize, int | None]:
+    if isinstance(model, nn.Module):
+        config = config or ZeroConfig()
+        size = ModelSize.of_module(model, config)
+        if reduce_bucket_size is None and config.reduce_bucket_size != "auto":
+            reduce_bucket_size = int(config.reduce_bucket_size)
+    elif isinstance(model, ModelSize):
+        size = model
+    elif isinstance(model, (int, float)) and not isinstance(model, bool) and model >= 1:
+        size = ModelSize(params=int(model))
+    else:
+        raise ValueError(f"estimate_memory model_or_param_count={model!r} is not allowed; expected an nn.Module, "
+                         f"a ModelSize or a parameter count >= 1")
+    if largest_layer is not None:
+        if largest_layer < 0:
+            raise ValueError(f"estimate_memory largest_layer={largest_layer!r} is not allowed; expected >= 0")
+        size = dataclasses.replace(size, largest_unit=int(largest_layer))
+    if reduce_bucket_size is not None and reduce_bucket_size < 1:
+        raise ValueError(f"estimate_memory reduce_bucket_size={reduce_bucket_size!r} is not allowed; expected >= 1")
+    return size, reduce_bucket_size
+
+
+def _offload_error(stage: int, offload_optimizer: str, offload_params: str) -> str | None:
+    if stage not in STAGES:
+        return f"stage={stage!r} is not allowed; expected one of {STAGES}"
+    for name, value in (("offload_optimizer", offload_optimizer), ("offload_params", offload_params)):
+        if value not in OFFLOAD_MODES:
+            return f"{name}={value!r} is not allowed; expected one of {OFFLOAD_MODES}"
+    if offload_optimizer != "none" and stage == 0:
+        return f"offload_optimizer={offload_optimizer!r} needs stage >= 1 (stage 0 keeps no partition to offload)"
+    if offload_optimizer == "nvme" and stage < 3:
+        return "offload_optimizer='nvme' needs stage 3 (ZeRO-Infinity)"
+    if offload_params != "none" and stage < 3:
+        return f"offload_params={offload_params!r} needs stage 3 (only stage 3 partitions parameters)"
+    return None
+
+
+def _estimate(size: ModelSize, n: int, stage: int, offload_optimizer: str, offload_params: str, precision: str,
+              per_param: BytesPerParam, bucket: int | None) -> MemoryEstimate:
+    error = _offload_error(stage, offload_optimizer, offload_params)
+    if error is not None:
+        raise ValueError(f"estimate_memory {error}")
+    psi = size.params
+    out = {kind: dict.fromkeys(PLACES, 0.0) for kind in KINDS}
+    # parameters: whole below stage 3; at stage 3 a 1/N partition, plus what stays or becomes whole
+    frozen = per_param.params * size.frozen
+    if stage < 3:
+        out["params"]["device"] = per_param.params * psi + frozen
+    else:
+        partitioned = psi - size.persistent
+        out["params"][_place(offload_params)] += per_param.params * partitioned / n
+        working_set = min(size.largest_unit, partitioned)
+        out["params"]["device"] += per_param.params * (size.persistent + working_set) + frozen
+    # gradients: whole below stage 2, else a 1/N partition; the optimizer's host copy when it is offloaded
+    grads = per_param.grads * psi / (n if stage >= 2 else 1)
+    if offload_optimizer == "none":
+        out["grads"]["device"] = grads
+    else:
+        out["grads"]["device"] = grads if stage < 2 else 0.0
+        out["grads"]["host"] = 4 * psi / n
+    # optimizer state: whole at stage 0, else a 1/N partition, wherever it is offloaded to
+    out["optimizer"][_place(offload_optimizer)] = per_param.optimizer * psi / (n if stage >= 1 else 1)
+    # gradient buckets: scratch that stage 2/3 reduce from, bounded by the bucket size and the whole gradient
+    if stage >= 2 and bucket is not None:
+        out["buffers"]["device"] = per_param.grads * min(psi, bucket + size.largest_unit)
+    report = {kind: {place: int(round(value)) for place, value in places.items()} for kind, places in out.items()}
+    return MemoryEstimate(stage, n, precision, offload_optimizer, offload_params, report)
+
+
+def _place(offload: str) -> str:
+    return {"none": "device", "cpu": "host", "nvme": "nvme"}[offload]
+
+
+def meta_model(factory) -> nn.Module:
+    """Build ``factory()`` on the meta device: its shapes without its memory, for estimating big models."""
+    with torch.device("meta"):
+        return factory()

@@ -1,0 +1,203 @@
+"""ZeroFabricStrategy: Fabric's strategy hooks translated into ZeroEngine calls; no sharding logic lives here."""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import nn
+from torch.optim import Optimizer
+
+from ..config import ZeroConfig
+from ..deepspeed_config import config_from_deepspeed
+from ..lightning.strategy import PRESETS
+from ..plain_checkpoint import gather_optimizer_state, load_optimizer_state
+from ..precision import autocast_for
+from ..precision_flag import reconcile_precision
+from ..zero.engine import ZeroEngine
+
+
+class ZeroFabricStrategy(DDPStrategy):
+    """ZeRO data parallelism for Fabric: ``Fabric(strategy="zero2")`` or ``Fabric(strategy=ZeroFabricStrategy(stage=1))``.
+
+    Subclasses Fabric's ``DDPStrategy`` for its launchers and process-group setup, but never wraps the model in
+    DDP: ``fabric.setup(model, optimizer)`` builds a :class:`ZeroEngine`, which retargets the optimizer onto this
+    rank's shards; ``fabric.backward``, ``fabric.clip_gradients``, ``fabric.no_backward_sync`` and
+    ``optimizer.step()`` go to the engine. Model and optimizer must be set up together, in one ``setup`` call.
+    Config fields are keyword arguments or a :class:`ZeroConfig` (so ``precision=`` here is the ZeroConfig
+    field; a Fabric precision plugin goes in ``precision_plugin``).
+
+    Precision: Fabric's ``precision=`` flag is folded into ``ZeroConfig.precision`` (see
+    :mod:`ds_strategy.precision_flag`) and the engine implements it (16-bit buffers, fp32 masters, loss scaling);
+    Fabric gets a :class:`ZeroFabricPrecision` that only supplies the autocast region. ``ZeroConfig.gradient_clipping``,
+    when set, clips the global gradient norm before every ``optimizer.step()``, as DeepSpeed does.
+
+    ``fabric.save``/``fabric.load`` write one ordinary file through Fabric's checkpoint IO: the whole module state
+    dict and every rank's optimizer shard (see :mod:`ds_strategy.plain_checkpoint`).
+    """
+
+    def __init__(self, config: ZeroConfig | Mapping | None = None, *, accelerator=None, parallel_devices=None,
+                 cluster_environment=None, checkpoint_io=None, precision_plugin: Precision | None = None,
+                 process_group_backend: str | None = None, start_method: str = "popen", **config_fields: Any):
+        if isinstance(config, Mapping):
+            config = ZeroConfig.from_dict(config)
+        config = config or ZeroConfig()
+        self.config = config.replace(**config_fields) if config_fields else config
+        self.engine: ZeroEngine | None = None
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision_plugin,
+                         process_group_backend=process_group_backend, start_method=start_method)
+        self._backward_sync_control = _ZeroBackwardSyncControl(self)
+
+    @classmethod
+    def from_deepspeed_config(cls, ds_config: Mapping | str | os.PathLike, **kwargs: Any) -> ZeroFabricStrategy:
+        """Build from a DeepSpeed JSON config (a dict or a path); unsupported keys raise a ValueError."""
+        return cls(config_from_deepspeed(ds_config), **kwargs)
+
+    # -- precision --------------------------------------------------------------------------------------------
+    @property
+    def precision(self) -> Precision:
+        return self._precision if self._precision is not None else Precision()
+
+    @precision.setter
+    def precision(self, plugin: Precision | None) -> None:
+        """Fabric hands every strategy the plugin for its ``precision`` flag; keep the flag, not the plugin."""
+        if plugin is not None and not isinstance(plugin, ZeroFabricPrecision):
+            self.config = reconcile_precision(self.config, plugin.precision, "Fabric(precision)")
+        self._precision = ZeroFabricPrecision(self.config.precision)
+
+    # -- setup ------------------------------------------------------------------------------------------------
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.precision.device_type = self.root_device.type
+
+    def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer],
+                                    scheduler: Any = None) -> tuple[nn.Module, list[Optimizer], Any]:
+        if len(optimizers) != 1:
+            raise ValueError(f"ZeroFabricStrategy supports exactly one optimizer per model, got {len(optimizers)}")
+        if self.engine is not None:
+            raise ValueError("ZeroFabricStrategy shards one model; fabric.setup was already called with another")
+        config = self.config
+        if config.has_auto_values:
+            from ..auto_values import hidden_size_of
+            config = config.resolve_auto(hidden_size_of(module))
+        self.engine = ZeroEngine(module, optimizers[0], config)
+        rank_zero_info(self.engine.summary())
+        return module, optimizers, scheduler
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        raise NotImplementedError(self._err_msg_joint_setup_required())
+
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        raise NotImplementedError(self._err_msg_joint_setup_required())
+
+    # -- training ---------------------------------------------------------------------------------------------
+    def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        self.engine.backward(tensor)
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> None:
+        if self.config.gradient_clipping:
+            self.engine.clip_grad_norm_(self.config.gradient_clipping)
+        self.engine.step()
+
+    def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: float | int,
+                            norm_type: float | int = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
+        """Clip to the global norm over every rank's shards, which equals the unsharded model's gradient norm."""
+        total = self.engine.clip_grad_norm_(float(max_norm), float(norm_type))
+        if error_if_nonfinite and not math.isfinite(total.item()):
+            raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}); "
+                               f"pass error_if_nonfinite=False to clip anyway")
+        return total
+
+    def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float | int) -> None:
+        self.engine.clip_grad_value_(float(clip_val))
+
+    # -- checkpoint -------------------------------------------------------------------------------------------
+    def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        self.engine.wait_for_params()
+        return module.state_dict()
+
+    def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return gather_optimizer_state(optimizer)
+
+    def load_checkpoint(self, path, state=None, strict: bool = True, weights_only: bool | None = None) -> dict:
+        """Fabric's loading, except that each optimizer gets this rank's shard of the saved optimizer state."""
+        if isinstance(state, Optimizer):
+            load_optimizer_state(state, self.checkpoint_io.load_checkpoint(path, weights_only=weights_only))
+            return {}
+        if not isinstance(state, dict):
+            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        optimizers = {name: obj for name, obj in state.items() if isinstance(obj, Optimizer)}
+        others = {name: obj for name, obj in state.items() if name not in optimizers}
+        remainder = super().load_checkpoint(path, others, strict=strict, weights_only=weights_only)
+        missing = [name for name in optimizers if name not in remainder]
+        if missing and strict:
+            raise KeyError(f"the checkpoint {str(path)!r} has no state for {missing}")
+        for name, optimizer in optimizers.items():
+            if name in remainder:
+                load_optimizer_state(optimizer, remainder.pop(name))
+        state.update(others)
+        return remainder
+
+    # -- reporting --------------------------------------------------------------------------------------------
+    def memory_report(self) -> dict[str, dict[str, int]]:
+        """This rank's bytes per kind of model state and place; see :func:`ds_strategy.zero.memory_report`."""
+        return self.engine.memory_report()
+
+    def comm_stats(self) -> dict[str, dict[str, float]]:
+        return self.engine.comm_stats()
+
+    def teardown(self) -> None:
+        if self.engine is not None:
+            self.engine.wait_for_params()
+            self.engine.remove_hooks()
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        for name, fields in PRESETS.items():
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=f"ZeRO {fields}", **fields)
+
+
+class ZeroFabricPrecision(Precision):
+    """Fabric's side of the engine's precision: every forward runs in autocast to the 16-bit dtype, and "-true"
+    also converts the module and floating inputs to it. Loss scaling and fp32 master weights are the engine's."""
+
+    def __init__(self, precision: str):
+        self.precision = precision
+        self.compute_dtype = ZeroConfig(precision=precision).compute_dtype
+        self.converts = precision in ("bf16-true", "16-true")
+        self.device_type = "cuda" if torch.cuda.is_available() else "cpu"  # the strategy's once it is known
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        return module.to(dtype=self.compute_dtype) if self.converts else module
+
+    def convert_input(self, data: Any) -> Any:
+        if not self.converts:
+            return data
+        return apply_to_collection(data, torch.Tensor,
+                                   lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t)
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        return autocast_for(self.precision, self.device_type)
+
+
+class _ZeroBackwardSyncControl(_BackwardSyncControl):
+    """``fabric.no_backward_sync``: accumulate without gradient communication (stage 0/1; stage 2 still reduces)."""
+
+    def __init__(self, strategy: ZeroFabricStrategy):
+        self._strategy = strategy
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        if not enabled or self._strategy.engine is None:
+            return contextlib.nullcontext()
+        return self._strategy.engine.no_sync()

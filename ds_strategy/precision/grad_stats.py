@@ -1,0 +1,58 @@
+"""Unscale, overflow check and squared norm of every rank's gradient shards: one pass, one all-reduce.
+
+[Note: one pass, one collective per optimizer step]
+Before an fp16 step the engine must divide the gradients by the loss scale, learn whether any rank saw an
+inf/nan, and (for clipping) know the global gradient norm. ``ds_strategy.kernels.unscale_and_check`` does all
+three in one read of each flat shard (a Triton kernel on GPUs, its PyTorch reference on CPUs); this module runs it
+over the shards and packs the local ``[sum of squares, inf flag]`` into one two-element tensor that a single
+all-reduce sums across ranks. With partitioned gradients the summed squares are the global norm squared; at
+stage 0 every rank already holds the whole averaged gradient, so the local sum is the norm and only the flag
+is summed. A rank sees a non-finite value only in its own shard, so without the all-reduce ranks would
+disagree about skipping and their parameters would diverge.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from ..kernels import unscale_and_check
+
+
+@dataclasses.dataclass(frozen=True)
+class GradStats:
+    """What the fused pass learned about one optimizer step's gradients, agreed across ranks.
+
+    ``sq_norm``: the global squared L2 norm of the unscaled gradients (fp32 scalar tensor); meaningless when
+    ``found_inf``. ``found_inf``: some rank's gradient held an inf or nan.
+    """
+
+    sq_norm: torch.Tensor
+    found_inf: bool
+
+    @property
+    def norm(self) -> torch.Tensor:
+        return self.sq_norm.sqrt()
+
+
+def unscale_and_check_shards(grads: list[torch.Tensor], inv_scale: float, collectives,
+                             sharded: bool) -> GradStats:
+    """Multiply each flat gradient in ``grads`` by ``inv_scale`` in place and return the agreed statistics.
+
+    ``sharded``: each rank holds different gradient elements (ZeRO stage >= 1), so squared norms are summed
+    across ranks; otherwise (stage 0) they are identical on every rank and only the inf flag is combined.
+    """
+    device = grads[0].device if grads else torch.device("cpu")
+    local = torch.zeros(2, dtype=torch.float32, device=device)
+    for grad in grads:
+        sq_norm, found_inf = unscale_and_check(grad, inv_scale)
+        local[0] += sq_norm
+        local[1] += found_inf
+    agreed = local.clone()
+    if not sharded:
+        agreed[0] = 0.0
+    if collectives.world_size > 1:
+        collectives.all_reduce(agreed, op=dist.ReduceOp.SUM).wait()
+    sq_norm = agreed[0] if sharded else local[0]
+    return GradStats(sq_norm=sq_norm, found_inf=bool(agreed[1].item() > 0))

@@ -1,0 +1,170 @@
+"""Stage 3: gather each unit's parameters just in time for its forward and backward, prefetch the next, free after.
+
+Note: when a gathered buffer may be freed.
+  After forward: only with ``reshard_after_forward`` and not for the unit that ran last (backward needs it
+  first). Autograd may have saved views of the parameters; they share the full buffer's storage, which is
+  resized to zero and later re-filled in place by the backward gather, so they are valid again when read.
+  After backward: once every parameter of the unit has produced its gradient and the reduction of its flat
+  buffers has been launched (the gradients were copied to scratch by then), nothing reads the weights again.
+  A unit whose gradients never all arrive (an unused parameter) is freed at the end of backward.
+  During activation-checkpoint recomputation the unit is in BACKWARD and gathered; its forward hooks then
+  neither free it nor change its state.
+
+Note: prefetch order. The first forward records the order in which units run; later steps gather unit k+1
+while unit k computes (reverse order in backward). Every rank issues the same gathers in the same order, since
+they run the same model. If a later forward deviates from the recorded order (data-dependent control flow),
+prefetching is switched off with a one-time warning and units are gathered on demand, which is always safe.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from .unit import ShardedState, TrainingState, Unit
+
+
+class ParamGatherer:
+    """Forward/backward hooks that drive the stage-3 units' gather, prefetch and release."""
+
+    def __init__(self, units: list[Unit], root: Unit, reshard_after_forward: bool, prefetch_numel: int,
+                 max_live_numel: int):
+        self.units = [u for u in units if u.partitioned and u is not root]
+        self.root = root
+        self.reshard_after_forward = reshard_after_forward
+        self.prefetch_numel = prefetch_numel
+        self.max_live_numel = max_live_numel
+        self.order: list[Unit] = []
+        self._recording = True
+        self._position = 0
+        self._prefetch_enabled = True
+        self._backward_started: set[int] = set()
+        self.peak_gathered_numel = 0
+        self._handles = []
+        for unit in self.units:
+            self._handles.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
+            self._handles.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # -- accounting --------------------------------------------------------------------------------------------
+    def gathered_numel(self) -> int:
+        return sum(u.gathered_numel for u in self.units) + self.root.gathered_numel
+
+    def _gather(self, unit: Unit, wait: bool) -> None:
+        unit.gather()
+        if wait:
+            unit.wait_gathered()
+        self.peak_gathered_numel = max(self.peak_gathered_numel, self.gathered_numel())
+
+    # -- forward ---------------------------------------------------------------------------------------------
+    def before_root_forward(self) -> None:
+        """The root unit's leftover parameters (embeddings, final norm) stay gathered for the whole step."""
+        self._gather(self.root, wait=True)
+        self._position = 0
+
+    def _make_pre_forward(self, unit: Unit):
+        def hook(module, args):
+            if unit.training_state is TrainingState.BACKWARD:  # activation-checkpoint recomputation
+                self._gather(unit, wait=True)
+                return
+            self._track_order(unit)
+            self._gather(unit, wait=True)
+            unit.set_training_state(TrainingState.FORWARD)
+            self._prefetch(self._upcoming_forward(unit))
+        return hook
+
+    def _make_post_forward(self, unit: Unit):
+        def hook(module, args, output):
+            if unit.training_state is TrainingState.BACKWARD:
+                return
+            unit.set_training_state(TrainingState.IDLE)
+            if torch.is_grad_enabled():
+                self._register_pre_backward(unit, output)
+            last = bool(self.order) and unit is self.order[-1] and not self._recording
+            if not torch.is_grad_enabled() or (self.reshard_after_forward and not last):
+                unit.release()
+        return hook
+
+    def _track_order(self, unit: Unit) -> None:
+        if self._recording:
+            if unit in self.order:
+                self._recording = False
+            else:
+                self.order.append(unit)
+                return
+        expected = self.order[self._position] if self._position < len(self.order) else None
+        if expected is not unit and self._prefetch_enabled:
+            warnings.warn(f"ZeRO-3: unit {unit.name} ran out of the recorded order (expected "
+                          f"{expected.name if expected else 'no more units'}); prefetching is off from now on and "
+                          f"units are gathered on demand", stacklevel=4)
+            self._prefetch_enabled = False
+        self._position += 1
+
+    def end_forward_recording(self) -> None:
+        """Called at the first backward or step: the forward order seen so far is the order to replay."""
+        self._recording = False
+
+    def _upcoming_forward(self, unit: Unit) -> list[Unit]:
+        if self._recording or not self._prefetch_enabled or unit not in self.order:
+            return []
+        return self.order[self.order.index(unit) + 1:]
+
+    def _upcoming_backward(self, unit: Unit) -> list[Unit]:
+        if not self._prefetch_enabled or unit not in self.order:
+            return []
+        return list(reversed(self.order[:self.order.index(unit)]))
+
+    def _prefetch(self, candidates: list[Unit]) -> None:
+        """Launch gathers for upcoming units within the prefetch and live-parameter budgets."""
+        budget = self.prefetch_numel
+        for unit in candidates:
+            if unit.sharded_state is not ShardedState.SHARDED:
+                continue
+            size = sum(fp.padded_numel for fp in unit.partitioned)
+            if size > budget or self.gathered_numel() + size > self.max_live_numel:
+                return
+            budget -= size
+            self._gather(unit, wait=False)
+
+    # -- backward --------------------------------------------------------------------------------------------
+    def _register_pre_backward(self, unit: Unit, output) -> None:
+        tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
+
+        def hook(grad):
+            if id(unit) not in self._backward_started:
+                self._backward_started.add(id(unit))
+                self._recording = False
+                unit.set_training_state(TrainingState.BACKWARD)
+                self._gather(unit, wait=True)
+                self._prefetch(self._upcoming_backward(unit))
+            return grad
+
+        for t in tensors:
+            t.register_hook(hook)
+
+    def on_flat_params_reduced(self, unit: Unit) -> None:
+        """All of ``unit``'s partitioned gradients are in flight: its weights are no longer needed."""
+        if unit is not self.root and unit.training_state is TrainingState.BACKWARD:
+            unit.release()
+            unit.set_training_state(TrainingState.IDLE)
+
+    def end_of_backward(self) -> None:
+        for unit in self.units + [self.root]:
+            if unit.training_state is TrainingState.BACKWARD or unit.sharded_state is not ShardedState.SHARDED:
+                unit.wait_gathered()
+                unit.release()
+            unit.set_training_state(TrainingState.IDLE)
+        self._backward_started.clear()
+
+    def release_all(self) -> None:
+        """Free every gathered unit (after an evaluation forward, before saving, at teardown)."""
+        for unit in self.units + [self.root]:
+            if unit.sharded_state is not ShardedState.SHARDED:
+                unit.wait_gathered()
+                unit.release()
+            unit.set_training_state(TrainingState.IDLE)

@@ -1,0 +1,15 @@
+"""Session-wide test setup; pytest imports this before any test module.
+
+Triton decides interpret-or-compile when its ``triton.language`` module is first imported (see
+``ds_strategy.kernels.dispatch``), and Lightning or ``torch._dynamo`` import it early, so the interpreter has to
+be requested here, before any of them. Without a GPU that lets ``test_kernels.py`` run the Triton kernels on CPU
+tensors by forcing ``backend="triton"``; every other test keeps the fast reference path, because production
+dispatch never sends CPU tensors to Triton whatever the environment says. Spawned ranks inherit the variable,
+harmlessly for the same reason. With a GPU the kernels are compiled and tested on CUDA tensors instead.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -1,0 +1,41 @@
+"""Fabric end to end: ``Fabric(strategy="zero2")`` trains sharded on 2 real CPU processes through
+``examples/train_fabric.py`` (setup, no_backward_sync, backward, clip_gradients, optimizer.step, save), and a bad
+config fails when the Fabric is built, before any process starts."""
+import lightning as L
+import pytest
+import torch
+from e2e_runs import EXAMPLES, PYTHON, assert_trained_sharded, run
+
+from ds_strategy import ZeroFabricStrategy
+from ds_strategy.plain_checkpoint import RANK_STATES
+
+
+def test_fabric_trains_sharded_by_strategy_name_and_saves_every_ranks_optimizer_shard(tmp_path):
+    run([PYTHON, EXAMPLES / "train_fabric.py", "--strategy", "zero2", "--accumulate", "2", "--max-steps", "30",
+         "--out", tmp_path])
+    summary = assert_trained_sharded(tmp_path, stage=2)
+    checkpoint = torch.load(tmp_path / "checkpoint.ckpt", weights_only=True)
+    assert sum(t.numel() for n, t in checkpoint["model"].items() if n != "lm_head.weight") == summary["trainable_params"]
+    assert len(checkpoint["optimizer"][RANK_STATES]) == 2
+
+
+def test_fabric_strategy_names_come_from_the_presets():
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy="zero1")
+    assert isinstance(fabric.strategy, ZeroFabricStrategy)
+    assert fabric.strategy.config.stage == 1
+
+
+def test_bad_stage_names_the_field():
+    with pytest.raises(ValueError, match="stage=5"):
+        L.Fabric(accelerator="cpu", devices=1, strategy=ZeroFabricStrategy(stage=5))
+
+
+def test_fabric_precision_conflicting_with_the_config_is_rejected():
+    with pytest.raises(ValueError, match="Fabric\\(precision\\)='bf16-mixed' conflicts with ZeroConfig.precision"):
+        L.Fabric(accelerator="cpu", devices=1, strategy=ZeroFabricStrategy(precision="bf16-true"),
+                 precision="bf16-mixed")
+
+
+def test_fabric_precision_flag_reaches_the_engine_config():
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy="zero2", precision="bf16-mixed")
+    assert fabric.strategy.config.precision == "bf16-mixed"
