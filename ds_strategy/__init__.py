@@ -8,5 +8,7 @@ from .deepspeed_config import config_from_deepspeed
 from .zero.engine import ZeroEngine
 from .lightning import ZeroPrecision, ZeroStrategy
 from .fabric import ZeroFabricStrategy
+from .estimate import estimate_memory
 
-__all__ = ["ZeroConfig", "ZeroEngine", "ZeroFabricStrategy", "ZeroPrecision", "ZeroStrategy", "config_from_deepspeed"]
+__all__ = ["ZeroConfig", "ZeroEngine", "ZeroFabricStrategy", "ZeroPrecision", "ZeroStrategy", "config_from_deepspeed",
+           "estimate_memory"]

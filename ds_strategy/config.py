@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import math
 import numbers
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,6 +34,7 @@ _COMMUNICATION_DTYPES = {
     "float32": "fp32", "float16": "fp16", "bfloat16": "bf16",
 }
 _GRADIENT_REDUCTIONS = {name: name for name in ("auto", "reduce_scatter", "all_reduce")}
+_OFFLOAD_PLACES = {name: name for name in ("none", "cpu", "nvme")}
 
 
 class ZeroConfigError(ValueError):
@@ -60,8 +62,12 @@ class ZeroConfig:
         reduce_bucket_size (default 5e8, or "auto"): gradients are flattened into buckets of this many
             elements per collective. Larger: fewer, better-utilised collectives but a bigger staging buffer.
         allgather_bucket_size (default 5e8): same, for the stage 1/2 all-gather of updated parameters.
-        overlap_comm (default True): launch each bucket's reduction as soon as it fills, on a side stream,
-            overlapping backward compute at the cost of keeping buckets alive until they finish.
+        overlap_comm (default True): launch each bucket's reduction as soon as it fills and wait for it only
+            when the in-flight bound or the optimizer needs it, overlapping backward compute at the cost of
+            keeping buckets alive until they finish; also prefetch stage-3 gathers and leave the stage 1/2
+            parameter all-gathers in flight until the next forward. False runs every collective synchronously
+            where it is issued and gathers stage-3 units on demand: the same collectives in the same order, so
+            the same results, slower.
         contiguous_gradients (default True): copy reduced gradient shards into one preallocated flat
             buffer, avoiding fragmentation at the cost of one extra copy.
         communication_dtype (default None = auto): dtype gradients travel in. Auto is fp32 for fp32 and
@@ -81,12 +87,58 @@ class ZeroConfig:
             gather again for backward. False keeps them until backward: one fewer all-gather, more memory.
         collective_timeout (default 600 s): how long a rank waits for one collective before raising an error
             that names it, instead of hanging forever when ranks issue different collectives (a rank that
-            skipped a unit, or ran fewer forward calls under stage 3).
+            skipped a unit, or ran fewer forward calls under stage 3). Before each optimizer step the ranks
+            also compare the collectives they issued (one tiny all-gather), which catches the mismatches that
+            do not hang; see ``ds_strategy.comm.sequence_check``.
         unit_modules (default ()): module classes, or class names, whose instances are the units that are
             gathered/freed together and that bound gradient buckets. Empty auto-detects the repeated
             child block type (e.g. a transformer layer).
         unit_min_params (default 0): when > 0 and unit_modules is empty, form units by parameter count
             instead of by class, with this many elements as the threshold for a unit.
+
+    ZeRO++ (communication volume; names and defaults as in DeepSpeed; see ``ds_strategy.comm.quantized``):
+        zero_quantized_weights (default False; stage 3): qwZ, all-gather weights as block-wise int8 (one
+            fp32 scale per 256 values) and dequantise: about 1/4 of the fp32 bytes (1/2 of bf16), at the cost
+            of forward and backward seeing weights rounded to 1/254 of their block's largest magnitude.
+            Checkpoints and ``full_state_dict`` still gather exactly.
+        zero_quantized_gradients (default False; stage 2 or 3): qgZ, reduce gradients with an all-to-all of
+            block-wise int8 chunks, dequantised and summed in fp32 by their owner: about 1/4 of the bytes of
+            an fp32 reduce-scatter. Each rank's gradient is rounded once, before the sum.
+        zero_hpz_partition_size (default 1 = off; stage 3): hpZ, keep a secondary copy of each unit's
+            weights partitioned over groups of this many consecutive ranks (e.g. one node's GPUs), cut from
+            the forward gather, so backward all-gathers stay inside the group. Costs 1/size of a unit's
+            weights per rank from its forward to its backward; needs ``reshard_after_forward`` to matter, a
+            size that divides the world size, and the engine on the default process group.
+
+    Reporting:
+        log_comm_stats (default True): the Lightning strategy logs each optimizer step's communication
+            bytes (total and per collective kind) and time spent waiting to the Trainer's logger, as
+            ``comm/bytes``, ``comm/<kind>_bytes`` and ``comm/wait_seconds``.
+
+    Offload (ZeRO-Offload and ZeRO-Infinity; DeepSpeed's ``offload_optimizer`` / ``offload_param`` sections,
+    same defaults; see ``ds_strategy.offload``):
+        offload_optimizer (default "none"; stage >= 1): where this rank's fp32 master shard and optimizer
+            state live. "cpu": host memory; reduced gradient shards are copied to the host and the optimizer
+            steps there (``CpuAdam`` for Adam/AdamW/Adagrad/SGD, torch's own step otherwise), then the updated
+            parameters are copied back. Frees 12 bytes per parameter / N of device memory for Adam, costs
+            host memory bandwidth and a host<->device copy per step. "nvme": files under ``nvme_path``
+            streamed through host buffers during the step: host memory holds only the buffers, the step is
+            bounded by disk bandwidth.
+        offload_params (default "none"; stage 3): where this rank's parameter shard lives between gathers:
+            "cpu" (host memory) or "nvme" (a file under ``nvme_path``); gathered units stay on the device.
+        nvme_path (default None; required with "nvme"): directory for the offload files. Each rank creates
+            its own uniquely named subdirectory at setup (after checking space and permissions) and removes
+            it at teardown.
+        pin_memory (default False): page-lock host buffers when the device is CUDA, so host<->device copies
+            run asynchronously and faster, at the cost of memory the OS cannot swap out. No effect on CPU.
+        offload_ratio (default 1.0): fraction of the shard's elements (whole flat buffers, in order) whose
+            optimizer work is offloaded; the rest steps on the device. Lower: more device memory, less host work.
+        buffer_count (default 4, >= 2): host buffers the NVMe step cycles through, so that the next
+            sub-group is read and earlier ones are written while one is updated.
+        buffer_size (default 1e8): elements per NVMe staging buffer (each holds a sub-group's master and
+            state); host memory for NVMe offload is about buffer_count x buffer_size x 4 bytes x (1 + states).
+        sub_group_size (default 1e9): the optimizer steps each flat shard in pieces of at most this many
+            elements (with NVMe, also at most ``buffer_size``): the unit of IO and of host<->device overlap.
 
     Optimizer step:
         gradient_clipping (default 0.0 = off): clip the global gradient norm to this before the step.
@@ -123,6 +175,18 @@ class ZeroConfig:
     collective_timeout: float = 600.0
     unit_modules: tuple[type[torch.nn.Module] | str, ...] = ()
     unit_min_params: int = 0
+    zero_quantized_weights: bool = False
+    zero_quantized_gradients: bool = False
+    zero_hpz_partition_size: int = 1
+    log_comm_stats: bool = True
+    offload_optimizer: str = "none"
+    offload_params: str = "none"
+    nvme_path: str | None = None
+    pin_memory: bool = False
+    offload_ratio: float = 1.0
+    buffer_count: int = 4
+    buffer_size: int = 100_000_000
+    sub_group_size: int = 1_000_000_000
     gradient_clipping: float = 0.0
     gradient_accumulation_steps: int = 1
     train_micro_batch_size_per_gpu: int | None = None
@@ -155,6 +219,27 @@ class ZeroConfig:
             "collective_timeout": _real("collective_timeout", self.collective_timeout, 0.0, exclusive=True),
             "unit_modules": _unit_modules(self.unit_modules),
             "unit_min_params": _integer("unit_min_params", self.unit_min_params, 0),
+            "zero_quantized_weights": _needs_stage(
+                "zero_quantized_weights", _flag("zero_quantized_weights", self.zero_quantized_weights), self.stage, 3),
+            "zero_quantized_gradients": _needs_stage(
+                "zero_quantized_gradients", _flag("zero_quantized_gradients", self.zero_quantized_gradients),
+                self.stage, 2),
+            "zero_hpz_partition_size": _needs_stage(
+                "zero_hpz_partition_size", _integer("zero_hpz_partition_size", self.zero_hpz_partition_size, 1),
+                self.stage, 3, off=1),
+            "log_comm_stats": _flag("log_comm_stats", self.log_comm_stats),
+            "offload_optimizer": _needs_stage(
+                "offload_optimizer", _choice("offload_optimizer", self.offload_optimizer, _OFFLOAD_PLACES), self.stage,
+                1, off="none"),
+            "offload_params": _needs_stage(
+                "offload_params", _choice("offload_params", self.offload_params, _OFFLOAD_PLACES), self.stage, 3,
+                off="none"),
+            "nvme_path": _nvme_path(self.nvme_path, self.offload_optimizer, self.offload_params),
+            "pin_memory": _flag("pin_memory", self.pin_memory),
+            "offload_ratio": _offload_ratio(self.offload_ratio, self.offload_optimizer),
+            "buffer_count": _integer("buffer_count", self.buffer_count, 2),
+            "buffer_size": _integer("buffer_size", self.buffer_size, 1),
+            "sub_group_size": _integer("sub_group_size", self.sub_group_size, 1),
             "gradient_clipping": _real("gradient_clipping", self.gradient_clipping, 0.0),
             "gradient_accumulation_steps": _integer(
                 "gradient_accumulation_steps", self.gradient_accumulation_steps, 1
@@ -217,6 +302,11 @@ class ZeroConfig:
     def partitions_parameters(self) -> bool:
         """Each rank holds only its parameter shard between uses (stage >= 3)."""
         return self.stage >= 3
+
+    @property
+    def offloads(self) -> bool:
+        """Some model state lives off the device: ``offload_optimizer`` or ``offload_params`` is set."""
+        return self.offload_optimizer != "none" or self.offload_params != "none"
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -291,6 +381,35 @@ def _real(name: str, value: Any, minimum: float, *, exclusive: bool = False) -> 
     if not in_range:
         raise _reject(name, value, f"a finite number {'>' if exclusive else '>='} {minimum}")
     return float(value)
+
+
+def _needs_stage(name: str, value: Any, stage: Any, minimum: int, off: Any = False) -> Any:
+    """``value`` unless it turns on a feature that ``stage`` (already validated or not) does not have."""
+    if value != off and (not isinstance(stage, int) or stage < minimum):
+        raise ZeroConfigError(name, f"ZeroConfig.{name}={value!r} is not allowed with stage={stage!r}; "
+                                    f"it needs stage >= {minimum} (or {name}={off!r})")
+    return value
+
+
+def _nvme_path(value: Any, offload_optimizer: Any, offload_params: Any) -> str | None:
+    """A non-empty path, required when anything is offloaded to NVMe."""
+    if value is not None and not (isinstance(value, (str, os.PathLike)) and str(value)):
+        raise _reject("nvme_path", value, "a directory path or None")
+    if value is None and "nvme" in (offload_optimizer, offload_params):
+        raise ZeroConfigError("nvme_path", f"ZeroConfig.nvme_path=None is not allowed with offload_optimizer="
+                                           f"{offload_optimizer!r}, offload_params={offload_params!r}; NVMe offload "
+                                           f"needs a directory for its files")
+    return None if value is None else os.fspath(value)
+
+
+def _offload_ratio(value: Any, offload_optimizer: Any) -> float:
+    ratio = _real("offload_ratio", value, 0.0)
+    if ratio > 1.0:
+        raise _reject("offload_ratio", value, "a number between 0 and 1")
+    if ratio != 1.0 and offload_optimizer == "none":
+        raise ZeroConfigError("offload_ratio", f"ZeroConfig.offload_ratio={value!r} is not allowed with "
+                                               f"offload_optimizer='none'; it needs offload_optimizer 'cpu' or 'nvme'")
+    return ratio
 
 
 def _flag(name: str, value: Any) -> bool:

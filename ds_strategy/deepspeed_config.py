@@ -10,6 +10,14 @@ Accepted and ignored, with no effect:
     ``train_batch_size``: implied by micro batch x accumulation x world size, which ds_strategy derives.
     ``zero_optimization.stage3_gather_16bit_weights_on_model_save`` (and its older ``fp16`` spelling):
         ds_strategy's checkpoint export can always gather full weights, so the flag changes nothing.
+    ``offload_optimizer.fast_init``, ``.pipeline``, ``.pipeline_read``, ``.pipeline_write``: the NVMe step always
+        creates its files at setup and always overlaps reads and writes with the update.
+    ``offload_param.buffer_count``: ds_strategy streams through one pool of host buffers, sized by
+        ``offload_optimizer.buffer_count`` (``ZeroConfig.buffer_count``). ``offload_param.max_in_cpu``: an
+        offloaded parameter shard lives wholly where ``device`` says.
+    ``aio.*``: libaio tuning; ds_strategy's NVMe IO is ``os.pread``/``os.pwrite`` on a thread pool.
+
+Both offload sections may name ``nvme_path`` and ``pin_memory``: equal values are fine, different ones conflict.
 
 ``"auto"`` is kept for the sizes ZeroConfig resolves from the hidden size; for ``gradient_clipping``,
 ``gradient_accumulation_steps``, ``train_micro_batch_size_per_gpu`` and ``train_batch_size`` it means the
@@ -82,6 +90,27 @@ def _enables(precision: str) -> _Rule:
     return rule
 
 
+_OFFLOAD_OPTIMIZER: _Table = {
+    "device": _field("offload_optimizer"),
+    "nvme_path": _field("nvme_path"),
+    "pin_memory": _field("pin_memory"),
+    "ratio": _field("offload_ratio"),
+    "buffer_count": _field("buffer_count"),
+    "fast_init": _ignored,
+    "pipeline": _ignored,
+    "pipeline_read": _ignored,
+    "pipeline_write": _ignored,
+}
+_OFFLOAD_PARAM: _Table = {
+    "device": _field("offload_params"),
+    "nvme_path": _field("nvme_path"),
+    "pin_memory": _field("pin_memory"),
+    "buffer_size": _field("buffer_size"),
+    "buffer_count": _ignored,
+    "max_in_cpu": _ignored,
+}
+_AIO: _Table = {name: _ignored for name in ("block_size", "queue_depth", "thread_count", "single_submit",
+                                            "overlap_events", "use_gds")}
 _ZERO_OPTIMIZATION: _Table = {
     "stage": _field("stage"),
     "reduce_bucket_size": _field("reduce_bucket_size"),
@@ -96,9 +125,12 @@ _ZERO_OPTIMIZATION: _Table = {
     "stage3_max_live_parameters": _field("max_live_parameters"),
     "stage3_gather_16bit_weights_on_model_save": _ignored,
     "stage3_gather_fp16_weights_on_model_save": _ignored,
-    "sub_group_size": _not_yet("stepping the optimizer in sub-groups"),
-    "offload_optimizer": _not_yet("optimizer-state offload"),
-    "offload_param": _not_yet("parameter offload"),
+    "zero_quantized_weights": _field("zero_quantized_weights"),
+    "zero_quantized_gradients": _field("zero_quantized_gradients"),
+    "zero_hpz_partition_size": _field("zero_hpz_partition_size"),
+    "sub_group_size": _field("sub_group_size"),
+    "offload_optimizer": _OFFLOAD_OPTIMIZER,
+    "offload_param": _OFFLOAD_PARAM,
 }
 _FP16: _Table = {
     "enabled": _enables("16-mixed"),
@@ -121,6 +153,7 @@ _DEEPSPEED: _Table = {
     "communication_data_type": _field("communication_dtype"),
     "steps_per_print": _ignored,
     "wall_clock_breakdown": _ignored,
+    "aio": _AIO,
     "optimizer": _rejected("configure the optimizer in configure_optimizers; ds_strategy retargets it"),
     "scheduler": _rejected("configure the scheduler in configure_optimizers; ds_strategy steps it"),
 }
@@ -138,7 +171,7 @@ def config_from_deepspeed(ds: Mapping[str, Any] | str | os.PathLike) -> ZeroConf
     origins: dict[str, str] = {}  # ZeroConfig field -> "deepspeed.key=value" that set it
     for key, value, updates in _translate(_DEEPSPEED, ds, prefix=""):
         for field, field_value in updates.items():
-            if field in fields:
+            if field in fields and fields[field] != field_value:
                 raise ValueError(
                     f"DeepSpeed {key}={value!r} conflicts with {origins[field]}: "
                     f"both set ZeroConfig.{field}; keep only one"

@@ -13,12 +13,16 @@ three terms by N:
 ``estimate_memory(7.5e9, 64)`` reproduces that table exactly. Other precisions change the bytes per parameter
 (fp32: 4 + 4 + 8; "-true" half precision: 2 + 2 + 4, no master copy, half-precision moments).
 
-Note: what a real model adds. Given a module (or ``largest_layer`` / ``reduce_bucket_size``), the estimate adds
-what the engine really allocates beyond the paper's terms: under stage 3 the largest unit gathered in full (its
-parameters are whole while it computes) and the parameters under ``param_persistence_threshold``, which stay
-whole on every rank; under stage >= 2 the gradient buckets, at most ``reduce_bucket_size`` elements in flight
-plus the flat buffer being filled, and never more than the whole gradient. Buckets are reported under
-``"buffers"``, as ``memory_report()`` does. Activations are not model state and are not estimated.
+Note: what a real model adds. Given a module or a ``config`` (or ``largest_layer`` / ``reduce_bucket_size``), the
+estimate adds what the engine really allocates beyond the paper's terms, as peaks within a step:
+  * stage 3 gathers a unit in full while it computes, plus up to ``prefetch_bucket_size`` elements of the units
+    that follow, the whole bounded by ``max_live_parameters`` (never below one unit) and by the model; the
+    parameters under ``param_persistence_threshold`` stay whole on every rank.
+  * stage >= 2 reduces gradients from scratch buckets: at most ``reduce_bucket_size`` elements in flight plus the
+    flat buffer being filled, never more than the whole gradient. This is an upper bound: when reductions keep
+    up with backward (small buckets, fast links) fewer are alive. Buckets are reported under ``"buffers"``, as
+    ``memory_report()`` does.
+Activations are not model state and are not estimated.
 
 Note: offload (DeepSpeed's ZeRO-Offload and ZeRO-Infinity semantics). ``offload_optimizer="cpu"`` (stage >= 1)
 moves the optimizer state to host memory, together with the fp32 gradient partition the host optimizer reads;
@@ -153,20 +157,22 @@ def estimate_memory(
 ) -> MemoryEstimate | dict[int, MemoryEstimate]:
     """Bytes per rank on device / host / nvme for ``stage``, or a ``{stage: estimate}`` dict when stage is None.
 
-    ``model_or_param_count``: a module (its units, persistent parameters and the bucket size of ``config``, or
-    ZeroConfig's default, are then counted too), a parameter count (the paper's pure formulas unless
-    ``largest_layer`` / ``reduce_bucket_size`` are given), or a :class:`ModelSize`. ``optimizer_states``: moments
-    per parameter (Adam 2, SGD with momentum 1). See the module docstring for the formulas and offload rules.
+    ``model_or_param_count``: a module (its units and persistent parameters are counted, and the bucket sizes of
+    ``config``, or ZeroConfig's defaults, added), a parameter count (the paper's pure formulas unless
+    ``largest_layer``, ``reduce_bucket_size`` or ``config`` are given), or a :class:`ModelSize`.
+    ``optimizer_states``: moments per parameter (Adam 2, SGD with momentum 1). ``config`` supplies the bucket
+    sizes, ``prefetch_bucket_size``, ``max_live_parameters`` and the unit policy; ``stage`` and ``precision`` are
+    the arguments' own. See the module docstring for the formulas and offload rules.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"estimate_memory world_size={world_size!r} is not allowed; expected an integer >= 1")
-    size, bucket = _model_size(model_or_param_count, largest_layer, reduce_bucket_size, config)
+    size, buckets = _model_size(model_or_param_count, largest_layer, reduce_bucket_size, config)
     per_param = BytesPerParam.of(precision, optimizer_states)
     precision = ZeroConfig(precision=precision).precision
     if stage is None:
-        return {s: _estimate(size, world_size, s, offload_optimizer, offload_params, precision, per_param, bucket)
+        return {s: _estimate(size, world_size, s, offload_optimizer, offload_params, precision, per_param, buckets)
                 for s in STAGES if _offload_error(s, offload_optimizer, offload_params) is None}
-    return _estimate(size, world_size, stage, offload_optimizer, offload_params, precision, per_param, bucket)
+    return _estimate(size, world_size, stage, offload_optimizer, offload_params, precision, per_param, buckets)
 
 
 def valid_offloads(stage: int) -> list[tuple[str, str]]:
@@ -174,12 +180,19 @@ def valid_offloads(stage: int) -> list[tuple[str, str]]:
     return [(o, p) for o in OFFLOAD_MODES for p in OFFLOAD_MODES if _offload_error(stage, o, p) is None]
 
 
-def _model_size(model, largest_layer, reduce_bucket_size, config) -> tuple[ModelSize, int | None]:
+@dataclasses.dataclass(frozen=True)
+class _Buckets:
+    """Element counts that bound the working buffers; None where the caller gave nothing to go on."""
+
+    reduce: int | None = None
+    prefetch: int = 0
+    max_live: int | None = None
+
+
+def _model_size(model, largest_layer, reduce_bucket_size, config) -> tuple[ModelSize, _Buckets]:
     if isinstance(model, nn.Module):
-        config = config or ZeroConfig()
         size = ModelSize.of_module(model, config)
-        if reduce_bucket_size is None and config.reduce_bucket_size != "auto":
-            reduce_bucket_size = int(config.reduce_bucket_size)
+        config = config or ZeroConfig()
     elif isinstance(model, ModelSize):
         size = model
     elif isinstance(model, (int, float)) and not isinstance(model, bool) and model >= 1:
@@ -193,7 +206,12 @@ def _model_size(model, largest_layer, reduce_bucket_size, config) -> tuple[Model
         size = dataclasses.replace(size, largest_unit=int(largest_layer))
     if reduce_bucket_size is not None and reduce_bucket_size < 1:
         raise ValueError(f"estimate_memory reduce_bucket_size={reduce_bucket_size!r} is not allowed; expected >= 1")
-    return size, reduce_bucket_size
+    if config is None:
+        return size, _Buckets(reduce=reduce_bucket_size)
+    defaults = ZeroConfig()
+    known = lambda name: getattr(config if getattr(config, name) != "auto" else defaults, name)  # noqa: E731
+    return size, _Buckets(reduce=reduce_bucket_size if reduce_bucket_size is not None else int(known("reduce_bucket_size")),
+                          prefetch=int(known("prefetch_bucket_size")), max_live=config.max_live_parameters)
 
 
 def _offload_error(stage: int, offload_optimizer: str, offload_params: str) -> str | None:
@@ -212,7 +230,7 @@ def _offload_error(stage: int, offload_optimizer: str, offload_params: str) -> s
 
 
 def _estimate(size: ModelSize, n: int, stage: int, offload_optimizer: str, offload_params: str, precision: str,
-              per_param: BytesPerParam, bucket: int | None) -> MemoryEstimate:
+              per_param: BytesPerParam, buckets: _Buckets) -> MemoryEstimate:
     error = _offload_error(stage, offload_optimizer, offload_params)
     if error is not None:
         raise ValueError(f"estimate_memory {error}")
@@ -225,8 +243,7 @@ def _estimate(size: ModelSize, n: int, stage: int, offload_optimizer: str, offlo
     else:
         partitioned = psi - size.persistent
         out["params"][_place(offload_params)] += per_param.params * partitioned / n
-        working_set = min(size.largest_unit, partitioned)
-        out["params"]["device"] += per_param.params * (size.persistent + working_set) + frozen
+        out["params"]["device"] += per_param.params * (size.persistent + _gathered(size, partitioned, buckets)) + frozen
     # gradients: whole below stage 2, else a 1/N partition; the optimizer's host copy when it is offloaded
     grads = per_param.grads * psi / (n if stage >= 2 else 1)
     if offload_optimizer == "none":
@@ -237,10 +254,18 @@ def _estimate(size: ModelSize, n: int, stage: int, offload_optimizer: str, offlo
     # optimizer state: whole at stage 0, else a 1/N partition, wherever it is offloaded to
     out["optimizer"][_place(offload_optimizer)] = per_param.optimizer * psi / (n if stage >= 1 else 1)
     # gradient buckets: scratch that stage 2/3 reduce from, bounded by the bucket size and the whole gradient
-    if stage >= 2 and bucket is not None:
-        out["buffers"]["device"] = per_param.grads * min(psi, bucket + size.largest_unit)
+    if stage >= 2 and buckets.reduce is not None:
+        out["buffers"]["device"] = per_param.grads * min(psi, buckets.reduce + size.largest_unit)
     report = {kind: {place: int(round(value)) for place, value in places.items()} for kind, places in out.items()}
     return MemoryEstimate(stage, n, precision, offload_optimizer, offload_params, report)
+
+
+def _gathered(size: ModelSize, partitioned: int, buckets: _Buckets) -> int:
+    """Stage 3's peak of gathered elements: the unit computing plus what is prefetched, within the bounds."""
+    gathered = size.largest_unit + (buckets.prefetch if size.largest_unit else 0)
+    if buckets.max_live is not None:
+        gathered = min(gathered, max(size.largest_unit, buckets.max_live))
+    return min(gathered, partitioned)
 
 
 def _place(offload: str) -> str:

@@ -330,14 +330,43 @@ def test_unsupported_nested_deepspeed_key_is_rejected_with_dotted_name_and_sugge
         config_from_deepspeed({"zero_optimization": {"stage3_prefetch_bucket": 10}})
 
 
-def test_deepspeed_offload_section_is_rejected_as_not_supported_yet():
-    with pytest.raises(ValueError, match=r"zero_optimization\.offload_optimizer is not supported yet"):
-        config_from_deepspeed({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})
+def test_deepspeed_offload_sections_map_to_offload_fields():
+    config = config_from_deepspeed({
+        "zero_optimization": {
+            "stage": 3,
+            "sub_group_size": 1e6,
+            "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True, "ratio": 0.5,
+                                  "buffer_count": 6, "fast_init": False, "pipeline_read": True},
+            "offload_param": {"device": "cpu", "nvme_path": "/local_nvme", "pin_memory": True, "buffer_count": 5,
+                              "buffer_size": 1e7, "max_in_cpu": 1e9},
+        },
+        "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 1},
+    })
+    assert (config.offload_optimizer, config.offload_params, config.nvme_path) == ("nvme", "cpu", "/local_nvme")
+    assert (config.pin_memory, config.offload_ratio, config.buffer_count) == (True, 0.5, 6)
+    assert (config.buffer_size, config.sub_group_size) == (10_000_000, 1_000_000)
 
 
-def test_deepspeed_sub_group_size_is_rejected_as_not_supported_yet():
-    with pytest.raises(ValueError, match=r"zero_optimization\.sub_group_size is not supported yet"):
-        config_from_deepspeed({"zero_optimization": {"sub_group_size": 1e9}})
+def test_deepspeed_offload_sections_with_different_nvme_paths_conflict():
+    with pytest.raises(ValueError, match=r"offload_param\.nvme_path='/b' conflicts with .*offload_optimizer\.nvme_path"):
+        config_from_deepspeed({"zero_optimization": {
+            "stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/a"},
+            "offload_param": {"device": "nvme", "nvme_path": "/b"}}})
+
+
+def test_deepspeed_param_offload_below_stage3_names_the_deepspeed_key():
+    with pytest.raises(ValueError, match=r"offload_param\.device='cpu': ZeroConfig\.offload_params='cpu' is not "
+                                         r"allowed with stage=2"):
+        config_from_deepspeed({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})
+
+
+def test_offload_settings_are_validated_naming_the_field():
+    with pytest.raises(ValueError, match=r"ZeroConfig\.nvme_path=None is not allowed with offload_optimizer='nvme'"):
+        ZeroConfig(stage=2, offload_optimizer="nvme")
+    with pytest.raises(ValueError, match=r"ZeroConfig\.offload_optimizer='cpu' is not allowed with stage=0"):
+        ZeroConfig(stage=0, offload_optimizer="cpu")
+    with pytest.raises(ValueError, match=r"ZeroConfig\.offload_ratio=1\.5 is not allowed"):
+        ZeroConfig(offload_optimizer="cpu", offload_ratio=1.5)
 
 
 def test_deepspeed_optimizer_section_points_to_configure_optimizers():

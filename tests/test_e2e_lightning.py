@@ -1,15 +1,11 @@
-"""Lightning entry points end to end: the Trainer by strategy name (lightning.pytorch and pytorch_lightning) and
-the DeepSpeed-JSON example, each on 2 real CPU processes; bad strategy configs fail at construction."""
+"""Lightning entry points end to end: ``pytorch_lightning``'s Trainer by strategy name and the DeepSpeed-JSON
+example, each on 2 real CPU processes; bad strategy configs fail at construction. (``lightning.pytorch``'s Trainer
+by name is the README usage example, run by ``test_readme.py``; Lightning with Hydra is ``test_hydra.py``.)"""
 import lightning as L
 import pytest
 from e2e_runs import EXAMPLES, PYTHON, SCRIPTS, assert_trained_sharded, run
 
 from ds_strategy import ZeroStrategy
-
-
-def test_lightning_trainer_trains_sharded_by_strategy_name(tmp_path):
-    run([PYTHON, SCRIPTS / "lightning_by_name.py", "lightning.pytorch", "zero2", tmp_path])
-    assert_trained_sharded(tmp_path, stage=2)
 
 
 def test_pytorch_lightning_trainer_trains_sharded_by_strategy_name(tmp_path):

@@ -15,10 +15,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_ranks
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 
 import models
 from ds_strategy.config import ZeroConfig
-from ds_strategy.lightning import ZeroPrecision
+from ds_strategy.lightning import ZeroPrecision, ZeroStrategy
 from ds_strategy.models import gpt_config
 from ds_strategy.precision import autocast_for
 from ds_strategy.zero.engine import ZeroEngine
@@ -253,6 +254,31 @@ def _plugin_with_engine():
     plugin = ZeroPrecision("16-mixed")
     plugin.attach_engine(engine, model)
     return plugin
+
+
+def test_bf16_true_keeps_weights_gradients_and_optimizer_state_in_bf16_without_a_master_copy():
+    model, optimizer = _build()
+    engine = ZeroEngine(model, optimizer, ZeroConfig(stage=2, precision="bf16-true"))
+    with autocast_for("bf16-true", "cpu"):
+        loss = model(next(_global_batches(1)))
+    engine.backward(loss)
+    assert engine.step()
+    for fp in engine.flat_params:
+        assert fp.master is fp.shard and fp.master.dtype == fp.grad_shard.dtype == torch.bfloat16
+    states = [v for state in optimizer.state.values() for v in state.values() if v.numel() > 1]
+    assert states and all(v.dtype == torch.bfloat16 for v in states)
+
+
+@pytest.mark.parametrize("config, flag, expected", [
+    ("16-mixed", Precision(), "16-mixed"),                       # a flag left at 32-true defers to the config
+    ("32-true", MixedPrecision("bf16-mixed", "cpu"), "bf16-mixed"),  # a config left at 32-true defers to the flag
+    ("bf16-true", HalfPrecision("bf16-true"), "bf16-true"),
+])
+def test_trainer_precision_flag_and_config_agree_on_one_precision(config, flag, expected):
+    strategy = ZeroStrategy(stage=2, precision=config)
+    strategy.precision_plugin = flag
+    assert isinstance(strategy.precision_plugin, ZeroPrecision)
+    assert strategy.precision_plugin.precision == strategy.config.precision == expected
 
 
 def test_lightning_trainer_runs_bf16_mixed_and_fp16_with_a_skipped_step(tmp_path):

@@ -1,7 +1,7 @@
 """Stages 0, 1 and 2 on real gloo ranks train exactly like one unsharded process fed the same global batch."""
 import pytest
 from distributed import run_ranks
-from training_loops import Recipe, assert_matches, train_reference, train_stages
+from training_loops import Recipe, assert_matches, check_jobs, train_reference, train_stages
 
 STAGES = (0, 1, 2)
 GPT = Recipe(model="TinyGPT")
@@ -32,14 +32,20 @@ def test_mlp_matches_single_process(mlp_runs, stage):
         assert_matches(rank[stage], reference)
 
 
-@pytest.mark.parametrize("model", ["FrozenParamModel", "UnusedParamModel", "BatchNormModel", "OddSizeModel"])
-def test_edge_model_matches_single_process(model):
-    recipe = Recipe(model=model, steps=4)
-    ranks = run_ranks(train_stages, 2, recipe, (1, 2))
-    reference = train_reference(recipe, 2)
+EDGE = ("FrozenParamModel", "UnusedParamModel", "BatchNormModel", "OddSizeModel")
+
+
+@pytest.fixture(scope="module")
+def edge_runs():
+    return check_jobs({f"{model}/{stage}": (Recipe(model=model, steps=4), stage) for model in EDGE for stage in (1, 2)})
+
+
+@pytest.mark.parametrize("stage", (1, 2))
+@pytest.mark.parametrize("model", EDGE)
+def test_edge_model_matches_single_process(edge_runs, model, stage):
+    ranks, reference = edge_runs[f"{model}/{stage}"]
     for rank in ranks:
-        for stage in (1, 2):
-            assert_matches(rank[stage], reference)
+        assert_matches(rank, reference)
 
 
 def test_odd_sized_model_on_four_ranks_matches_single_process():

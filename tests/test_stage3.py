@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_ranks
-from training_loops import Recipe, assert_matches, train_reference, train_stages
+from training_loops import Recipe, assert_matches, check_jobs
 
 import models
 from ds_strategy.comm.collectives import CollectiveMismatchError
@@ -16,67 +16,79 @@ from ds_strategy.zero.engine import ZeroEngine
 PARTITION_ALL = {"param_persistence_threshold": 0}
 
 
-def _check(recipe: Recipe, world_size: int = 2) -> list[dict]:
-    ranks = run_ranks(train_stages, world_size, recipe, (3,))
-    reference = train_reference(recipe, world_size)
-    for rank in ranks:
-        assert_matches(rank[3], reference)
-    return [rank[3] for rank in ranks]
+def _block_numel() -> int:
+    return sum(p.numel() for p in models.DeepTinyGPT().blocks[0].parameters())
 
 
-@pytest.mark.parametrize("model", ["TinyGPT", "MLP"])
-def test_zero3_matches_single_process(model):
-    _check(Recipe(model=model, zero=PARTITION_ALL))
-
-
-@pytest.mark.parametrize("model", ["FrozenParamModel", "UnusedParamModel", "BatchNormModel", "OddSizeModel"])
-def test_zero3_edge_model_matches_single_process(model):
-    _check(Recipe(model=model, steps=4, zero=PARTITION_ALL))
-
-
-def test_zero3_on_four_ranks_matches_single_process():
-    _check(Recipe(model="OddSizeModel", steps=4, zero=PARTITION_ALL), world_size=4)
-
-
-def test_zero3_with_activation_checkpointing_matches_single_process():
-    _check(Recipe(model="CheckpointedTinyGPT", steps=4, zero=PARTITION_ALL))
-
-
-def test_zero3_without_reshard_after_forward_matches_single_process():
-    _check(Recipe(model="TinyGPT", steps=4, zero={**PARTITION_ALL, "reshard_after_forward": False}))
-
-
-def test_zero3_small_parameters_stay_replicated_and_still_match():
-    runs = _check(Recipe(model="TinyGPT", steps=4))  # default threshold: every tiny tensor is persistent
-    assert all(numel == 0 for numel in runs[0]["unit_numels"])
+JOBS = {
+    "TinyGPT": (Recipe(model="TinyGPT", zero=PARTITION_ALL), 3),
+    "MLP": (Recipe(model="MLP", zero=PARTITION_ALL), 3),
+    **{m: (Recipe(model=m, steps=4, zero=PARTITION_ALL), 3)
+       for m in ("FrozenParamModel", "UnusedParamModel", "BatchNormModel", "OddSizeModel")},
+    "checkpointing": (Recipe(model="CheckpointedTinyGPT", steps=4, zero=PARTITION_ALL), 3),
+    "no-reshard": (Recipe(model="TinyGPT", steps=4, zero={**PARTITION_ALL, "reshard_after_forward": False}), 3),
+    "persistent": (Recipe(model="TinyGPT", steps=4), 3),  # default threshold: every tiny tensor stays whole
+    "deep": (Recipe(model="DeepTinyGPT", steps=3, zero={**PARTITION_ALL, "prefetch_bucket_size": _block_numel()}), 3),
+}
 
 
 @pytest.fixture(scope="module")
-def deep_run():
-    block = sum(p.numel() for p in models.DeepTinyGPT().blocks[0].parameters())
-    recipe = Recipe(model="DeepTinyGPT", steps=3, zero={**PARTITION_ALL, "prefetch_bucket_size": block})
-    return _check(recipe), block
+def runs():
+    return check_jobs(JOBS)
 
 
-def test_zero3_holds_one_over_n_of_parameters_between_steps(deep_run):
-    runs, _ = deep_run
+def _matches(runs, name: str) -> list[dict]:
+    ranks, reference = runs[name]
+    for rank in ranks:
+        assert_matches(rank, reference)
+    return ranks
+
+
+@pytest.mark.parametrize("model", ["TinyGPT", "MLP"])
+def test_zero3_matches_single_process(runs, model):
+    _matches(runs, model)
+
+
+@pytest.mark.parametrize("model", ["FrozenParamModel", "UnusedParamModel", "BatchNormModel", "OddSizeModel"])
+def test_zero3_edge_model_matches_single_process(runs, model):
+    _matches(runs, model)
+
+
+def test_zero3_on_four_ranks_matches_single_process():
+    four = check_jobs({"odd": (Recipe(model="OddSizeModel", steps=4, zero=PARTITION_ALL), 3)}, world_size=4)
+    _matches(four, "odd")
+
+
+def test_zero3_with_activation_checkpointing_matches_single_process(runs):
+    _matches(runs, "checkpointing")
+
+
+def test_zero3_without_reshard_after_forward_matches_single_process(runs):
+    _matches(runs, "no-reshard")
+
+
+def test_zero3_small_parameters_stay_replicated_and_still_match(runs):
+    ranks = _matches(runs, "persistent")
+    assert all(numel == 0 for numel in ranks[0]["unit_numels"])
+
+
+def test_zero3_holds_one_over_n_of_parameters_between_steps(runs):
     psi = sum(p.numel() for p in models.DeepTinyGPT().parameters())
-    for run in runs:
+    for run in _matches(runs, "deep"):
         assert run["gathered_between_steps"] == 0
         params = sum(run["memory"]["params"].values())
         assert abs(params - 4 * psi / 2) <= 0.05 * 4 * psi / 2 + 4 * 2 * len(run["unit_numels"]) * 2
 
 
-def test_zero3_gathered_parameters_stay_within_the_prefetch_bound(deep_run):
-    runs, block = deep_run
-    for run in runs:
+def test_zero3_gathered_parameters_stay_within_the_prefetch_bound(runs):
+    for run in _matches(runs, "deep"):
         root, units = run["unit_numels"][0], run["unit_numels"][1:]
-        bound = root + 2 * max(units) + block  # the unit in use, the one kept for backward, one prefetched
+        bound = root + 2 * max(units) + _block_numel()  # the unit in use, the one kept for backward, one prefetched
         assert max(units) < run["peak_gathered"] <= bound < root + sum(units)
 
 
 def _meta_build_and_train(rank: int, world_size: int) -> dict:
-    config = gpt_config("small")
+    config = gpt_config("medium")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset this process's peak resident set size
     baseline = _rss_peak_bytes()
@@ -103,7 +115,7 @@ def _rss_peak_bytes() -> int:
 
 
 def test_zero3_builds_a_model_larger_than_the_rank_budget_directly_sharded():
-    config = gpt_config("small")
+    config = gpt_config("medium")
     torch.manual_seed(0)
     normal = GPT(config)
     full_bytes = sum(p.numel() * 4 for p in normal.parameters())

@@ -117,6 +117,19 @@ def train_stages(rank: int, world_size: int, recipe: Recipe, stages: tuple) -> d
     return {stage: train_zero(rank, world_size, recipe, stage) for stage in stages}
 
 
+def train_jobs(rank: int, world_size: int, jobs: dict) -> dict:
+    """``{name: (recipe, stage)}`` trained one after another in one process group."""
+    return {name: train_zero(rank, world_size, recipe, stage) for name, (recipe, stage) in jobs.items()}
+
+
+def check_jobs(jobs: dict, world_size: int = 2) -> dict:
+    """Train ``jobs`` on ``world_size`` ranks and return ``{name: (per-rank results, reference)}``."""
+    from distributed import run_ranks
+    ranks = run_ranks(train_jobs, world_size, jobs, timeout=600)
+    return {name: ([rank[name] for rank in ranks], train_reference(recipe, world_size))
+            for name, (recipe, _) in jobs.items()}
+
+
 def assert_matches(zero: dict, reference: dict, rtol: float = 1e-5) -> None:
     """Losses to ``rtol`` elementwise; each parameter tensor to ``rtol`` in relative norm, ||a - b|| / ||b||.
 

@@ -7,7 +7,15 @@ collectives (reduce-scatter / all-gather) and their all-reduce equivalents is ma
 Note: byte accounting. Bytes are counted as the volume a ring algorithm moves through each rank, scaled by
 N/(N-1), which is how the ZeRO paper states communication volume: a reduce-scatter or an all-gather of a
 Ψ-element buffer counts Ψ elements, an all-reduce counts 2Ψ (it is a reduce-scatter followed by an
-all-gather). So stage 1/2 costs 2Ψ per step and stage 3 costs 3Ψ, whichever implementation ran.
+all-gather). So stage 1/2 costs 2Ψ per step and stage 3 costs 3Ψ, whichever implementation ran. With
+``use_all_reduce`` every reduce-scatter and all-gather is run as an all-reduce and counted as one, 2Ψ: stage 1/2
+then counts 4Ψ, which is what those all-reduces move. An all-to-all counts its input, the bytes the ring-free
+exchange sends (N-1)/N of.
+
+Note: observers. ``Collectives.observers`` are callables ``(event, kind, label, nbytes)`` told of every launch
+(``event == "launch"``, in the order this rank issues collectives) and of every completed wait (``"done"``). The
+per-step sequence check (:mod:`.sequence_check`) and tests that record the order of events use them; with no
+observer the cost is one empty loop per collective.
 """
 from __future__ import annotations
 
@@ -69,6 +77,12 @@ class PendingCollective:
     def is_completed(self) -> bool:
         return self._work is None or self._work.is_completed()
 
+    def then(self, fn) -> "PendingCollective":
+        """Run ``fn()`` when the collective has been waited on, after what was to run before; returns self."""
+        previous = self._on_done
+        self._on_done = fn if previous is None else (lambda: (previous(), fn()))
+        return self
+
     def wait(self) -> None:
         if self._work is not None:
             start = time.perf_counter()
@@ -104,17 +118,25 @@ class Collectives:
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.use_all_reduce = use_all_reduce
         self.stats = CommStats()
+        self.observers: list = []
 
     def _launch(self, kind: str, nbytes: int, fn, on_done=None, label: str = "") -> PendingCollective:
         """Launch ``fn`` asynchronously; without a process group a one-rank collective is run in process."""
         self.stats.record(kind, nbytes)
+        for observe in self.observers:
+            observe("launch", kind, label, nbytes)
         work = fn() if dist.is_initialized() else None
-        return PendingCollective(work, self.stats.kinds[kind], on_done, kind, label, self.rank, self.timeout)
+        pending = PendingCollective(work, self.stats.kinds[kind], on_done, kind, label, self.rank, self.timeout)
+        if self.observers:
+            observers = list(self.observers)
+            pending.then(lambda: [observe("done", kind, label, nbytes) for observe in observers])
+        return pending
 
-    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> PendingCollective:
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, label: str = "") -> PendingCollective:
         """Sum (or ``op``) ``tensor`` in place across ranks."""
         nbytes = 2 * tensor.numel() * tensor.element_size()
-        return self._launch("all_reduce", nbytes, lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True))
+        return self._launch("all_reduce", nbytes,
+                            lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True), label=label)
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, label: str = "") -> PendingCollective:
         """Sum ``full`` across ranks and leave this rank's ``1/N`` slice of the sum in ``output``.
@@ -151,13 +173,16 @@ class Collectives:
         return self._launch("all_reduce", 2 * nbytes, lambda: dist.all_reduce(full, group=self.group, async_op=True),
                             label=label)
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> PendingCollective:
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, label: str = "") -> PendingCollective:
         nbytes = tensor.numel() * tensor.element_size()
         global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
         return self._launch("broadcast", nbytes,
-                            lambda: dist.broadcast(tensor, global_src, group=self.group, async_op=True))
+                            lambda: dist.broadcast(tensor, global_src, group=self.group, async_op=True), label=label)
 
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> PendingCollective:
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, label: str = "") -> PendingCollective:
+        """Send the r-th of ``world_size`` equal chunks of ``input`` to rank r; chunk r of ``output`` comes from r."""
         nbytes = input.numel() * input.element_size()
+        if not dist.is_initialized():
+            output.copy_(input)
         return self._launch("all_to_all", nbytes,
-                            lambda: dist.all_to_all_single(output, input, group=self.group, async_op=True))
+                            lambda: dist.all_to_all_single(output, input, group=self.group, async_op=True), label=label)

@@ -64,15 +64,21 @@ class ZeroFabricStrategy(DDPStrategy):
 
     # -- precision --------------------------------------------------------------------------------------------
     @property
-    def precision(self) -> Precision:
-        return self._precision if self._precision is not None else Precision()
+    def precision(self) -> ZeroFabricPrecision:
+        if self._precision is None:
+            self._precision = ZeroFabricPrecision(self.config.precision)
+        return self._precision
 
     @precision.setter
     def precision(self, plugin: Precision | None) -> None:
-        """Fabric hands every strategy the plugin for its ``precision`` flag; keep the flag, not the plugin."""
+        """Fabric hands every strategy the plugin for its ``precision`` flag; keep the flag, not the plugin.
+
+        Left unset until then: Fabric ignores its ``precision`` flag for a strategy that already has a plugin.
+        """
         if plugin is not None and not isinstance(plugin, ZeroFabricPrecision):
             self.config = reconcile_precision(self.config, plugin.precision, "Fabric(precision)")
-        self._precision = ZeroFabricPrecision(self.config.precision)
+            plugin = ZeroFabricPrecision(self.config.precision)
+        self._precision = plugin
 
     # -- setup ------------------------------------------------------------------------------------------------
     def setup_environment(self) -> None:
@@ -110,9 +116,13 @@ class ZeroFabricStrategy(DDPStrategy):
 
     def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: float | int,
                             norm_type: float | int = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
-        """Clip to the global norm over every rank's shards, which equals the unsharded model's gradient norm."""
+        """Clip to the global norm over every rank's shards, which equals the unsharded model's gradient norm.
+
+        A non-finite norm under fp16 loss scaling is an overflow the engine's step will skip, not an error.
+        """
         total = self.engine.clip_grad_norm_(float(max_norm), float(norm_type))
-        if error_if_nonfinite and not math.isfinite(total.item()):
+        overflow_expected = self.engine.loss_scaler is not None
+        if error_if_nonfinite and not overflow_expected and not math.isfinite(total.item()):
             raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}); "
                                f"pass error_if_nonfinite=False to clip anyway")
         return total

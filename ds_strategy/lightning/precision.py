@@ -20,7 +20,6 @@ Note: skipped fp16 steps and the LR scheduler.
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib
 from typing import Any, Callable
 
@@ -46,6 +45,10 @@ class ZeroPrecisionMixin:
     does. Under "16-mixed"/"16-true" the loss is multiplied by ``engine.loss_scaler.scale`` before backward, and
     ``loss_scale`` and ``skipped_steps`` are logged at every training step (the scale is the one this step's
     backward uses; ``skipped_steps`` counts overflow skips so far).
+
+    What hooks see: ``on_before_optimizer_step`` and clipping run after the engine has divided the loss scale out
+    of the reduced gradient shards that the optimizer reads (``engine.grad_norm()`` reports their norm). At stage
+    0/1 the parameters' ``.grad`` views still hold the 16-bit, scaled gradients they accumulated in.
     """
 
     def __init__(self, precision: str = "32-true", device: str | None = None):
@@ -72,7 +75,7 @@ class ZeroPrecisionMixin:
 
     # -- module, inputs and the autocast region ---------------------------------------------------------------
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        """"-true" converts the module to the 16-bit dtype; "-mixed" leaves it, the engine's buffers are 16-bit."""
+        """Under "-true" the whole module becomes 16-bit; under "-mixed" the engine makes its flat buffers 16-bit."""
         if self.precision in ("bf16-true", "16-true"):
             return module.to(dtype=self.compute_dtype)
         return module
@@ -133,6 +136,8 @@ class ZeroPrecisionMixin:
 
     # -- skipped steps and the LR scheduler (see the module's Note) -------------------------------------------
     def _gate_lr_scheduler_step(self, module: Any) -> None:
+        if self._gated_module is module:
+            return
         hook = module.lr_scheduler_step
 
         def lr_scheduler_step(scheduler: Any, metric: Any = None) -> None:
@@ -165,17 +170,22 @@ class ZeroPrecisionMixin:
             self._pending_scaler_state = state_dict["loss_scaler"]
 
 
-@functools.cache
+_PRECISION_CLASSES: dict[str, type] = {}
+
+
 def zero_precision_for(package: str, module: str) -> type:
     """ZeroPrecision on ``package``'s Precision base (``"lightning.pytorch"`` or ``"pytorch_lightning"``).
 
     The two packages define distinct Precision classes and each Trainer checks for its own, so each gets a
-    subclass, exposed as ``ZeroPrecision`` in ``module`` so that it pickles; cached so that ``isinstance``
-    checks see one class per package.
+    subclass, exposed as ``ZeroPrecision`` in ``module`` so that it pickles. One class per package, whatever
+    ``module`` later callers pass (the first names where it lives), so that ``isinstance`` checks and pickling
+    see the same class that user code imports.
     """
-    base = importlib.import_module(f"{package}.plugins.precision").Precision
-    return type("ZeroPrecision", (ZeroPrecisionMixin, base), {"__doc__": ZeroPrecisionMixin.__doc__,
-                                                              "__module__": module})
+    if package not in _PRECISION_CLASSES:
+        base = importlib.import_module(f"{package}.plugins.precision").Precision
+        _PRECISION_CLASSES[package] = type("ZeroPrecision", (ZeroPrecisionMixin, base),
+                                           {"__doc__": ZeroPrecisionMixin.__doc__, "__module__": module})
+    return _PRECISION_CLASSES[package]
 
 
 ZeroPrecision = zero_precision_for("lightning.pytorch", __name__)

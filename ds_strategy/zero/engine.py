@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 
@@ -9,11 +10,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..comm.accounting import combined
 from ..comm.collectives import Collectives
+from ..comm.quantized import reduce_scatter_int8
+from ..comm.sequence_check import CollectiveSequenceCheck
 from ..config import ZeroConfig
 from ..precision import GradStats, LossScaler, unscale_and_check_shards
 from .flat_param import FlatParam, ShardPolicy
 from .grad_reducer import GradReducer
+from .hpz import WeightGather, hpz_collectives
 from .memory_report import memory_report
 from .optimizer_retarget import param_group_index, retarget_optimizer
 from .param_gatherer import ParamGatherer
@@ -62,12 +67,14 @@ class ZeroEngine:
         self._grad_stats: GradStats | None = None
         self._master_grads: list[torch.Tensor] | None = None
         self.reducer.register_hooks()
+        self._setup_communication()
         self.gatherer = None
-        if config.partitions_parameters:
+        if config.partitions_parameters:  # without overlap_comm nothing is prefetched: units gather on demand
+            prefetch = int(config.prefetch_bucket_size) if config.overlap_comm else 0
             self.gatherer = ParamGatherer(self.units, self.units[0], config.reshard_after_forward,
-                                          int(config.prefetch_bucket_size), int(config.max_live_parameters))
+                                          prefetch, int(config.max_live_parameters))
             self.reducer.on_launched = self._on_flat_param_launched
-            self.reducer.on_backward_end = self.gatherer.end_of_backward
+            self.reducer.on_backward_end = self._end_of_backward
         self._launched_per_unit: dict[int, int] = {}
         self._unit_of_fp = {id(fp): unit for unit in self.units for fp in unit.flat_params}
         self._hooks = [self.units[0].module.register_forward_pre_hook(lambda module, args: self.before_forward())]
@@ -98,6 +105,24 @@ class ZeroEngine:
         modules = [self.module] + [module for _, module in chosen]
         return [Unit(name, module, self._flat_params_of(name, params, group_of), self.collectives)
                 for name, module, params in zip(names, modules, members)]
+
+    def _setup_communication(self) -> None:
+        """ZeRO++ hooks (qwZ and hpZ into the units, qgZ into the reducer) and the per-step sequence check."""
+        cfg = self.config
+        self.comm_groups = {"world": self.collectives}
+        if cfg.zero_hpz_partition_size > 1 and self.world_size > 1:
+            self.comm_groups["hpz"] = hpz_collectives(self.collectives, cfg.zero_hpz_partition_size)
+        self.weight_gather = None
+        if cfg.zero_quantized_weights or "hpz" in self.comm_groups:
+            self.weight_gather = WeightGather(self.collectives, self.comm_groups.get("hpz"), cfg.zero_quantized_weights)
+            for unit in self.units:
+                unit.weight_gather = self.weight_gather
+        if cfg.zero_quantized_gradients:
+            self.reducer.quantized_reduce_scatter = functools.partial(reduce_scatter_int8, self.collectives)
+        self.sequence_check = None
+        if dist.is_initialized() and self.world_size > 1:
+            self.sequence_check = CollectiveSequenceCheck(list(self.comm_groups.values()))
+            self.comm_groups["monitor"] = self.sequence_check.collectives
 
     def _flat_params_of(self, unit_name: str, params: list[tuple[str, nn.Parameter]],
                         group_of: dict[int, int]) -> list[FlatParam]:
@@ -169,12 +194,14 @@ class ZeroEngine:
         self.wait_for_params()
         if self.gatherer is not None:
             self.gatherer.release_all()
+        if self.weight_gather is not None:
+            self.weight_gather.drop_all()
 
     @contextlib.contextmanager
     def gathered(self, unit: Unit):
         """Temporarily hold one unit's full parameters (stage 3), e.g. to export or inspect them."""
         was_sharded = unit.sharded_state is ShardedState.SHARDED
-        unit.wait_gathered()
+        unit.wait_gathered(exact=True)
         try:
             yield unit
         finally:
@@ -206,6 +233,11 @@ class ZeroEngine:
         order = list(self.module.state_dict().keys())
         return {key: result[key] for key in order}
 
+    def _end_of_backward(self) -> None:
+        self.gatherer.end_of_backward()
+        if self.weight_gather is not None:
+            self.weight_gather.drop_all()
+
     def _on_flat_param_launched(self, fp: FlatParam) -> None:
         unit = self._unit_of_fp[id(fp)]
         if not fp.policy.params:
@@ -228,11 +260,12 @@ class ZeroEngine:
             self.reducer.sync = previous
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` times the current loss scale under fp16 loss scaling, else ``loss`` itself.
+        """``loss`` in fp32 times the current loss scale under fp16 loss scaling, else ``loss`` itself.
 
-        Backward through the result (``backward`` does both); the step divides the scale out again.
+        Backward through the result (``backward`` does both); the step divides the scale out again. The product
+        is taken in fp32, as DeepSpeed does, so that an fp16 loss times 2**16 does not overflow before backward.
         """
-        return loss * self.loss_scaler.scale if self.loss_scaler is not None else loss
+        return loss.float() * self.loss_scaler.scale if self.loss_scaler is not None else loss
 
     def backward(self, loss: torch.Tensor) -> None:
         self.scale_loss(loss).backward()
@@ -298,6 +331,9 @@ class ZeroEngine:
     def step(self) -> bool:
         """Run the optimizer on this rank's shards, then bring every rank's parameters up to date.
 
+        First the ranks compare the collectives each issued since the last step and raise
+        ``CollectiveMismatchError`` if they differ (see :mod:`ds_strategy.comm.sequence_check`).
+
         Returns False when fp16 loss scaling found an inf/nan on some rank: then no rank steps, parameters and
         optimizer state stay as they were, the gradients are discarded and the loss scaler is updated (see
         :mod:`ds_strategy.precision.loss_scaler`). bf16 and fp32 training never skip.
@@ -308,6 +344,8 @@ class ZeroEngine:
         waited on here. Under mixed precision ``copy_master_to_params`` first rounds the updated fp32 master
         into the 16-bit shard, so the all-gathers move 16-bit values.
         """
+        if self.sequence_check is not None:
+            self.sequence_check.verify()
         if self.loss_scaler is not None:
             overflow = self.unscale_gradients().found_inf
             self.loss_scaler.update(overflow)
@@ -339,8 +377,12 @@ class ZeroEngine:
     def memory_report(self) -> dict[str, dict[str, int]]:
         return memory_report(self)
 
-    def comm_stats(self) -> dict[str, dict[str, float]]:
-        return self.collectives.stats.as_dict()
+    def comm_stats(self, group: str | None = None) -> dict[str, dict[str, float]]:
+        """Calls, bytes and seconds waited per collective kind, summed over this rank's process groups, or for one
+        of ``comm_groups``: "world", "hpz" (the hpZ group) or "monitor" (the per-step sequence check)."""
+        if group is not None:
+            return self.comm_groups[group].stats.as_dict()
+        return combined(c.stats for c in self.comm_groups.values())
 
     def summary(self) -> str:
         report = self.memory_report()

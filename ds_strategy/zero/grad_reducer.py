@@ -41,7 +41,12 @@ class GradReducer:
     Note: bucket lifetime. A scratch buffer lives from the first gradient copied into it until its reduction
     has been waited on and added into ``grad_shard``. At most ``bucket_numel`` elements of scratch are in flight:
     launching past that waits for the oldest reductions first. Everything is waited on at the end of backward,
-    so the optimizer never reads a shard a reduction is still writing.
+    so the optimizer never reads a shard a reduction is still writing. At stage 0/1 the buffer in flight is
+    ``grad_full`` itself (or its copy in ``comm_dtype``): nothing writes it between its launch, after its last
+    gradient arrived, and the end of backward. Under qgZ (``quantized_reduce_scatter``) the scratch is read
+    once, into int8 packets, when the reduction is launched; the packets and the fp32 ``out`` live until the
+    wait, which sums into ``out`` (see :mod:`ds_strategy.comm.quantized`). With ``overlap`` off every reduction
+    is waited on as soon as it is launched, inside the hook that launched it, so at most one is ever in flight.
     """
 
     def __init__(self, flat_params: list[FlatParam], collectives: Collectives, overlap: bool, bucket_numel: int,
@@ -62,18 +67,27 @@ class GradReducer:
         self._handles = []
         self.on_launched = lambda fp: None
         self.on_backward_end = lambda: None
+        self.quantized_reduce_scatter = None  # qgZ, set by the engine: (out fp32, full, label) -> PendingCollective
         for fp in flat_params:
             self._allocate(fp)
 
     def _allocate(self, fp: FlatParam) -> None:
         if not fp.policy.grads:
             fp.grad_full = torch.zeros(fp.padded_numel, dtype=fp.grad_dtype, device=fp.device)
-        if fp.policy.optimizer:
+        if fp.policy.optimizer and not fp.policy.grads:
             same_dtype = fp.grad_dtype == fp.master_dtype == self._comm_dtype(fp)
-            if fp.grad_full is not None and self.collectives.use_all_reduce and same_dtype:
+            if self.collectives.use_all_reduce and same_dtype:
                 fp.grad_shard = fp.grad_full.narrow(0, fp.shard_offset, fp.shard_numel)
             else:
                 fp.grad_shard = torch.zeros(fp.shard_numel, dtype=fp.master_dtype, device=fp.device)
+
+    @staticmethod
+    def _grad_shard(fp: FlatParam) -> torch.Tensor:
+        """Partitioned gradients get their shard at the first reduction, so building a model (stage 3 from
+        the meta device) holds nothing but the parameter shards."""
+        if fp.grad_shard is None:
+            fp.grad_shard = torch.zeros(fp.shard_numel, dtype=fp.master_dtype, device=fp.device)
+        return fp.grad_shard
 
     def _comm_dtype(self, fp: FlatParam) -> torch.dtype:
         return self.comm_dtype or fp.grad_dtype
@@ -129,9 +143,13 @@ class GradReducer:
         world = self.collectives.world_size
         if fp.policy.grads:
             scratch = self._scratch_for(fp)
-            out = (scratch.narrow(0, fp.shard_offset, fp.shard_numel) if self.collectives.use_all_reduce
-                   else torch.empty(fp.shard_numel, dtype=scratch.dtype, device=scratch.device))
-            pending = self.collectives.reduce_scatter(out, scratch, label=f"gradients of {fp.name}")
+            if self.quantized_reduce_scatter is not None:
+                out = torch.empty(fp.shard_numel, dtype=torch.float32, device=scratch.device)
+                pending = self.quantized_reduce_scatter(out, scratch, label=f"gradients of {fp.name}")
+            else:
+                out = (scratch.narrow(0, fp.shard_offset, fp.shard_numel) if self.collectives.use_all_reduce
+                       else torch.empty(fp.shard_numel, dtype=scratch.dtype, device=scratch.device))
+                pending = self.collectives.reduce_scatter(out, scratch, label=f"gradients of {fp.name}")
             finish = (fp, out)
             size = scratch.numel()
         elif fp.policy.optimizer:
@@ -142,7 +160,7 @@ class GradReducer:
             finish, size = (fp, out), 0
         else:
             send = fp.grad_full.to(self._comm_dtype(fp))
-            pending = self.collectives.all_reduce(send)
+            pending = self.collectives.all_reduce(send, label=f"gradients of {fp.name}")
             finish, size = (fp, send), 0
         self._in_flight.append((pending, finish, size))
         self.on_launched(fp)
@@ -157,7 +175,7 @@ class GradReducer:
         pending, (fp, out), _ = self._in_flight.popleft()
         pending.wait()
         if fp.policy.grads:
-            fp.grad_shard.add_(out, alpha=1.0 / world)
+            self._grad_shard(fp).add_(out, alpha=1.0 / world)
             del self._scratch[id(fp)]
         else:
             _store_mean(fp.grad_shard if fp.policy.optimizer else fp.grad_full, out, world)
@@ -179,7 +197,7 @@ class GradReducer:
     # -- optimizer step ----------------------------------------------------------------------------------------
     def reduced_grad(self, fp: FlatParam) -> torch.Tensor:
         """The averaged gradient of the region the optimizer updates (shard, or whole buffer at stage 0)."""
-        return fp.grad_shard if fp.policy.optimizer else fp.grad_full
+        return self._grad_shard(fp) if fp.policy.optimizer else fp.grad_full
 
     def zero_grads(self, fp: FlatParam) -> None:
         if fp.grad_full is not None:

@@ -87,7 +87,7 @@ class ParamGatherer:
                 self._register_pre_backward(unit, output)
             last = bool(self.order) and unit is self.order[-1] and not self._recording
             if not torch.is_grad_enabled() or (self.reshard_after_forward and not last):
-                unit.release()
+                unit.release(keep_for_backward=torch.is_grad_enabled())
         return hook
 
     def _track_order(self, unit: Unit) -> None:

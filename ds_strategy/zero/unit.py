@@ -37,6 +37,9 @@ class Unit:
     (which the parameters view) are being written by the collective. Under stage 3 ``release()`` frees the full
     buffers and points the parameters at empty tensors; it is only legal once nothing that autograd saved still
     needs them (after forward with ``reshard_after_forward``, or after the unit's backward has finished).
+
+    ``weight_gather`` (ZeRO++, set by the engine when qwZ or hpZ is on) decides how partitioned buffers are
+    gathered and may keep a secondary piece when they are freed; see :mod:`.hpz`. None: plain all-gathers.
     """
 
     def __init__(self, name: str, module: nn.Module, flat_params: list[FlatParam], collectives: Collectives):
@@ -48,6 +51,7 @@ class Unit:
         self.sharded_state = ShardedState.SHARDED if self.partitioned else ShardedState.GATHERED
         self.training_state = TrainingState.IDLE
         self._pending: list[PendingCollective] = []
+        self.weight_gather = None
 
     @property
     def numel(self) -> int:
@@ -68,18 +72,23 @@ class Unit:
         for fp in flat_params:
             self._pending.append(self.collectives.all_gather(fp.full, fp.shard, label=f"unit {self.name} ({fp.name})"))
 
-    def gather(self) -> None:
-        """Launch the all-gathers of the partitioned flat params without waiting (a prefetch)."""
+    def gather(self, exact: bool = False) -> None:
+        """Launch the all-gathers of the partitioned flat params without waiting (a prefetch).
+
+        ``exact``: never quantised (ZeRO++ qwZ), for exports; it has no effect on a unit already gathered.
+        """
         if self.sharded_state is not ShardedState.SHARDED:
             return
         for fp in self.partitioned:
             fp.alloc_full()
-            self._pending.append(self.collectives.all_gather(fp.full, fp.shard, label=f"unit {self.name} ({fp.name})"))
+            label = f"unit {self.name} ({fp.name})"
+            self._pending.append(self.weight_gather.launch(fp, label, exact) if self.weight_gather is not None
+                                 else self.collectives.all_gather(fp.full, fp.shard, label=label))
         self.sharded_state = ShardedState.GATHERING
 
-    def wait_gathered(self) -> None:
+    def wait_gathered(self, exact: bool = False) -> None:
         """Block until every launched gather is done; partitioned parameters then view the full buffers."""
-        self.gather()
+        self.gather(exact)
         for pending in self._pending:
             pending.wait()
         self._pending.clear()
@@ -88,12 +97,17 @@ class Unit:
                 fp.point_params_at_full()
             self.sharded_state = ShardedState.GATHERED
 
-    def release(self) -> None:
-        """Free the full buffers of the partitioned flat params (stage 3)."""
+    def release(self, keep_for_backward: bool = False) -> None:
+        """Free the full buffers of the partitioned flat params (stage 3).
+
+        ``keep_for_backward``: autograd will run this unit's backward (under hpZ a secondary piece is kept).
+        """
         if not self.partitioned or self.sharded_state is ShardedState.SHARDED:
             return
         assert not self._pending, f"unit {self.name}: release while a gather is in flight"
         for fp in self.partitioned:
+            if self.weight_gather is not None:
+                self.weight_gather.before_free(fp, keep_for_backward)
             fp.point_params_at_empty()
             fp.free_full()
         self.sharded_state = ShardedState.SHARDED
