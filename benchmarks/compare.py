@@ -26,7 +26,7 @@ import torch
 
 from report import add_ratios, markdown_table, summarize, write_chart, write_json
 from runner import Settings, rank_main
-from systems import SYSTEMS, SystemSpec, deepspeed_available
+from systems import SYSTEMS, SystemSpec
 
 from ds_strategy.autotune.launcher import launch_ranks
 
@@ -64,11 +64,10 @@ def select_systems(patterns: str) -> tuple[list[SystemSpec], list[dict]]:
     chosen = [spec for spec in SYSTEMS if any(fnmatch.fnmatch(spec.name, p) for p in wanted)]
     if not chosen:
         raise SystemExit(f"--systems {patterns!r} matches none of: {', '.join(s.name for s in SYSTEMS)}")
-    missing_deepspeed = deepspeed_available() if any(s.family == "deepspeed" for s in chosen) else None
+    reasons = {spec.name: spec.unavailable() for spec in chosen}
     skipped = [{"name": s.name, "family": s.family, "precision": s.precision, "options": dict(s.options),
-                "status": "unavailable", "error": missing_deepspeed}
-               for s in chosen if s.family == "deepspeed" and missing_deepspeed]
-    return [s for s in chosen if not (s.family == "deepspeed" and missing_deepspeed)], skipped
+                "status": "unavailable", "error": reasons[s.name]} for s in chosen if reasons[s.name]]
+    return [s for s in chosen if not reasons[s.name]], skipped
 
 
 def machine() -> dict:
@@ -89,7 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.list:
         for spec in SYSTEMS:
-            print(f"{spec.name:18} {spec.family:10} {spec.precision:11} {dict(spec.options)}")
+            reason = spec.unavailable()
+            print(f"{spec.name:18} {spec.family:10} {spec.precision:11} {dict(spec.options)}"
+                  + (f"  [unavailable: {reason}]" if reason else ""))
         return 0
     specs, skipped = select_systems(args.systems)
     rounds = min(args.rounds, args.steps)

@@ -13,14 +13,21 @@ Families:
              Adam need compiled ops); buckets and stage-3 thresholds set to ds_strategy's defaults, capped at
              the model size because DeepSpeed's stage 3 preallocates a whole reduce bucket.
   ours       ``ZeroEngine`` with ``ZeroConfig(precision=..., **options)``: the options are ZeroConfig fields, so
-             a new configuration (offload, ZeRO++ quantisation, ...) is one more line in ``SYSTEMS``.
+             a new configuration (offload, ZeRO++ quantisation, ...) is one more line in ``SYSTEMS``. A line may
+             name the ``ds_strategy`` module its feature lives in (``requires``): until that module exists the
+             system is reported as not available rather than run with the option silently ignored.
+
+DeepSpeed's offload lines use its ``DeepSpeedCPUAdam`` (a C++ op DeepSpeed compiles on first use), as DeepSpeed
+requires for ``offload_optimizer``.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import logging
 import os
+import tempfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,6 +49,7 @@ class SystemSpec:
     family: str
     precision: str = "32-true"
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    requires: str | None = None
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -49,11 +57,16 @@ class SystemSpec:
         if self.precision not in ("32-true", "bf16-mixed"):
             raise ValueError(f"SystemSpec.precision={self.precision!r} is not '32-true' or 'bf16-mixed'")
 
-    @property
-    def baseline_suffix(self) -> str:
-        return "" if self.precision == "32-true" else "-bf16"
+    def unavailable(self) -> str | None:
+        """Why this system cannot run here, or None."""
+        if self.requires and importlib.util.find_spec(self.requires) is None:
+            return f"needs {self.requires}, which has not landed yet"
+        if self.family == "deepspeed":
+            return deepspeed_available()
+        return None
 
 
+_NVME = {"nvme_path": tempfile.gettempdir()}
 SYSTEMS: tuple[SystemSpec, ...] = (
     SystemSpec("ddp", "ddp"),
     SystemSpec("fsdp2", "fsdp2", options={"reshard_after_forward": True}),
@@ -66,6 +79,17 @@ SYSTEMS: tuple[SystemSpec, ...] = (
     SystemSpec("zero2", "ours", options={"stage": 2}),
     SystemSpec("zero3", "ours", options={"stage": 3}),
     SystemSpec("zero3-noreshard", "ours", options={"stage": 3, "reshard_after_forward": False}),
+    SystemSpec("zero2-qgz", "ours", options={"stage": 2, "zero_quantized_gradients": True},
+               requires="ds_strategy.comm.quantized"),
+    SystemSpec("zero3-qwz", "ours", options={"stage": 3, "zero_quantized_weights": True},
+               requires="ds_strategy.comm.quantized"),
+    SystemSpec("zero2-offload", "ours", options={"stage": 2, "offload_optimizer": "cpu"}, requires="ds_strategy.offload"),
+    SystemSpec("zero3-offload", "ours", options={"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"},
+               requires="ds_strategy.offload"),
+    SystemSpec("zero3-nvme", "ours", options={"stage": 3, "offload_optimizer": "nvme", **_NVME},
+               requires="ds_strategy.offload"),
+    SystemSpec("ds-zero2-offload", "deepspeed", options={"stage": 2, "offload_optimizer": "cpu"}),
+    SystemSpec("ds-zero3-offload", "deepspeed", options={"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"}),
     SystemSpec("ddp-bf16", "ddp", "bf16-mixed"),
     SystemSpec("fsdp2-bf16", "fsdp2", "bf16-mixed", {"reshard_after_forward": True}),
     SystemSpec("ds-zero2-bf16", "deepspeed", "bf16-mixed", {"stage": 2}),
@@ -216,6 +240,9 @@ class _DeepSpeedSystem(BuiltSystem):
         self.engine.destroy() if hasattr(self.engine, "destroy") else None
 
 
+_DEEPSPEED_OFFLOAD = {"offload_optimizer": "offload_optimizer", "offload_params": "offload_param"}
+
+
 def build_deepspeed(spec: SystemSpec, recipe: Recipe) -> BuiltSystem:
     import deepspeed
     from ds_strategy.config import ZeroConfig
@@ -224,6 +251,14 @@ def build_deepspeed(spec: SystemSpec, recipe: Recipe) -> BuiltSystem:
     model, make_optimizer = _model_and_optimizer(recipe)
     numel = sum(p.numel() for p in model.parameters())
     defaults = ZeroConfig()
+    offload = {deepspeed_key: {"device": spec.options[field]} for field, deepspeed_key in _DEEPSPEED_OFFLOAD.items()
+               if field in spec.options}
+    if offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        make_optimizer = lambda module: DeepSpeedCPUAdam(  # noqa: E731
+            weight_decay_groups(module, recipe.weight_decay), lr=recipe.lr, betas=(0.9, 0.95), eps=1e-8,
+            adamw_mode=True)
     config = {
         "train_micro_batch_size_per_gpu": recipe.batch_size, "gradient_accumulation_steps": 1, "gradient_clipping": recipe.clip,
         "zero_allow_untested_optimizer": True, "steps_per_print": 10**9, "wall_clock_breakdown": False,
@@ -233,6 +268,7 @@ def build_deepspeed(spec: SystemSpec, recipe: Recipe) -> BuiltSystem:
             "allgather_bucket_size": min(defaults.allgather_bucket_size, numel),
             "stage3_prefetch_bucket_size": min(defaults.prefetch_bucket_size, numel),
             "stage3_param_persistence_threshold": defaults.param_persistence_threshold,
+            **offload,
         },
         "bf16": {"enabled": spec.precision == "bf16-mixed"},
     }
@@ -261,10 +297,13 @@ class _OurSystem(BuiltSystem):
         return {kind: sum(places.values()) for kind, places in self.engine.memory_report().items()}
 
     def own_comm_bytes(self):
-        return int(self.engine.collectives.stats.total_bytes())
+        """``comm_stats()`` summed over the engine's process groups (sequence check included)."""
+        return int(sum(kind["bytes"] for kind in self.engine.comm_stats().values()))
 
     def reset_own_comm(self):
-        self.engine.collectives.stats.reset()
+        groups = getattr(self.engine, "comm_groups", {"world": self.engine.collectives})
+        for collectives in groups.values():
+            collectives.stats.reset()
 
     def close(self):
         self.engine.remove_hooks()

@@ -59,12 +59,12 @@ def test_readme_usage_example_runs_and_halves_the_optimizer_state(tmp_path):
 
 def test_readme_tables_are_the_generated_ones():
     for table in markdown_tables().split("\n\n"):
-        assert table in README
+        assert table in README, "README tables are stale: paste the output of `ds-strategy config-table`"
 
 
 def test_every_zero_config_field_is_documented_with_its_real_default():
     documented = documented_fields()
     for field in dataclasses.fields(ZeroConfig):
         assert field.name in documented, f"ZeroConfig.{field.name} has no 'name (default ...): meaning' entry"
-        first_word = re.split(r"[ ,]", documented[field.name][0])[0]
+        first_word = re.split(r"[ ,;]", documented[field.name][0])[0]
         assert ast.literal_eval(first_word) == field.default, f"ZeroConfig.{field.name}: doc says {first_word}"

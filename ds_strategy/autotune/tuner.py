@@ -122,10 +122,10 @@ class Autotuner:
         return self._model_size
 
     def estimate(self, config: ZeroConfig) -> int:
-        """Estimated device bytes per rank of ``config``'s model states and buckets."""
-        bucket = None if config.reduce_bucket_size == "auto" else int(config.reduce_bucket_size)
-        return estimate_memory(self.model_size(), self.world_size, config.stage, precision=config.precision,
-                               reduce_bucket_size=bucket).device
+        """Estimated device bytes per rank of ``config``'s model states, gathered units and buckets."""
+        return estimate_memory(self.model_size(), self.world_size, config.stage,
+                               getattr(config, "offload_optimizer", "none"), getattr(config, "offload_params", "none"),
+                               config.precision, config=config).device
 
     def screen(self) -> list[TrialResult]:
         """Every candidate, rejected with the reason where the estimate exceeds the budget, else pending."""

@@ -34,9 +34,11 @@ def save(path: str | os.PathLike, module: nn.Module, engine: ZeroEngine | None =
 
 def manifest_for(module: nn.Module, engine: ZeroEngine | None, with_optimizer: bool) -> Manifest:
     """The manifest of a checkpoint of ``module`` (its files are added when written)."""
-    saved_by = {"world_size": dist.get_world_size() if dist.is_initialized() else 1}
     if engine is not None:
-        saved_by.update(stage=engine.config.stage, precision=engine.config.precision)
+        saved_by = {"world_size": engine.world_size, "stage": engine.config.stage,
+                    "precision": engine.config.precision}
+    else:
+        saved_by = {"world_size": dist.get_world_size() if dist.is_initialized() else 1}
     return Manifest(describe(module, engine), describe_optimizer(engine) if with_optimizer else None, saved_by)
 
 

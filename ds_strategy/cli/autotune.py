@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reduce-bucket-sizes", type=_numbers, default=[5_000_000, 500_000_000],
                         help="gradient bucket elements to try, e.g. 5e6,5e8")
     parser.add_argument("--precisions", help="also tune precision, e.g. 32-true,bf16-mixed")
+    parser.add_argument("--try", dest="tries", action="append", default=[], metavar="FIELD=V1,V2",
+                        help="also tune any ZeroConfig field, e.g. --try offload_optimizer=none,cpu "
+                             "--try overlap_comm=true,false (repeatable; values read as YAML scalars)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per trial")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per trial")
     parser.add_argument("--trial-timeout", type=float, default=300.0, help="seconds before a trial is killed")
@@ -57,6 +60,30 @@ def _import(reference: str):
     return getattr(importlib.import_module(module), name)
 
 
+def _tries(tries: list[str]) -> dict[str, list]:
+    """``["offload_optimizer=none,cpu"]`` as ``{"offload_optimizer": ["none", "cpu"]}``; ZeroConfig checks them."""
+    import yaml
+
+    dimensions = {}
+    for text in tries:
+        field, equals, values = text.partition("=")
+        if not equals or not values:
+            raise SystemExit(f"--try {text!r} must look like FIELD=VALUE1,VALUE2")
+        dimensions[field.strip()] = [_scalar(yaml.safe_load(value.strip())) for value in values.split(",")]
+    return dimensions
+
+
+def _scalar(value):
+    """YAML reads '5e6' as a string; a number written that way is meant as one."""
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            return value
+        return int(number) if number.is_integer() else number
+    return value
+
+
 def run(args: argparse.Namespace) -> int:
     from ..autotune import Autotuner
 
@@ -71,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
     dimensions = {"stage": args.stages, "reduce_bucket_size": args.reduce_bucket_sizes}
     if args.precisions:
         dimensions["precision"] = [p.strip() for p in args.precisions.split(",")]
+    dimensions.update(_tries(args.tries))
     tuner = Autotuner(model_factory, datamodule_factory, world_size=args.world_size,
                       memory_budget=args.memory_budget, time_budget=args.time_budget, dimensions=dimensions,
                       micro_batch_sizes=args.micro_batch_sizes, warmup=args.warmup, steps=args.steps,

@@ -64,6 +64,20 @@ class CollectiveMismatchError(RuntimeError):
     """A collective did not complete in time: the ranks are not issuing the same collectives."""
 
 
+class _AllOf:
+    """Several launched works that together make one collective."""
+
+    def __init__(self, works: list):
+        self._works = works
+
+    def wait(self, timeout=None) -> None:
+        for work in self._works:
+            work.wait(timeout) if timeout is not None else work.wait()
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+
 class PendingCollective:
     """A launched collective; :meth:`wait` blocks until it is done and books the time spent blocked."""
 
@@ -157,27 +171,33 @@ class Collectives:
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, label: str = "") -> PendingCollective:
         """Fill ``full`` with every rank's ``shard`` in rank order; ``shard`` may be this rank's slice of ``full``.
 
-        With ``use_all_reduce`` the rest of ``full`` is zeroed and summed, which is exact (x + 0 == x).
+        With ``use_all_reduce`` each rank broadcasts its slice instead (N concurrent broadcasts of Ψ/N): on gloo
+        that measured 3-4x faster than its all-gather for the same buffer (112 ms against 491 ms for 108 MB on
+        2 ranks of this loaded machine), and it moves the same Ψ bytes; the bytes are booked as broadcasts.
         """
         nbytes = full.numel() * full.element_size()
         if not self.use_all_reduce and dist.is_initialized():
             return self._launch(
                 "all_gather", nbytes,
                 lambda: dist.all_gather_into_tensor(full, shard, group=self.group, async_op=True), label=label)
-        start = self.rank * shard.numel()
-        mine = full.narrow(0, start, shard.numel())
+        n = shard.numel()
+        mine = full.narrow(0, self.rank * n, n)
         if mine.data_ptr() != shard.data_ptr():
             mine.copy_(shard)
-        full.narrow(0, 0, start).zero_()
-        full.narrow(0, start + shard.numel(), full.numel() - start - shard.numel()).zero_()
-        return self._launch("all_reduce", 2 * nbytes, lambda: dist.all_reduce(full, group=self.group, async_op=True),
-                            label=label)
+
+        def launch():
+            return _AllOf([dist.broadcast(full.narrow(0, r * n, n), self._global_rank(r), group=self.group,
+                                          async_op=True) for r in range(self.world_size)])
+        return self._launch("broadcast", nbytes, launch, label=label)
+
+    def _global_rank(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, label: str = "") -> PendingCollective:
         nbytes = tensor.numel() * tensor.element_size()
-        global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
         return self._launch("broadcast", nbytes,
-                            lambda: dist.broadcast(tensor, global_src, group=self.group, async_op=True), label=label)
+                            lambda: dist.broadcast(tensor, self._global_rank(src), group=self.group, async_op=True),
+                            label=label)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, label: str = "") -> PendingCollective:
         """Send the r-th of ``world_size`` equal chunks of ``input`` to rank r; chunk r of ``output`` comes from r."""

@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from ..comm.accounting import StepCommMeter
 from ..config import ZeroConfig
 from ..deepspeed_config import config_from_deepspeed
 from ..precision_flag import reconcile_precision
@@ -27,6 +28,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "zero1": {"stage": 1},
     "zero2": {"stage": 2},
     "zero3": {"stage": 3},
+    "zero2_offload": {"stage": 2, "offload_optimizer": "cpu", "pin_memory": True},
+    "zero3_offload": {"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu", "pin_memory": True},
 }
 
 
@@ -57,6 +60,7 @@ class ZeroStrategyMixin:
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
                          start_method=start_method)
         self.engine: ZeroEngine | None = None
+        self._comm_meter: StepCommMeter | None = None
 
     @classmethod
     def from_deepspeed_config(cls, ds_config: Mapping | str | os.PathLike, **kwargs: Any) -> "ZeroStrategy":
@@ -99,6 +103,7 @@ class ZeroStrategyMixin:
             optimizer = self.optimizers[0]
         config = self._resolved_config()
         self.engine = ZeroEngine(self.lightning_module, optimizer, config, device=self.root_device)
+        self._comm_meter = StepCommMeter(self.engine.comm_stats) if config.log_comm_stats else None
         self._check_trainer_matches(trainer, config)
         self.precision_plugin.attach_engine(self.engine, self.lightning_module)
         rank_zero_info(self.engine.summary())
@@ -175,6 +180,14 @@ class ZeroStrategyMixin:
     def on_predict_end(self) -> None:
         self._reshard()
         super().on_predict_end()
+
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any):
+        """The step (through the precision plugin), then its communication to the logger (``log_comm_stats``)."""
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._comm_meter is not None:
+            self.lightning_module.log_dict(self._comm_meter.step_metrics(), on_step=True, on_epoch=False,
+                                           rank_zero_only=True)
+        return output
 
     # -- reporting --------------------------------------------------------------------------------------------
     def memory_report(self) -> dict[str, dict[str, int]]:

@@ -3,8 +3,9 @@
 [Note: what the loss scaler does on overflow]
 fp16 gradients underflow unless the loss is multiplied by a large scale before backward; too large a scale
 makes some gradient inf/nan instead. Each optimizer step, every rank unscales its gradient shard and checks
-it (``ds_strategy.kernels.unscale_and_check``); the engine all-reduces ``found_inf`` (max) so that all ranks
-agree, then calls ``LossScaler.update(found_inf)`` exactly once. On an overflow the engine skips the step on
+it (``ds_strategy.kernels.unscale_and_check``); the engine sums ``found_inf`` over ranks, in the same
+all-reduce as the squared norm (``grad_stats.py``), so that all ranks agree, then calls
+``LossScaler.update(found_inf)`` exactly once (``ZeroEngine.step``). On an overflow the engine skips the step on
 every rank: the optimizer is not stepped, the gradients are discarded (zeroed), and parameters and optimizer
 state stay as they were; the scaler counts the skip and then either spends one unit of hysteresis (the scale
 is kept, tolerating isolated spikes) or, with no hysteresis left, halves the scale (never below

@@ -78,10 +78,12 @@ class ZeroEngine:
         self._launched_per_unit: dict[int, int] = {}
         self._unit_of_fp = {id(fp): unit for unit in self.units for fp in unit.flat_params}
         self._hooks = [self.units[0].module.register_forward_pre_hook(lambda module, args: self.before_forward())]
-        self._hooks += [u.module.register_forward_pre_hook(lambda module, args, u=u: u.wait_gathered())
-                        for u in self.units[1:] if not u.partitioned]
         if optimizer is not None:
             retarget_optimizer(optimizer, self.flat_params)
+        self.offload = None
+        if config.offloads:
+            from ..offload.engine_offload import EngineOffload  # that package imports this one
+            self.offload = EngineOffload(self)
 
     # -- construction -------------------------------------------------------------------------------------------
     def _build_units(self) -> list[Unit]:
@@ -183,11 +185,10 @@ class ZeroEngine:
             self.gatherer.before_root_forward()
 
     def wait_for_params(self) -> None:
-        """Block until the stage 1/2 parameter refresh is complete (call before reading parameters outside
-        forward). Stage 3 parameters stay partitioned: use :meth:`full_state_dict` or :meth:`gathered`."""
+        """Block until the stage 1/2 parameter refresh is complete (``step`` does this before returning).
+        Stage 3 parameters stay partitioned: use :meth:`full_state_dict` or :meth:`gathered`."""
         for unit in self.units:
-            if not unit.partitioned:
-                unit.wait_gathered()
+            unit.wait_refreshed()
 
     def reshard(self) -> None:
         """Free every gathered stage-3 unit (after an evaluation forward; before saving)."""
@@ -339,10 +340,11 @@ class ZeroEngine:
         :mod:`ds_strategy.precision.loss_scaler`). bf16 and fp32 training never skip.
 
         Note: stage 1/2 parameter refresh. After the step each rank holds updated values only in its own shard.
-        The all-gathers that fill in the rest are launched here and waited on by each unit's forward pre-hook
-        (or ``wait_for_params``), so they overlap with the next forward. With ``overlap_comm=False`` they are
-        waited on here. Under mixed precision ``copy_master_to_params`` first rounds the updated fp32 master
-        into the 16-bit shard, so the all-gathers move 16-bit values.
+        The all-gathers that fill in the rest are launched for every unit at once and all waited on before
+        ``step`` returns. Deferring the wait to the next forward would overlap them with compute, but any read
+        of the parameters in between (a callback, a checkpoint, an EMA) would then see a buffer a collective is
+        still writing; correctness wins. Under mixed precision ``copy_master_to_params`` first rounds the updated
+        fp32 master into the 16-bit shard, so the all-gathers move 16-bit values.
         """
         if self.sequence_check is not None:
             self.sequence_check.verify()
@@ -352,18 +354,21 @@ class ZeroEngine:
             if overflow:
                 self.zero_grad()
                 return False
-        for fp, grad in zip(self.flat_params, self._optimizer_grads()):
-            fp.master.grad = grad
-        self.optimizer.step()
+        if self.offload is not None:  # host/NVMe step and copy-back; see ds_strategy.offload.engine_offload
+            self.offload.step(self._optimizer_grads())
+        else:
+            for fp, grad in zip(self.flat_params, self._optimizer_grads()):
+                fp.master.grad = grad
+            self.optimizer.step()
+            for fp in self.flat_params:
+                fp.master.grad = None
+                fp.copy_master_to_params()
         self._grad_stats = self._master_grads = None
         for fp in self.flat_params:
-            fp.master.grad = None
-            fp.copy_master_to_params()
             self.reducer.zero_grads(fp)
         for unit in self.units:
             unit.refresh([fp for fp in unit.flat_params if fp.policy.optimizer and not fp.policy.params])
-        if not self.config.overlap_comm:
-            self.wait_for_params()
+        self.wait_for_params()
         return True
 
     def zero_grad(self) -> None:
@@ -389,9 +394,13 @@ class ZeroEngine:
         mib = {k: sum(v.values()) / 2**20 for k, v in report.items()}
         return (f"ZeRO stage {self.config.stage} on {self.world_size} ranks, {len(self.units)} units, "
                 f"{sum(fp.numel for fp in self.flat_params):,} trainable params; per rank: "
-                + ", ".join(f"{k} {v:.1f} MiB" for k, v in mib.items()))
+                + ", ".join(f"{k} {v:.1f} MiB" for k, v in mib.items())
+                + (f"; {self.offload.describe(report)}" if self.offload is not None else ""))
 
     def remove_hooks(self) -> None:
+        """Detach the engine from the module (teardown); also removes this rank's offload files."""
+        if self.offload is not None:
+            self.offload.close()
         self.reducer.remove_hooks()
         if self.gatherer is not None:
             self.gatherer.remove_hooks()

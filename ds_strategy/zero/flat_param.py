@@ -91,6 +91,7 @@ class FlatParam:
         self.master: torch.Tensor
         self.grad_full: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
+        self.shard_source = None  # set by ds_strategy.offload when ``shard`` is not on the device: () -> device copy
 
     # -- construction -----------------------------------------------------------------------------------------
     def adopt_params(self) -> None:
@@ -131,6 +132,10 @@ class FlatParam:
     # -- views ------------------------------------------------------------------------------------------------
     def param_views(self) -> list[torch.Tensor]:
         return [self.full.narrow(0, s.offset, s.numel).view(s.shape) for s in self.slots]
+
+    def gather_source(self) -> torch.Tensor:
+        """What an all-gather of ``full`` sends: ``shard``, or its device copy when the shard is offloaded."""
+        return self.shard if self.shard_source is None else self.shard_source()
 
     def point_params_at_full(self) -> None:
         for p, view in zip(self.params, self.param_views()):

@@ -67,6 +67,7 @@ class GradReducer:
         self._handles = []
         self.on_launched = lambda fp: None
         self.on_backward_end = lambda: None
+        self.on_reduced = lambda fp: None  # a reduction into fp's optimizer region finished (offload copies it)
         self.quantized_reduce_scatter = None  # qgZ, set by the engine: (out fp32, full, label) -> PendingCollective
         for fp in flat_params:
             self._allocate(fp)
@@ -179,6 +180,7 @@ class GradReducer:
             del self._scratch[id(fp)]
         else:
             _store_mean(fp.grad_shard if fp.policy.optimizer else fp.grad_full, out, world)
+        self.on_reduced(fp)
 
     def _end_of_backward(self) -> None:
         self._launch_ready(force=True)

@@ -63,9 +63,9 @@ class WeightGather:
         if secondary is not None and not exact:
             return self._gather_in_group(fp, secondary, f"{label} [hpZ group]")
         if not self.quantized or exact:
-            return self.world.all_gather(fp.full, fp.shard, label=label)
+            return self.world.all_gather(fp.full, fp.gather_source(), label=label)
         keep = (lambda packets: self._received.__setitem__(id(fp), packets)) if self.group is not None else None
-        return all_gather_int8(self.world, fp.full, fp.shard, label=label, block_size=self.block_size,
+        return all_gather_int8(self.world, fp.full, fp.gather_source(), label=label, block_size=self.block_size,
                                keep_packets=keep)
 
     def _gather_in_group(self, fp: FlatParam, secondary: torch.Tensor, label: str) -> PendingCollective:

@@ -23,13 +23,19 @@ def memory_report(engine: "ZeroEngine") -> dict[str, dict[str, int]]:
     parameters ZeRO does not manage such as frozen ones). grads: gradient buffers and shards. optimizer: fp32
     master weights when separate from the parameters, plus the optimizer's state tensors. buffers: the peak
     bytes of gradient scratch (reduction buckets) seen so far.
+
+    With offload, what ``engine.offload`` placed is reported where it put it (on a CPU-only run too, where host
+    and device are the same memory), plus the tensors only it holds (host gradient copies, staging buffers).
     """
     device = engine.flat_params[0].device if engine.flat_params else torch.device("cpu")
     report = {kind: dict.fromkeys(PLACES, 0) for kind in ("params", "grads", "optimizer", "buffers")}
+    offload = getattr(engine, "offload", None)
+    placed = offload.places() if offload is not None else {}
 
     def add(kind: str, tensor: torch.Tensor | None) -> None:
         if tensor is not None:
-            report[kind][_place(tensor, device)] += tensor.numel() * tensor.element_size()
+            place = placed.get(tensor.untyped_storage().data_ptr()) or _place(tensor, device)
+            report[kind][place] += tensor.numel() * tensor.element_size()
 
     managed = set()
     for fp in engine.flat_params:
@@ -54,4 +60,7 @@ def memory_report(engine: "ZeroEngine") -> dict[str, dict[str, int]]:
                 if torch.is_tensor(value) and value.numel() > 1:
                     add("optimizer", value)
     report["buffers"]["device"] += engine.reducer.peak_scratch_bytes
+    if offload is not None:
+        for kind, tensor in offload.own_tensors():
+            add(kind, tensor)
     return report

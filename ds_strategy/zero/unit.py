@@ -51,6 +51,7 @@ class Unit:
         self.sharded_state = ShardedState.SHARDED if self.partitioned else ShardedState.GATHERED
         self.training_state = TrainingState.IDLE
         self._pending: list[PendingCollective] = []
+        self._refreshing: list[PendingCollective] = []
         self.weight_gather = None
 
     @property
@@ -70,7 +71,14 @@ class Unit:
     def refresh(self, flat_params: list[FlatParam]) -> None:
         """Launch all-gathers that bring whole (never freed) buffers up to date after a partitioned optimizer step."""
         for fp in flat_params:
-            self._pending.append(self.collectives.all_gather(fp.full, fp.shard, label=f"unit {self.name} ({fp.name})"))
+            label = f"unit {self.name} ({fp.name})"
+            self._refreshing.append(self.collectives.all_gather(fp.full, fp.shard, label=label))
+
+    def wait_refreshed(self) -> None:
+        """Block until the whole buffers' refresh is done (partitioned parameters are left as they are)."""
+        for pending in self._refreshing:
+            pending.wait()
+        self._refreshing.clear()
 
     def gather(self, exact: bool = False) -> None:
         """Launch the all-gathers of the partitioned flat params without waiting (a prefetch).
@@ -83,12 +91,13 @@ class Unit:
             fp.alloc_full()
             label = f"unit {self.name} ({fp.name})"
             self._pending.append(self.weight_gather.launch(fp, label, exact) if self.weight_gather is not None
-                                 else self.collectives.all_gather(fp.full, fp.shard, label=label))
+                                 else self.collectives.all_gather(fp.full, fp.gather_source(), label=label))
         self.sharded_state = ShardedState.GATHERING
 
     def wait_gathered(self, exact: bool = False) -> None:
         """Block until every launched gather is done; partitioned parameters then view the full buffers."""
         self.gather(exact)
+        self.wait_refreshed()
         for pending in self._pending:
             pending.wait()
         self._pending.clear()

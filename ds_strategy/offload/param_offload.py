@@ -1,0 +1,121 @@
+"""Stage-3 parameter shards kept on the host or in NVMe files between gathers, and where updated values go.
+
+The gathered working set (``FlatParam.full``) stays on the device; only the rank's shard moves. A gather reads
+it through ``FlatParam.gather_source()``: on a CUDA device a copy to the device, on a CPU device the shard
+itself (the host is the device: zero-copy; an NVMe shard is then read through its memory map by the collective,
+see :mod:`.nvme_swapper`).
+"""
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+
+from .nvme_swapper import RunDirectory, SwapFile
+
+if TYPE_CHECKING:
+    from ..zero.engine import ZeroEngine
+    from ..zero.flat_param import FlatParam
+
+
+def host_copy(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
+    """``tensor`` in host memory (page-locked with ``pin``), or ``tensor`` itself when it is there already."""
+    if tensor.device.type == "cpu" and (tensor.is_pinned() or not pin):
+        return tensor
+    copy = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
+    copy.copy_(tensor)
+    return copy
+
+
+def _device_copy(fp: "FlatParam", device: torch.device) -> torch.Tensor:
+    return fp.shard.to(device, non_blocking=fp.shard.is_pinned())
+
+
+class ParamOffload:
+    """Moves each partitioned flat parameter's ``shard`` to ``place`` ("cpu" or "nvme") and gathers from there."""
+
+    def __init__(self, engine: "ZeroEngine", place: str, directory: RunDirectory | None, pin: bool):
+        self.place = place
+        self.flat_params = [fp for fp in engine.flat_params if fp.policy.params]
+        self.files: dict[int, SwapFile] = {}
+        for index, fp in enumerate(engine.flat_params):
+            if not fp.policy.params:
+                continue
+            if place == "nvme":
+                file = directory.new_file(f"flat{index}.param", fp.shard_numel, fp.compute_dtype)
+                file.write_converted(fp.shard)
+                fp.shard = file.view  # fp.master, if it was the shard, stays the in-memory tensor
+                self.files[id(fp)] = file
+            else:
+                fp.shard = host_copy(fp.shard, pin)
+            if engine.device.type != "cpu":
+                fp.shard_source = functools.partial(_device_copy, fp, engine.device)
+
+    @staticmethod
+    def nvme_bytes(engine: "ZeroEngine") -> int:
+        return sum(fp.shard_numel * fp.full.element_size() for fp in engine.flat_params if fp.policy.params)
+
+    def file_of(self, fp: "FlatParam") -> SwapFile | None:
+        return self.files.get(id(fp))
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        return [fp.shard for fp in self.flat_params if id(fp) not in self.files]
+
+    def trim(self) -> None:
+        for file in self.files.values():
+            file.trim()
+
+    def close(self) -> None:
+        for file in self.files.values():
+            file.close()
+
+
+class ParamSink:
+    """Where one flat parameter's updated values go after its host step, sub-group by sub-group.
+
+    "none": the master is the compute region itself (fp32 on a CPU device): nothing to copy. "host": the region is
+    host memory, written in the optimizer's own pass. "device": through a host staging buffer, then copied to the
+    device. "file": through a staging buffer into the NVMe parameter file.
+    """
+
+    def __init__(self, fp: "FlatParam", master: torch.Tensor, file: SwapFile | None):
+        self.fp, self.file = fp, file
+        self.region = fp.master_region()
+        self._copied: dict[int, torch.cuda.Event] = {}
+        if file is not None:
+            self.kind = "file"
+        elif self.region.device.type != "cpu":
+            self.kind = "device"
+        elif self.region.untyped_storage().data_ptr() == master.untyped_storage().data_ptr():
+            self.kind = "none"
+        else:
+            self.kind = "host"
+
+    @property
+    def needs_staging(self) -> bool:
+        return self.kind in ("device", "file")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fp.compute_dtype if self.file is not None else self.region.dtype
+
+    def target(self, lo: int, hi: int, staging: torch.Tensor | None) -> torch.Tensor | None:
+        """The host tensor the update pass copies elements ``[lo, hi)`` into, if any."""
+        if self.kind == "host":
+            return self.region[lo:hi]
+        return staging if self.needs_staging else None
+
+    def after_update(self, lo: int, hi: int, out: torch.Tensor | None) -> None:
+        if self.kind == "device":
+            self.region[lo:hi].copy_(out, non_blocking=out.is_pinned())
+            event = torch.cuda.Event()
+            event.record()
+            self._copied[lo] = event
+
+    def write_behind(self, lo: int, hi: int, staging: torch.Tensor | None) -> None:
+        """Finish with the staging buffer of ``[lo, hi)`` (it is reused after this returns)."""
+        if self.kind == "file":
+            self.file.write(staging, lo)
+        elif self.kind == "device":
+            self._copied.pop(lo).synchronize()
