@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     add_ratios(rows)
     name = args.name or f"{settings.model}-ws{args.world_size}{'-quick' if args.quick else ''}"
     command = "python benchmarks/compare.py " + shlex.join(argv if argv is not None else sys.argv[1:])
-    title = (f"GPT {settings.model} ({sum(p.numel() for p in _meta_gpt(config).parameters()) / 1e6:.1f}M params), "
+    title = (f"GPT {settings.model} ({_param_count(config) / 1e6:.2f}M params), "
              f"{args.world_size} gloo ranks, batch {settings.batch_size}x{config.block_size} per rank")
     table = markdown_table(rows)
     print(f"\n{title}\n`{command}`\n\n{table}")
@@ -133,11 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _meta_gpt(config):
+def _param_count(config) -> int:
     from ds_strategy.models import GPT
 
     with torch.device("meta"):
-        return GPT(config)
+        model = GPT(config)
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
 if __name__ == "__main__":

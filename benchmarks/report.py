@@ -30,7 +30,7 @@ def summarize(spec: SystemSpec, per_rank: list[dict], tokens_per_step: int) -> d
              for times in zip(*(w["step_seconds"] for w in rank_windows))]
     timed = sum(len(w["step_seconds"]) for w in windows[0])
     states = [w["state_bytes"] for rank_windows in windows for w in rank_windows]
-    state = max(states, key=lambda s: sum(s.values()))
+    state = max(states, key=lambda s: sum(s.get(k, 0) for k in STATE_KINDS))
     comm = [sum(w["comm_bytes"].values()) for rank_windows in windows for w in rank_windows]
     comm_steps = [len(w["step_seconds"]) for rank_windows in windows for w in rank_windows]
     own = [w["own_comm_bytes"] for rank_windows in windows for w in rank_windows if w["own_comm_bytes"] is not None]
@@ -46,7 +46,8 @@ def summarize(spec: SystemSpec, per_rank: list[dict], tokens_per_step: int) -> d
         "step_p25_s": _quantile(steps, 0.25), "step_p75_s": _quantile(steps, 0.75),
         "step_min_s": min(steps), "step_max_s": max(steps),
         "tokens_per_s": tokens_per_step / median,
-        "state_bytes": {**{k: state.get(k, 0) for k in STATE_KINDS}, "total": sum(state.values())},
+        "state_bytes": {**{k: state.get(k, 0) for k in STATE_KINDS}, "nvme": state.get("nvme", 0),
+                        "total_in_memory": sum(state.get(k, 0) for k in STATE_KINDS)},
         "model_state_bytes": sum(state.get(k, 0) for k in ("params", "grads", "optimizer")),
         "peak_rss_bytes": max(w["peak_rss"] for rank_windows in windows for w in rank_windows),
         "build_peak_rss_bytes": max(w["build_peak_rss"] for rank_windows in windows for w in rank_windows),
@@ -99,7 +100,18 @@ def markdown_table(rows: list[dict]) -> str:
             f"| {'—' if delta is None else f'{delta:.1e}'} |")
         if row["error"]:
             notes.append(f"- **{row['name']}** {row['status']}: {row['error'].strip().splitlines()[0]}")
-    return "\n".join(lines + ([""] + notes if notes else []))
+    return "\n".join(lines + [""] + LEGEND + ([""] + notes if notes else []))
+
+
+LEGEND = [
+    "Step: the slowest rank's time per step, over every timed step of every round (systems interleaved). "
+    "× DDP / × FSDP2: against the baseline of the same precision. Model states: parameters + gradients + "
+    "optimizer state held in memory per rank (ds_strategy: `memory_report()`; peers: the storages of their "
+    "tensors, local shards only), the larger of the samples after backward and after the optimizer step; "
+    "communication buckets are in the JSON. Peak RSS: the rank's resident-memory peak during training steps. "
+    "Comm: bytes per step per rank through `torch.distributed`, ZeRO-paper convention (all-reduce counts 2×). "
+    "Loss Δ: |last-step loss − DDP's| at the same precision (same seed and batches).",
+]
 
 
 def write_json(path: Path, document: dict) -> None:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from accounting import CommCounter, peak_rss_bytes, release_free_memory, reset_peak_rss, rss_bytes
-from systems import Recipe, SystemSpec, build
+from systems import STATE_KINDS, Recipe, SystemSpec, build
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +140,7 @@ def measure_window(spec: SystemSpec, recipe: Recipe, batches: BatchSource, count
     dist.all_reduce(mean_losses)
     return {
         "step_seconds": [b - a for a, b in zip(stamps, stamps[1:])],
-        "state_bytes": max(states, key=lambda s: sum(s.values())),
+        "state_bytes": max(states, key=lambda s: sum(s.get(k, 0) for k in STATE_KINDS)),
         "comm_bytes": dict(counter.bytes), "comm_calls": dict(counter.calls), "own_comm_bytes": own_comm,
         "peak_rss": peak, "build_peak_rss": build_peak, "rss_before": rss_before,
         "losses": (mean_losses / world_size).tolist(),

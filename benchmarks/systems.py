@@ -135,6 +135,7 @@ class BuiltSystem:
         """Wait for work a step left in flight (so the last timed step pays for it)."""
 
     def state_bytes(self) -> dict[str, int]:
+        """Bytes per kind (STATE_KINDS) this rank holds in memory; optionally "nvme": bytes kept on NVMe."""
         raise NotImplementedError
 
     def own_comm_bytes(self) -> int | None:
@@ -294,7 +295,10 @@ class _OurSystem(BuiltSystem):
         self.engine.wait_for_params()
 
     def state_bytes(self):
-        return {kind: sum(places.values()) for kind, places in self.engine.memory_report().items()}
+        """``memory_report()`` per kind in memory (device + host); what sits on NVMe under ``"nvme"``."""
+        report = self.engine.memory_report()
+        out = {kind: places["device"] + places["host"] for kind, places in report.items()}
+        return {**out, "nvme": sum(places["nvme"] for places in report.values())}
 
     def own_comm_bytes(self):
         """``comm_stats()`` summed over the engine's process groups (sequence check included)."""

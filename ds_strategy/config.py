@@ -64,15 +64,21 @@ class ZeroConfig:
         allgather_bucket_size (default 5e8): same, for the stage 1/2 all-gather of updated parameters.
         overlap_comm (default True): launch each bucket's reduction as soon as it fills and wait for it only
             when the in-flight bound or the optimizer needs it, overlapping backward compute at the cost of
-            keeping buckets alive until they finish; also prefetch stage-3 gathers and leave the stage 1/2
-            parameter all-gathers in flight until the next forward. False runs every collective synchronously
-            where it is issued and gathers stage-3 units on demand: the same collectives in the same order, so
-            the same results, slower.
+            keeping buckets alive until they finish; also prefetch stage-3 gathers ahead of use. False waits
+            for every reduction as soon as it is launched and gathers stage-3 units on demand: the same
+            collectives in the same order, so the same results, slower. (The stage 1/2 parameter all-gathers
+            after a step are launched together and waited on inside the step either way.)
         contiguous_gradients (default True): copy reduced gradient shards into one preallocated flat
             buffer, avoiding fragmentation at the cost of one extra copy.
         communication_dtype (default None = auto): dtype gradients travel in. Auto is fp32 for fp32 and
             fp16 training (fp16 sums overflow) and bf16 for bf16 training. "fp16"/"bf16" halve the bytes
             sent but lose precision in the sum.
+        grad_accum_dtype (default None = the compute dtype): dtype of the reduced gradient shard (stage 1-3),
+            where micro-batches accumulate between optimizer steps. The default keeps 16-bit gradients under
+            mixed precision, 2 bytes per parameter as in the ZeRO paper and DeepSpeed; each step converts the
+            shard to fp32 for unscaling, clipping and the optimizer (a transient 4 bytes per parameter / N).
+            "fp32" accumulates in fp32 instead: 2 more bytes per parameter / N, exact sums over micro-batches.
+            DeepSpeed's ``data_types.grad_accum_dtype``.
         gradient_reduction (default "auto"): the collective that reduces gradients. "reduce_scatter" sends
             (N-1)/N of the bucket and leaves each rank its shard; "all_reduce" sends twice that and each rank
             slices its shard, yet is faster on gloo; "auto" picks per backend (``gradient_collective``).
@@ -167,6 +173,7 @@ class ZeroConfig:
     overlap_comm: bool = True
     contiguous_gradients: bool = True
     communication_dtype: str | None = None
+    grad_accum_dtype: str | None = None
     gradient_reduction: str = "auto"
     prefetch_bucket_size: int | str = 50_000_000
     param_persistence_threshold: int | str = 100_000
@@ -205,6 +212,8 @@ class ZeroConfig:
             "allgather_bucket_size": _integer("allgather_bucket_size", self.allgather_bucket_size, 1),
             "overlap_comm": _flag("overlap_comm", self.overlap_comm),
             "contiguous_gradients": _flag("contiguous_gradients", self.contiguous_gradients),
+            "grad_accum_dtype": _choice("grad_accum_dtype", self.grad_accum_dtype, _COMMUNICATION_DTYPES,
+                                        "None, 'fp32', 'fp16' or 'bf16'"),
             "communication_dtype": _choice(
                 "communication_dtype", self.communication_dtype, _COMMUNICATION_DTYPES,
                 "None (auto), 'fp32', 'fp16', 'bf16', 'float32', 'float16', 'bfloat16' or that torch dtype",
@@ -329,6 +338,11 @@ class ZeroConfig:
         if self.communication_dtype is not None:
             return _DTYPES[self.communication_dtype]
         return torch.bfloat16 if self.precision.startswith("bf16") else torch.float32
+
+    @property
+    def gradient_accumulation_dtype(self) -> torch.dtype:
+        """``grad_accum_dtype`` resolved: the compute dtype unless set."""
+        return _DTYPES[self.grad_accum_dtype] if self.grad_accum_dtype is not None else self.compute_dtype
 
     def gradient_collective(self, backend: str) -> str:
         """``gradient_reduction`` with auto resolved for a process-group backend: all_reduce on gloo

@@ -142,6 +142,7 @@ _FP16: _Table = {
     "consecutive_hysteresis": _only(False, "hysteresis is not refilled by overflow-free steps"),
 }
 _BF16: _Table = {"enabled": _enables("bf16-mixed")}
+_DATA_TYPES: _Table = {"grad_accum_dtype": _field("grad_accum_dtype")}
 _DEEPSPEED: _Table = {
     "zero_optimization": _ZERO_OPTIMIZATION,
     "fp16": _FP16,
@@ -151,6 +152,7 @@ _DEEPSPEED: _Table = {
     "train_micro_batch_size_per_gpu": _field_unless_auto("train_micro_batch_size_per_gpu"),
     "train_batch_size": _ignored,
     "communication_data_type": _field("communication_dtype"),
+    "data_types": _DATA_TYPES,
     "steps_per_print": _ignored,
     "wall_clock_breakdown": _ignored,
     "aio": _AIO,

@@ -1,5 +1,10 @@
-"""A ZeRO-sharded optimizer's state in an ordinary single-file checkpoint (Fabric's ``save``, Accelerate's
-``save_state``).
+"""A ZeRO engine's model and optimizer state in an ordinary single-file checkpoint (Fabric's ``save``,
+Accelerate's ``save_state``).
+
+The model is saved whole (``ZeroEngine.full_state_dict``). It loads back by writing into the parameters, which is
+only right while they are the engine's whole compute copy and also what the optimizer updates: not under stage 3
+(parameters are shards between uses) nor with a separate master copy (fp32 masters under mixed precision, or
+masters offloaded to host or NVMe), where ``check_model_loadable`` raises rather than leave the masters stale.
 
 Each rank's optimizer holds state only for its own shard, but those frameworks save what rank 0 returns. So every
 rank's ``optimizer.state_dict()`` is gathered and stored as ``{RANK_STATES: [rank 0's, rank 1's, ...]}``, and on
@@ -13,7 +18,19 @@ from typing import Any
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from .config import ZeroConfig
+
 RANK_STATES = "ds_strategy_rank_states"
+
+
+def check_model_loadable(config: ZeroConfig) -> None:
+    """Raise unless a whole-model state dict can be loaded into the engine's parameters in place."""
+    if config.partitions_parameters or config.master_weights_separate or config.offload_optimizer != "none":
+        raise NotImplementedError(
+            f"a plain checkpoint cannot be loaded into a ZeRO engine with stage={config.stage}, precision="
+            f"{config.precision!r}, offload_optimizer={config.offload_optimizer!r}: writing the parameters would "
+            f"leave its parameter shards or master weights stale. It loads at stage <= 2, without offload, with "
+            f"'32-true', 'bf16-true' or '16-true' precision")
 
 
 def _rank_and_world() -> tuple[int, int]:

@@ -395,3 +395,14 @@ def test_deepspeed_bad_value_error_names_the_deepspeed_key_and_the_field():
 def test_deepspeed_section_that_is_not_an_object_is_rejected():
     with pytest.raises(ValueError, match=r"DeepSpeed zero_optimization must be a JSON object"):
         config_from_deepspeed({"zero_optimization": 2})
+
+
+def test_grad_accum_dtype_defaults_to_the_compute_dtype_and_accepts_fp32():
+    assert ZeroConfig(precision="bf16-mixed").gradient_accumulation_dtype == torch.bfloat16
+    assert ZeroConfig(precision="bf16-mixed", grad_accum_dtype="float32").gradient_accumulation_dtype == torch.float32
+    assert config_from_deepspeed({"data_types": {"grad_accum_dtype": "fp32"}}).grad_accum_dtype == "fp32"
+
+
+def test_bad_grad_accum_dtype_names_the_key():
+    with pytest.raises(ValueError, match="grad_accum_dtype"):
+        ZeroConfig(grad_accum_dtype="int8")

@@ -1,5 +1,5 @@
 """Ranks that issue different collectives end with a CollectiveMismatchError naming the unit, on every rank,
-within ``collective_timeout``, instead of hanging or silently training on mispaired buffers."""
+within ``collective_timeout``, instead of hanging or training on mispaired buffers."""
 import datetime
 import time
 
@@ -9,21 +9,19 @@ import torch.distributed as dist
 from distributed import run_ranks
 from torch import nn
 
-from ds_strategy.comm.collectives import CollectiveMismatchError
+from ds_strategy.comm.collectives import CollectiveMismatchError, Collectives
+from ds_strategy.comm.sequence_check import CollectiveSequenceCheck
 from ds_strategy.config import ZeroConfig
 from ds_strategy.zero.engine import ZeroEngine
 
 TIMEOUT = 2.0  # collective_timeout, seconds
+SLACK = 3.0  # scheduling noise on a loaded machine
 LAYERS, WIDTH, BAD_STEP = 4, 16, 1
 
 
 class EqualLayers(nn.Module):
-    """Four equal Linear units and no root parameters, so every collective of a step has the same size.
-
-    Gloo pairs collectives by the order ranks issue them; when two paired collectives differ in size it aborts
-    the process itself (``gloo::EnforceNotMet``), before Python sees anything. With equal sizes a shifted
-    sequence goes through, which is the case the engine must catch on its own.
-    """
+    """Four equal Linear units and no root parameters: a shifted sequence of collectives then hangs (and is
+    timed out) rather than pairing buffers of different sizes, which gloo answers by aborting the process."""
 
     def __init__(self):
         super().__init__()
@@ -35,65 +33,99 @@ class EqualLayers(nn.Module):
         return x.square().mean()
 
 
-def _train_until_mismatch(rank: int, order_on_rank1: list[int]) -> dict:
-    """Train with ``order_on_rank1`` on rank 1 at BAD_STEP; return the error each rank ends with."""
-    group = dist.new_group(timeout=datetime.timedelta(seconds=3 * TIMEOUT))  # gloo gives up its stuck ops too
+def _short_lived_group():
+    """A fresh group whose gloo ops give up after a few seconds, so the process can exit after the error."""
+    return dist.new_group(timeout=datetime.timedelta(seconds=3 * TIMEOUT))
+
+
+def _outcome(error: Exception | None, started: float, step: int | None = None) -> dict:
+    return {"type": type(error).__name__ if error else None, "message": str(error) if error else "",
+            "seconds": time.perf_counter() - started, "step": step}
+
+
+def _skip_a_unit(rank: int, overlap: bool) -> dict:
+    """Rank 1 runs every unit but layers.1 at BAD_STEP."""
     torch.manual_seed(0)
     model = EqualLayers()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    config = ZeroConfig(stage=3, param_persistence_threshold=0, overlap_comm=False, unit_modules=(nn.Linear,),
+    config = ZeroConfig(stage=3, param_persistence_threshold=0, overlap_comm=overlap, unit_modules=(nn.Linear,),
                         collective_timeout=TIMEOUT)
-    engine = ZeroEngine(model, optimizer, config, process_group=group)
-    started = None
+    engine = ZeroEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config,
+                        process_group=_short_lived_group())
+    started, step = time.perf_counter(), None
     try:
         for step in range(BAD_STEP + 2):
             started = time.perf_counter() if step == BAD_STEP else started
-            order = order_on_rank1 if rank == 1 and step == BAD_STEP else list(range(LAYERS))
+            skipping = rank == 1 and step == BAD_STEP
+            order = [i for i in range(LAYERS) if not (skipping and i == 1)]
             model(torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(step)), order).backward()
             engine.step()
     except Exception as error:  # noqa: BLE001 - the test asserts on the type
-        return {"type": type(error).__name__, "message": str(error), "seconds": time.perf_counter() - started,
-                "step": step}
-    return {"type": None}
+        return _outcome(error, started, step)
+    return _outcome(None, started, step)
+
+
+def _mislabelled_collectives(rank: int, trailing_extra: bool) -> dict:
+    """Both ranks all-reduce same-sized buffers for different units (a silent mismatch), or rank 0 issues one
+    more than rank 1 at the end of a step, then both run the per-step check."""
+    collectives = Collectives(_short_lived_group(), timeout=TIMEOUT)
+    check = CollectiveSequenceCheck([collectives])
+    started = time.perf_counter()
+    try:
+        collectives.all_reduce(torch.ones(64), label="unit blocks.0").wait()
+        if trailing_extra and rank == 0:
+            collectives.all_reduce(torch.ones(64), label="unit blocks.1").wait()
+        elif not trailing_extra:
+            collectives.all_reduce(torch.ones(64), label=f"unit blocks.{rank + 1}").wait()
+        check.verify()
+    except Exception as error:  # noqa: BLE001
+        return _outcome(error, started)
+    return _outcome(None, started)
 
 
 def _scenarios(rank: int, world_size: int) -> dict:
-    """A silent mismatch (rank 1 runs two units swapped) and a skipped unit, each on its own process group."""
-    return {"swapped": _train_until_mismatch(rank, [0, 2, 1, 3]),
-            "skipped": _train_until_mismatch(rank, [0, 2, 3])}
+    return {"skip, overlap": _skip_a_unit(rank, overlap=True),
+            "skip, no overlap": _skip_a_unit(rank, overlap=False),
+            "silent": _mislabelled_collectives(rank, trailing_extra=False),
+            "trailing": _mislabelled_collectives(rank, trailing_extra=True)}
 
 
 @pytest.fixture(scope="module")
 def outcomes():
-    return run_ranks(_scenarios, 2, timeout=90)
+    return run_ranks(_scenarios, 2, timeout=120)
 
 
-def test_a_rank_that_skips_a_unit_fails_on_both_ranks_within_the_timeout(outcomes):
-    """Rank 1 skips unit layers.1 in forward, so it issues two fewer collectives (that unit's forward and
-    backward gathers; its gradient is still reduced, as zeros). Rank 0 waits for a collective rank 1 never
-    issues and times out naming it; rank 1 finishes its step and its per-step sequence check times out."""
-    for rank in outcomes:
-        error = rank["skipped"]
+@pytest.mark.parametrize("scenario", ["skip, overlap", "skip, no overlap"])
+def test_a_rank_that_skips_a_unit_fails_on_both_ranks_within_the_timeout(outcomes, scenario):
+    """Rank 1 skips layers.1's forward: it issues fewer gathers and a different order of gathers and
+    reductions, so some collective on each rank is never matched. Each rank raises within the timeout, naming
+    the collective and unit it was waiting for, instead of hanging."""
+    for rank, outcome in enumerate(outcomes):
+        error = outcome[scenario]
         assert error["type"] == "CollectiveMismatchError", error
         assert error["step"] == BAD_STEP
-        assert error["seconds"] < 2 * TIMEOUT + 3.0, error
-    waiting, skipper = outcomes[0]["skipped"]["message"], outcomes[1]["skipped"]["message"]
-    assert "rank 0: all_reduce for unit layers." in waiting and "did not complete within" in waiting
-    assert "rank 1: the check of collective sequences" in skipper and "unit layers." in skipper
+        assert error["seconds"] < 2 * TIMEOUT + SLACK, error
+        assert error["message"].startswith(f"rank {rank}: ")
+        assert "layers." in error["message"], error["message"]
 
 
 def test_a_silent_mismatch_is_named_by_the_per_step_check_on_both_ranks(outcomes):
-    """Swapping two equal units pairs every collective with one of the same size, so nothing hangs or fails
-    inside the backend: the check before the optimizer step finds the logs differ and names the first
-    difference, the same on both ranks."""
-    first = "First difference at collective #2: rank 0 issued all_reduce of 1088 B for unit layers.1"
+    """Same-sized buffers pair without complaint from the backend; the check finds where the logs differ."""
     for rank, outcome in enumerate(outcomes):
-        error = outcome["swapped"]
+        error = outcome["silent"]
         assert error["type"] == "CollectiveMismatchError", error
-        assert error["step"] == BAD_STEP and error["seconds"] < TIMEOUT
-        assert f"rank {rank}: the ranks issued different collectives" in error["message"]
-        assert first in error["message"] and "rank 1 issued all_reduce of 1088 B for unit layers.2" in error["message"]
+        assert error["seconds"] < TIMEOUT + SLACK
+        assert error["message"].startswith(f"rank {rank}: the ranks issued different collectives")
+        assert ("First difference at collective #2: rank 0 issued all_reduce of 512 B for unit blocks.1; "
+                "rank 1 issued all_reduce of 512 B for unit blocks.2") in error["message"]
 
 
-def test_mismatch_error_type_is_a_runtime_error():
-    assert issubclass(CollectiveMismatchError, RuntimeError)
+def test_the_rank_with_fewer_collectives_reports_at_the_step_check_instead_of_hanging(outcomes):
+    """Rank 0 waits for a collective rank 1 never issues and times out naming it; rank 1, done with its step,
+    times out in the per-step check, which names the last collectives it issued."""
+    waiting, skipper = (outcome["trailing"] for outcome in outcomes)
+    for error in (waiting, skipper):
+        assert error["type"] == "CollectiveMismatchError", error
+        assert error["seconds"] < 2 * TIMEOUT + SLACK, error
+    assert waiting["message"].startswith("rank 0: all_reduce for unit blocks.1 did not complete within 2 s")
+    assert skipper["message"].startswith("rank 1: the check of collective sequences before optimizer step #1")
+    assert "the last ones: all_reduce of 512 B for unit blocks.0" in skipper["message"]

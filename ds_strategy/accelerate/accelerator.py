@@ -15,7 +15,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ..config import ZeroConfig
-from ..plain_checkpoint import gather_optimizer_state, load_optimizer_state
+from ..plain_checkpoint import check_model_loadable, gather_optimizer_state, load_optimizer_state
 from ..precision import autocast_for
 from ..precision_flag import ACCELERATE_MIXED_PRECISION, reconcile_precision
 from ..zero.engine import ZeroEngine
@@ -131,21 +131,26 @@ class ZeroAccelerator(Accelerator):
         self.engine.clip_grad_value_(float(clip_value))
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
-        """The whole model's state dict, after the parameter all-gathers of the last step have landed.
+        """The whole model's state dict on every rank, as Accelerate's DDP path returns it, gathered unit by unit.
 
-        The parameters are views of the engine's flat buffers, which safetensors would take for shared tensors
-        and drop, so each is cloned into its own storage.
+        Its tensors are copies: the parameters themselves are views of the engine's flat buffers, which
+        safetensors would take for shared tensors and drop.
         """
         if self.engine is None:
             return super().get_state_dict(model, unwrap=unwrap)
-        self.engine.wait_for_params()
-        state = super().get_state_dict(model, unwrap=unwrap)
-        return {name: value.clone() if torch.is_tensor(value) else value for name, value in state.items()}
+        return self.engine.full_state_dict(rank0_only=False)
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = False, **kwargs: Any) -> str:
         """Accelerate's ``save_state``, writing the model with ``torch.save`` by default: safetensors' loader
         refuses a model whose parameters are views of one flat buffer, so a safetensors state would not load back."""
         return super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
+
+    def load_state(self, input_dir: str | None = None, **kwargs: Any) -> None:
+        """Accelerate's ``load_state``; the model part needs an engine whose parameters it can write in place."""
+        if self.engine is not None:
+            check_model_loadable(self.engine.config)
+            self.engine.wait_for_params()
+        return super().load_state(input_dir, **kwargs)
 
     # -- reporting --------------------------------------------------------------------------------------------
     def memory_report(self) -> dict[str, dict[str, int]]:

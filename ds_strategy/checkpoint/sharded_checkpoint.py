@@ -27,8 +27,9 @@ def save(path: str | os.PathLike, module: nn.Module, engine: ZeroEngine | None =
          extra: dict[str, Any] | None = None, with_optimizer: bool = True) -> None:
     """Write ``module``'s state (sharded by ``engine``, if given), its optimizer's, and rank 0's ``extra`` to the
     checkpoint directory ``path``, atomically. Every rank calls it."""
-    optimizer = optimizer_state(engine) if with_optimizer and engine is not None and engine.optimizer else None
-    write(path, model_state(module, engine), optimizer, manifest_for(module, engine, optimizer is not None),
+    with_optimizer = with_optimizer and engine is not None and engine.optimizer is not None
+    optimizer = optimizer_state(engine) if with_optimizer else None
+    write(path, model_state(module, engine), optimizer, manifest_for(module, engine, with_optimizer),
           extra=extra, process_group=engine.process_group if engine is not None else None)
 
 
@@ -94,15 +95,15 @@ def remove(path: str | os.PathLike) -> None:
     directory.remove(Path(path))
 
 
-def _on_rank0(step: Callable[[], Any], process_group, what: str) -> Any:
+def _on_rank0(step: Callable[[], None], process_group, what: str) -> None:
     """Run ``step`` on rank 0 only and make every rank raise if it failed there, so that no rank is left waiting
     in the next collective."""
     distributed = dist.is_initialized()
     rank = dist.get_rank(process_group) if distributed else 0
-    error, result = None, None
+    error = None
     if rank == 0:
         try:
-            result = step()
+            step()
         except Exception as raised:
             error = raised
     if distributed:
@@ -112,4 +113,3 @@ def _on_rank0(step: Callable[[], Any], process_group, what: str) -> Any:
             raise CheckpointError(f"{what} failed on rank 0: {message[0]}")
     if error is not None:
         raise error
-    return result

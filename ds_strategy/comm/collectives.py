@@ -7,10 +7,10 @@ collectives (reduce-scatter / all-gather) and their all-reduce equivalents is ma
 Note: byte accounting. Bytes are counted as the volume a ring algorithm moves through each rank, scaled by
 N/(N-1), which is how the ZeRO paper states communication volume: a reduce-scatter or an all-gather of a
 Ψ-element buffer counts Ψ elements, an all-reduce counts 2Ψ (it is a reduce-scatter followed by an
-all-gather). So stage 1/2 costs 2Ψ per step and stage 3 costs 3Ψ, whichever implementation ran. With
-``use_all_reduce`` every reduce-scatter and all-gather is run as an all-reduce and counted as one, 2Ψ: stage 1/2
-then counts 4Ψ, which is what those all-reduces move. An all-to-all counts its input, the bytes the ring-free
-exchange sends (N-1)/N of.
+all-gather). So stage 1/2 costs 2Ψ per step and stage 3 costs 3Ψ with the sharded collectives. With
+``use_all_reduce`` a reduce-scatter runs as an all-reduce and is booked as one, 2Ψ, and an all-gather as N
+broadcasts, Ψ: stage 1/2 then counts 3Ψ, which is what those collectives move. An all-to-all counts its input,
+of which each rank sends (N-1)/N.
 
 Note: observers. ``Collectives.observers`` are callables ``(event, kind, label, nbytes)`` told of every launch
 (``event == "launch"``, in the order this rank issues collectives) and of every completed wait (``"done"``). The

@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 from ..config import ZeroConfig
 from ..deepspeed_config import config_from_deepspeed
 from ..lightning.strategy import PRESETS
-from ..plain_checkpoint import gather_optimizer_state, load_optimizer_state
+from ..plain_checkpoint import check_model_loadable, gather_optimizer_state, load_optimizer_state
 from ..precision import autocast_for
 from ..precision_flag import reconcile_precision
 from ..zero.engine import ZeroEngine
@@ -132,8 +132,13 @@ class ZeroFabricStrategy(DDPStrategy):
 
     # -- checkpoint -------------------------------------------------------------------------------------------
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        """The whole module's state dict, gathered unit by unit; only rank 0, which writes the file, keeps it."""
+        return self.engine.full_state_dict(rank0_only=True)
+
+    def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
+        check_model_loadable(self.engine.config)
         self.engine.wait_for_params()
-        return module.state_dict()
+        module.load_state_dict(state_dict, strict=strict)
 
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         return gather_optimizer_state(optimizer)

@@ -233,6 +233,8 @@ class HostOptimizer:
                 tensors.append(fp.grad_shard)  # the host step reads it in place
             for tensor in tensors:
                 placed.setdefault(tensor.untyped_storage().data_ptr(), "host")
+        for kind, tensor in self.own_tensors():
+            placed.setdefault(tensor.untyped_storage().data_ptr(), "host")
         return placed
 
     def own_tensors(self) -> list[tuple[str, torch.Tensor]]:

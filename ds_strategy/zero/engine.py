@@ -144,13 +144,15 @@ class ZeroEngine:
         return flat
 
     def _dtypes(self, param_dtype: torch.dtype) -> dict[str, torch.dtype]:
-        """Compute (parameters, autograd's gradients) and master (optimizer weights, reduced gradients, state)
+        """Compute (parameters, autograd's gradients), master (optimizer weights and state) and reduced-gradient
         dtypes for ``config.precision``: "-mixed" keeps an fp32 master beside 16-bit compute weights, "-true"
-        keeps only the 16-bit copy, and "32-true" leaves the module's own dtype with an fp32 master."""
+        keeps only the 16-bit copy, and "32-true" leaves the module's own dtype with an fp32 master. Reduced
+        gradient shards stay in the compute dtype unless ``grad_accum_dtype`` says otherwise."""
         cfg = self.config
         compute = param_dtype if cfg.precision == "32-true" else cfg.compute_dtype
         master = compute if cfg.precision in ("bf16-true", "16-true") else torch.float32
-        return {"compute_dtype": compute, "grad_dtype": compute, "master_dtype": master}
+        accumulate = cfg.gradient_accumulation_dtype if cfg.grad_accum_dtype is not None else compute
+        return {"compute_dtype": compute, "grad_dtype": compute, "master_dtype": master, "grad_shard_dtype": accumulate}
 
     def _materialise(self) -> None:
         """Move the parameters into their flat buffers, every rank starting from rank 0's values (as DDP does).

@@ -62,7 +62,8 @@ class FlatParam:
 
     def __init__(self, name: str, params: list[tuple[str, nn.Parameter]], group_index: int, policy: ShardPolicy,
                  rank: int, world_size: int, compute_dtype: torch.dtype, grad_dtype: torch.dtype,
-                 device: torch.device, master_dtype: torch.dtype = torch.float32):
+                 device: torch.device, master_dtype: torch.dtype = torch.float32,
+                 grad_shard_dtype: torch.dtype | None = None):
         self.name = name
         self.params = [p for _, p in params]
         self.group_index = group_index
@@ -72,6 +73,7 @@ class FlatParam:
         self.compute_dtype = compute_dtype
         self.grad_dtype = grad_dtype
         self.master_dtype = master_dtype
+        self.grad_shard_dtype = grad_shard_dtype or grad_dtype
         self.slots: list[ParamSlot] = []
         offset = 0
         for pname, p in params:

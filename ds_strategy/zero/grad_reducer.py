@@ -28,10 +28,11 @@ class GradReducer:
     ``comm_dtype`` (``ZeroConfig.gradient_communication_dtype``: fp32 for fp16 training, whose sums of scaled
     gradients would overflow fp16; bf16 for bf16 training): stage 2/3 scratch buffers are allocated in it, and a
     stage 0/1 ``grad_full`` of another dtype is converted into a temporary for its one reduction. The average is
-    taken in the wider dtype. The reduced ``grad_shard`` is in the master dtype (fp32 under mixed precision):
-    that is where micro-batches accumulate at stage 2/3 and where the loss scale is divided out, which in fp16
-    would underflow the small gradients that loss scaling exists to keep. At stage 0 the optimizer region is
-    ``grad_full`` itself; the engine converts it for the step.
+    taken in the wider dtype. The reduced ``grad_shard`` is where micro-batches accumulate at stage 2/3; it is in
+    ``grad_shard_dtype`` (``ZeroConfig.grad_accum_dtype``: by default the compute dtype, 2 bytes per parameter
+    as in the ZeRO paper and DeepSpeed; "fp32" for exact accumulation). The engine converts it to an fp32 copy
+    for the step and divides the loss scale out of that copy, never in fp16, which would underflow the small
+    gradients that loss scaling exists to keep. At stage 0 the optimizer region is ``grad_full`` itself.
 
     Note: collective order. Ranks must issue collectives in the same order or gloo/NCCL pair the wrong buffers.
     A flat buffer is reduced only after every flat buffer before it in the fixed ``order`` (reverse forward
@@ -76,18 +77,18 @@ class GradReducer:
         if not fp.policy.grads:
             fp.grad_full = torch.zeros(fp.padded_numel, dtype=fp.grad_dtype, device=fp.device)
         if fp.policy.optimizer and not fp.policy.grads:
-            same_dtype = fp.grad_dtype == fp.master_dtype == self._comm_dtype(fp)
+            same_dtype = fp.grad_dtype == fp.grad_shard_dtype == self._comm_dtype(fp)
             if self.collectives.use_all_reduce and same_dtype:
                 fp.grad_shard = fp.grad_full.narrow(0, fp.shard_offset, fp.shard_numel)
             else:
-                fp.grad_shard = torch.zeros(fp.shard_numel, dtype=fp.master_dtype, device=fp.device)
+                fp.grad_shard = torch.zeros(fp.shard_numel, dtype=fp.grad_shard_dtype, device=fp.device)
 
     @staticmethod
     def _grad_shard(fp: FlatParam) -> torch.Tensor:
         """Partitioned gradients get their shard at the first reduction, so building a model (stage 3 from
         the meta device) holds nothing but the parameter shards."""
         if fp.grad_shard is None:
-            fp.grad_shard = torch.zeros(fp.shard_numel, dtype=fp.master_dtype, device=fp.device)
+            fp.grad_shard = torch.zeros(fp.shard_numel, dtype=fp.grad_shard_dtype, device=fp.device)
         return fp.grad_shard
 
     def _comm_dtype(self, fp: FlatParam) -> torch.dtype:
