@@ -6,8 +6,8 @@ a system runs it is built from the seed, trained for ``warmup`` steps, timed for
 and freed: only one system's states are alive at a time, so the peak RSS of its window is its own (after the
 previous system's memory was handed back with ``malloc_trim``), and every round repeats the same experiment
 (same initial weights, same batches), so losses can be compared across systems. Model states are sampled on
-the last warmup step (after backward, and after the optimizer step, when Adam's state exists), never in a
-timed step. Steps are not separated by barriers: a barrier on gloo waits for in-flight collectives and would
+the last warmup step, when Adam's state exists: as each transformer block starts its forward (a ZeRO-3 or FSDP2
+unit is gathered then), after backward and after the optimizer step; never in a timed step. Steps are not separated by barriers: a barrier on gloo waits for in-flight collectives and would
 hide ZeRO's overlap of the parameter all-gather with the next forward; instead the last timed step ends only
 once the system's pending work is done (``finish``), and each step's time is the slowest rank's.
 """
@@ -113,7 +113,11 @@ def measure_window(spec: SystemSpec, recipe: Recipe, batches: BatchSource, count
         losses, states = [], []
         for i in range(settings.warmup):
             last = i == settings.warmup - 1
+            sample = lambda *_: states.append(system.state_bytes())  # noqa: E731
+            hooks = [block.register_forward_pre_hook(sample) for block in system.blocks()] if last else []
             losses.append(system.forward_backward(*batches.batches[i]))
+            for hook in hooks:
+                hook.remove()
             states += [system.state_bytes()] if last else []
             system.optimizer_step()
             states += [system.state_bytes()] if last else []

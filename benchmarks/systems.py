@@ -134,6 +134,10 @@ class BuiltSystem:
     def finish(self) -> None:
         """Wait for work a step left in flight (so the last timed step pays for it)."""
 
+    def blocks(self) -> list[nn.Module]:
+        """The transformer blocks, whose forward pre-hooks sample model states while a unit is gathered."""
+        raise NotImplementedError
+
     def state_bytes(self) -> dict[str, int]:
         """Bytes per kind (STATE_KINDS) this rank holds in memory; optionally "nvme": bytes kept on NVMe."""
         raise NotImplementedError
@@ -174,6 +178,9 @@ class _TorchOptimized(BuiltSystem):
             _, loss = self.model(inputs, targets)
         loss.backward()
         return loss.detach().float()
+
+    def blocks(self):
+        return list(getattr(self.model, "module", self.model).blocks)
 
     def optimizer_step(self):
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.recipe.clip)
@@ -220,6 +227,9 @@ class _DeepSpeedSystem(BuiltSystem):
 
     def optimizer_step(self):
         self.engine.step()
+
+    def blocks(self):
+        return list(self.engine.module.blocks)
 
     def state_bytes(self):
         """Parameters (or their stage-3 partitions), gradients, then every tensor DeepSpeed's ZeRO optimizer
@@ -294,6 +304,9 @@ class _OurSystem(BuiltSystem):
     def finish(self):
         self.engine.wait_for_params()
 
+    def blocks(self):
+        return list(self.model.blocks)
+
     def state_bytes(self):
         """``memory_report()`` per kind in memory (device + host); what sits on NVMe under ``"nvme"``."""
         report = self.engine.memory_report()
@@ -301,13 +314,16 @@ class _OurSystem(BuiltSystem):
         return {**out, "nvme": sum(places["nvme"] for places in report.values())}
 
     def own_comm_bytes(self):
-        """``comm_stats()`` summed over the engine's process groups (sequence check included)."""
-        return int(sum(kind["bytes"] for kind in self.engine.comm_stats().values()))
+        """The engine's byte counts over all its process groups, the per-step sequence check's included (which
+        ``comm_stats()`` leaves out of its sum), so they can be compared with what torch.distributed saw."""
+        return int(sum(c.stats.total_bytes() for c in self._groups()))
 
     def reset_own_comm(self):
-        groups = getattr(self.engine, "comm_groups", {"world": self.engine.collectives})
-        for collectives in groups.values():
+        for collectives in self._groups():
             collectives.stats.reset()
+
+    def _groups(self):
+        return getattr(self.engine, "comm_groups", {"world": self.engine.collectives}).values()
 
     def close(self):
         self.engine.remove_hooks()

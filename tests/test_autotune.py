@@ -107,9 +107,13 @@ def test_out_of_time_candidates_are_skipped_not_run():
     assert [t.status for t in result.trials] == ["skipped"] and result.best is None
 
 
-def test_deepspeed_json_reads_back_to_the_same_config():
-    config = ZeroConfig(stage=3, reduce_bucket_size=5_000_000, train_micro_batch_size_per_gpu=4,
-                        precision="bf16-mixed", gradient_reduction="reduce_scatter")
+@pytest.mark.parametrize("fields", [
+    {"stage": 3, "precision": "bf16-mixed", "gradient_reduction": "reduce_scatter"},
+    {"stage": 2, "offload_optimizer": "cpu", "zero_quantized_gradients": True},
+    {"stage": 3, "offload_optimizer": "nvme", "offload_params": "cpu", "nvme_path": "/tmp"},
+])
+def test_deepspeed_json_reads_back_to_the_same_config(fields):
+    config = ZeroConfig(reduce_bucket_size=5_000_000, train_micro_batch_size_per_gpu=4, **fields)
     assert config_from_deepspeed(json.loads(json.dumps(deepspeed_dict(config)))) == config
 
 

@@ -59,7 +59,7 @@ def test_readme_usage_example_runs_and_halves_the_optimizer_state(tmp_path):
 
 def test_readme_tables_are_the_generated_ones():
     for table in markdown_tables().split("\n\n"):
-        assert table in README, "README tables are stale: paste the output of `ds-strategy config-table`"
+        assert table in README, "README tables are stale: run `ds-strategy config-table --update README.md`"
 
 
 def test_every_zero_config_field_is_documented_with_its_real_default():

@@ -25,6 +25,17 @@ _DEEPSPEED_KEYS = {
     "prefetch_bucket_size": ("zero_optimization", "stage3_prefetch_bucket_size"),
     "param_persistence_threshold": ("zero_optimization", "stage3_param_persistence_threshold"),
     "max_live_parameters": ("zero_optimization", "stage3_max_live_parameters"),
+    "zero_quantized_weights": ("zero_optimization", "zero_quantized_weights"),
+    "zero_quantized_gradients": ("zero_optimization", "zero_quantized_gradients"),
+    "zero_hpz_partition_size": ("zero_optimization", "zero_hpz_partition_size"),
+    "sub_group_size": ("zero_optimization", "sub_group_size"),
+}
+# Written only when that state is offloaded: ZeroConfig field -> key inside DeepSpeed's offload section.
+_OFFLOAD_SECTIONS = {
+    "offload_optimizer": ("offload_optimizer", {"offload_optimizer": "device", "pin_memory": "pin_memory",
+                                                "offload_ratio": "ratio", "buffer_count": "buffer_count"}),
+    "offload_params": ("offload_param", {"offload_params": "device", "pin_memory": "pin_memory",
+                                         "buffer_size": "buffer_size"}),
 }
 _LOSS_SCALING = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")
 
@@ -33,13 +44,19 @@ def deepspeed_dict(config: ZeroConfig) -> dict[str, Any]:
     """A DeepSpeed config describing ``config``; ``config_from_deepspeed`` reads it back to the same fields."""
     ds: dict[str, Any] = {}
     for field, path in _DEEPSPEED_KEYS.items():
-        value = getattr(config, field)
+        value = getattr(config, field, None)
         if value is None:
             continue
         node = ds
         for key in path[:-1]:
             node = node.setdefault(key, {})
         node[path[-1]] = value
+    for field, (section, keys) in _OFFLOAD_SECTIONS.items():
+        if getattr(config, field, "none") != "none":
+            entry = {key: getattr(config, name) for name, key in keys.items()}
+            if entry["device"] == "nvme":
+                entry["nvme_path"] = config.nvme_path
+            ds["zero_optimization"][section] = entry
     if config.gradient_reduction != "auto":
         ds["zero_optimization"]["reduce_scatter"] = config.gradient_reduction == "reduce_scatter"
     if config.communication_dtype is not None:

@@ -135,8 +135,9 @@ def open_checkpoint(path: str | os.PathLike) -> tuple[Path, Manifest]:
                               f"ds_strategy.checkpoint.save or ZeroStrategy.save_checkpoint)")
     manifest_file = path / MANIFEST
     if not manifest_file.is_file():
-        what = ("an incomplete checkpoint (the save was interrupted before it finished)" if (path / ".metadata").exists()
-                or path.name.endswith(".partial") else "not a ds_strategy checkpoint")
+        interrupted = (path / ".metadata").exists() or path.name.endswith(".partial")
+        what = ("an incomplete checkpoint (the save was interrupted before it finished)" if interrupted
+                else "not a ds_strategy checkpoint")
         raise CheckpointError(f"{path} is {what}: {manifest_file.name} is missing")
     manifest = Manifest.from_json(manifest_file.read_text(), manifest_file)
     for name, size in manifest.files.items():

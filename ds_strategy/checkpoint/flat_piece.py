@@ -1,11 +1,12 @@
 """One rank's contiguous piece of a flattened tensor, as ``torch.distributed.checkpoint`` (DCP) writes and reads it.
 
-Every tensor in a ds_strategy checkpoint is stored by name as a 1-D tensor of its ``numel`` elements. A rank
-contributes, for each parameter its flat shard overlaps, a :class:`FlatPiece`: the elements
-``[offset, offset + len(tensor))`` of that 1-D tensor. DCP records each piece as a chunk with explicit offsets
-(the same metadata it keeps for ``ShardedTensor`` shards), so on load every rank asks for exactly the ranges
-its new shard covers and DCP's resharding reads the overlapping parts of whichever files hold them. Nothing
-in the file layout depends on the world size or ZeRO stage that wrote it.
+Every module tensor, and every elementwise optimizer state, is stored by name as a 1-D tensor of its ``numel``
+elements. A rank contributes, for each parameter its flat shard overlaps, a :class:`FlatPiece`: the elements
+``[offset, offset + len(tensor))`` of that 1-D tensor (replicated tensors are written whole, by rank 0). DCP
+records each piece as a chunk with explicit offsets (the same metadata it keeps for ``ShardedTensor`` shards),
+so on load every rank asks for exactly the ranges its new shard covers and DCP's resharding reads the
+overlapping parts of whichever files hold them. Nothing in the file layout depends on the world size or ZeRO
+stage that wrote it.
 
 Pieces speak DCP's ``_Checkpointable`` protocol (``__create_write_items__`` / ``__create_chunk_list__``); the
 two planners only teach DCP's default planners to find the tensor inside a piece.

@@ -2,9 +2,9 @@
 
 For every flat parameter a rank writes the pieces of each named parameter inside its shard range
 (``FlatParam.shard_slots()``), taken from the ``master`` the optimizer updates (fp32 unless the precision is
-"-true" 16-bit), and the same pieces of each elementwise optimizer state. Shard ranges partition the flat layout, so every element is written exactly once
-whatever the stage (at stage 0 each rank holds everything but still writes only its shard range). Rank 0 also
-writes the replicated tensors: frozen parameters and buffers.
+"-true" 16-bit), and the same pieces of each elementwise optimizer state. Shard ranges partition the flat
+layout, so every element is written exactly once whatever the stage (at stage 0 each rank holds everything but
+still writes only its shard range). Rank 0 also writes the replicated tensors: frozen parameters and buffers.
 """
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ import argparse
 import functools
 import importlib
 import json
+from pathlib import Path
 
 HELP = "find the fastest ZeRO configuration that fits a memory budget, by estimate and short trials"
 
@@ -105,8 +106,9 @@ def run(args: argparse.Namespace) -> int:
                       trial_timeout=args.trial_timeout, accelerator=args.accelerator, log_dir=args.log_dir)
     result = tuner.run()
     if args.results:
-        with open(args.results, "w", encoding="utf-8") as file:
-            json.dump(results_document(result), file, indent=2, default=str)
+        path = Path(args.results)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results_document(result), indent=2, default=str) + "\n")
     if result.best is None:
         print("no configuration completed a trial; nothing written")
         return 1

@@ -2,7 +2,8 @@
 
 The strategy table comes from ``PRESETS`` (the names every adapter registers) and the config table from
 ZeroConfig's fields and the ``name (default ...): meaning`` entries of its docstring. ``tests/test_readme.py``
-checks that the README holds exactly this output.
+checks that the README holds exactly this output; ``ds-strategy config-table --update README.md`` rewrites the
+README's two marked blocks after a field or preset changes.
 """
 from __future__ import annotations
 
@@ -10,18 +11,33 @@ import argparse
 import dataclasses
 import inspect
 import re
+from pathlib import Path
 
 HELP = "print the README's markdown tables of strategy names and ZeroConfig fields"
 
 _ENTRY = re.compile(r"^    (\w+) \(default (.*?)\): (.*)$")
+_BLOCKS = ("strategies", "config")  # README markers: <!-- begin: NAME table --> ... <!-- end: NAME table -->
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    pass
+    parser.add_argument("--update", metavar="README", help="rewrite the marked tables in this file instead of printing")
 
 
 def run(args: argparse.Namespace) -> int:
-    print(markdown_tables())
+    tables = markdown_tables()
+    if not args.update:
+        print(tables)
+        return 0
+    path = Path(args.update)
+    text = path.read_text(encoding="utf-8")
+    for name, table in zip(_BLOCKS, tables.split("\n\n")):
+        begin, end = f"<!-- begin: {name} table -->\n", f"\n<!-- end: {name} table -->"
+        if begin not in text or end not in text:
+            print(f"ds-strategy config-table: {path} has no {begin.strip()} ... {end.strip()} block")
+            return 2
+        head, rest = text.split(begin, 1)
+        text = head + begin + table + end + rest.split(end, 1)[1]
+    path.write_text(text, encoding="utf-8")
     return 0
 
 

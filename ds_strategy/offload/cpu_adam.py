@@ -23,6 +23,7 @@ scheduler and its ``state_dict`` keep working (see :mod:`.host_optimizer`).
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -44,6 +45,8 @@ class TilePool:
         self._executor = (ThreadPoolExecutor(self.threads, thread_name_prefix="ds_strategy_host_step",
                                              initializer=torch.set_num_threads, initargs=(1,))
                           if self.threads > 1 else None)
+        if self._executor is not None:
+            weakref.finalize(self, self._executor.shutdown, wait=False)
 
     def run(self, n: int, fn: Callable[[int, int], None]) -> None:
         tiles = math.ceil(n / TILE)

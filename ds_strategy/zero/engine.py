@@ -385,11 +385,12 @@ class ZeroEngine:
         return memory_report(self)
 
     def comm_stats(self, group: str | None = None) -> dict[str, dict[str, float]]:
-        """Calls, bytes and seconds waited per collective kind, summed over this rank's process groups, or for one
-        of ``comm_groups``: "world", "hpz" (the hpZ group) or "monitor" (the per-step sequence check)."""
+        """Calls, bytes and seconds waited per collective kind, summed over the groups that carry training data
+        ("world" and, under hpZ, "hpz"), or for one of ``comm_groups``, which also holds "monitor" (the per-step
+        sequence check's all-gather of 16 bytes per rank, left out of the sum)."""
         if group is not None:
             return self.comm_groups[group].stats.as_dict()
-        return combined(c.stats for c in self.comm_groups.values())
+        return combined(c.stats for name, c in self.comm_groups.items() if name != "monitor")
 
     def summary(self) -> str:
         report = self.memory_report()
