@@ -107,8 +107,8 @@ LEGEND = [
     "Step: the slowest rank's time per step, over every timed step of every round (systems interleaved). "
     "× DDP / × FSDP2: against the baseline of the same precision. Model states: parameters + gradients + "
     "optimizer state held in memory per rank (ds_strategy: `memory_report()`; peers: the storages of their "
-    "tensors, local shards only), the larger of the samples after backward and after the optimizer step; "
-    "communication buckets are in the JSON. Peak RSS: the rank's resident-memory peak during training steps. "
+    "tensors, local shards only), the largest total sampled as each block starts its forward (gathered units "
+    "count), after backward and after the optimizer step; communication buckets and NVMe bytes are in the JSON. Peak RSS: the rank's resident-memory peak during training steps. "
     "Comm: bytes per step per rank through `torch.distributed`, ZeRO-paper convention (all-reduce counts 2×). "
     "Loss Δ: |last-step loss − DDP's| at the same precision (same seed and batches).",
 ]

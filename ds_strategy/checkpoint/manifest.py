@@ -141,13 +141,18 @@ class Manifest:
             elif wanted.kind is not Kind.ALIAS and wanted.shape != saved.shape:
                 mismatched.append(f"{name}: shape {list(saved.shape)} in the checkpoint, {list(wanted.shape)} in "
                                   f"the model")
-        problems = [f"mismatched: {'; '.join(mismatched)}"] if mismatched else []
+        problems = [f"mismatched: {_listed(mismatched, '; ')}"] if mismatched else []
         if strict and missing:
-            problems.append(f"missing from the checkpoint: {', '.join(missing)}")
+            problems.append(f"missing from the checkpoint: {_listed(missing)}")
         if strict and unexpected:
-            problems.append(f"not in the model: {', '.join(unexpected)}")
+            problems.append(f"not in the model: {_listed(unexpected)}")
         if problems:
             raise CheckpointError(f"{where} was saved from a different model; " + " | ".join(problems))
+
+
+def _listed(items: list[str], separator: str = ", ", limit: int = 10) -> str:
+    more = f"{separator}... ({len(items) - limit} more)" if len(items) > limit else ""
+    return separator.join(items[:limit]) + more
 
 
 def _describe_alias(entry: Entry) -> str:

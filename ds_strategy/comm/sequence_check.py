@@ -3,10 +3,13 @@
 Note: how a mismatched sequence is caught. Ranks pair collectives by the order they issue them, not by what
 they are, so a rank that skips a unit (one fewer forward call, a backward that never reaches a unit) shifts
 every later pairing. Three things can follow, and each ends in :class:`~.collectives.CollectiveMismatchError`
-within ``collective_timeout`` on every rank:
+within ``collective_timeout`` on every rank, except as noted for gloo:
   * a wait never completes (the other rank is waiting for a different collective): ``PendingCollective.wait``
     times out and raises, naming the collective and its unit;
-  * the backend rejects the pairing (sizes differ): the same wait raises at once;
+  * the backend rejects the pairing: the same wait raises at once. Gloo, when a message arrives larger than
+    the buffer it was paired with, aborts the receiving process from its transport thread instead
+    (``gloo::EnforceNotMet ... Is there a distributed collective mismatch in your code?``), before Python
+    can name anything; the other ranks then get the error from their next wait;
   * the pairing goes through silently (same sizes: two equal blocks swapped), or one rank finishes the step
     with fewer collectives than the other: only a comparison can tell. Before every optimizer step each rank
     all-gathers (count, CRC-32 of the kinds, sizes and labels) of the collectives it issued since the last
@@ -15,7 +18,9 @@ within ``collective_timeout`` on every rank:
     collective, or gone after raising, makes the others' check time out, and that error names this rank's last
     collectives.
 The check costs one all-gather of two int64 per rank per optimizer step and a CRC of a short string per
-collective; the per-step log keeps at most ``MAX_LOGGED`` labels.
+collective; the per-step log keeps at most ``MAX_LOGGED`` labels. After the error the process groups are out of
+step and cannot be used again. A gloo worker thread stuck in an unmatched collective stays blocked for the
+process group's own ``timeout`` (30 minutes by default), and ``destroy_process_group`` waits for it.
 """
 from __future__ import annotations
 
@@ -27,11 +32,20 @@ import torch.distributed as dist
 from .collectives import CollectiveMismatchError, Collectives
 
 MAX_LOGGED = 4096
+_MONITOR_GROUPS: dict[tuple[int, ...], tuple[object, object]] = {}  # ranks -> (default group, monitor group)
 
 
 def _monitor_group(ranks: list[int]):
-    """A gloo group over ``ranks``, used only for the check; every rank of the default group must create it."""
-    return dist.new_group(ranks, backend="gloo")
+    """A gloo group over ``ranks`` used only for the check, one per set of ranks while the default group lives.
+
+    Like every ``new_group``, its first creation must happen on every rank of the default group, in the same
+    order as their other groups: engines are built on every rank.
+    """
+    world, group = _MONITOR_GROUPS.get(tuple(ranks), (None, None))
+    if world is not dist.group.WORLD:
+        group = dist.new_group(ranks, backend="gloo")
+        _MONITOR_GROUPS[tuple(ranks)] = (dist.group.WORLD, group)
+    return group
 
 
 class CollectiveSequenceCheck:

@@ -97,8 +97,3 @@ class WeightGather:
     def drop_all(self) -> None:
         self._secondary.clear()
         self._received.clear()
-
-    def secondary_numel(self) -> int:
-        """Elements (or int8 bytes, under qwZ) of secondary pieces held now."""
-        return sum(t.numel() for t in self._secondary.values())
-
