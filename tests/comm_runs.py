@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import lightning as L
 import torch
-import torch.distributed as dist
 from distributed import run_ranks
 from lightning.pytorch.loggers.logger import Logger
 from torch.utils.data import DataLoader, TensorDataset

@@ -54,3 +54,16 @@ def assert_trained_sharded(out_dir: Path, stage: int, world_size: int = 2) -> di
         assert abs(rank_bytes["optimizer"] - one_rank_bytes / world_size) <= 0.05 * one_rank_bytes / world_size
     assert summary["final_loss"] < 0.8 * summary["first_loss"], summary["losses"]
     return summary
+
+
+def assert_sharded_checkpoint(path: Path, summary: dict, world_size: int = 2) -> None:
+    """``path`` is a sharded checkpoint with one shard file per rank that consolidates into the whole model (its
+    trainable parameters, tied ones once) with the optimizer state of every trainable parameter."""
+    import torch
+
+    from ds_strategy.checkpoint import consolidate
+
+    assert {f"__{rank}_0.distcp" for rank in range(world_size)} <= set(os.listdir(path))
+    full = torch.load(consolidate(path, Path(path).parent / "consolidated.pt", weights_only=False), weights_only=True)
+    trainable = full["optimizer"]["state"].keys()
+    assert sum(full["state_dict"][name].numel() for name in trainable) == summary["trainable_params"]

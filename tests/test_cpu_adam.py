@@ -88,11 +88,12 @@ def test_cpu_sgd_with_momentum_matches_torch_sgd(size, nesterov, dampening):
     _assert_close(state["momentum_buffer"], expected_state["momentum_buffer"])
 
 
-def test_cpu_adam_equals_torchs_fused_adamw_bitwise_for_any_thread_count():
+def test_cpu_adam_equals_torchs_fused_adamw_bitwise_however_the_pass_is_tiled_and_threaded():
     hyper = dict(lr=1e-2, weight_decay=0.1)
     expected, _, _ = _train(torch.optim.AdamW, 1001, fused=True, **hyper)
-    for threads in (1, 3):
-        param, _, _ = _train(CpuAdam, 1001, threads=threads, **hyper)
+    assert torch.equal(_train(CpuAdam, 1001, **hyper)[0], expected)  # one call over the shard
+    for threads in (1, 3):  # tiles of 64 on 1 or 3 threads, with the copy-out
+        param, _, _ = _train(CpuAdam, 1001, copies={"dtype": torch.bfloat16}, threads=threads, **hyper)
         assert torch.equal(param, expected)
 
 

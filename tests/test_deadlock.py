@@ -9,7 +9,7 @@ import torch.distributed as dist
 from distributed import run_ranks
 from torch import nn
 
-from ds_strategy.comm.collectives import CollectiveMismatchError, Collectives
+from ds_strategy.comm.collectives import Collectives
 from ds_strategy.comm.sequence_check import CollectiveSequenceCheck
 from ds_strategy.config import ZeroConfig
 from ds_strategy.zero.engine import ZeroEngine

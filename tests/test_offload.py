@@ -5,6 +5,7 @@ Bitwise, not approximately: the runs without offload step ``torch.optim.AdamW(fu
 the one ``CpuAdam`` runs tile by tile, and every other step of training is the same code on the same values. The
 learning rate is changed on the user's optimizer every step, so a host step that missed it would diverge.
 """
+import contextlib
 import os
 
 import pytest
@@ -68,7 +69,7 @@ def train(model, engine: ZeroEngine, steps: int, first_step: int = 0, after_firs
     for step, micro_batches in enumerate(batches, start=first_step):
         total = torch.zeros(())
         for micro, batch in enumerate(micro_batches):
-            with engine.no_sync() if micro < ACCUMULATE - 1 else _nothing():
+            with engine.no_sync() if micro < ACCUMULATE - 1 else contextlib.nullcontext():
                 loss = model(tuple(t[engine.rank * rows:(engine.rank + 1) * rows] for t in batch)) / ACCUMULATE
                 engine.backward(loss)
             total += loss.detach().float()
@@ -84,17 +85,12 @@ def train(model, engine: ZeroEngine, steps: int, first_step: int = 0, after_firs
     return losses
 
 
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *args):
-        return False
-
-
-def nvme_files(engine: ZeroEngine) -> dict[str, int]:
-    directory = engine.offload.directory.path
-    return {name: os.path.getsize(directory / name) for name in os.listdir(directory) if name != "owner.lock"}
+def nvme_observation(engine: ZeroEngine) -> dict:
+    """The rank's NVMe directory, its files' sizes, and how many optimizer shard elements were offloaded there."""
+    directory, host = engine.offload.directory.path, engine.offload.host
+    return {"directory": directory,
+            "files": {name: os.path.getsize(directory / name) for name in os.listdir(directory) if name != "owner.lock"},
+            "shard": sum(fp.master.numel() for fp in host.flat_params) if host is not None else 0}
 
 
 def optimizer_state(engine: ZeroEngine) -> list[dict[str, torch.Tensor]]:
@@ -109,12 +105,8 @@ def train_runs(rank: int, world_size: int, names: list[str], nvme_root) -> dict:
     for name in names:
         model, engine = build(*RUNS[name], nvme_path=nvme_root)
         seen = {}
-        if engine.offload is not None and engine.offload.directory is not None:
-            seen["directory"] = engine.offload.directory.path
-            observe = lambda: seen.update(files=nvme_files(engine), shard=sum(
-                fp.master.numel() for fp in engine.offload.host.flat_params) if engine.offload.host else 0)
-        else:
-            observe = None
+        uses_nvme = engine.offload is not None and engine.offload.directory is not None
+        observe = (lambda: seen.update(nvme_observation(engine))) if uses_nvme else None
         losses = train(model, engine, STEPS, after_first_step=observe)
         results[name] = {"losses": losses, "params": engine.full_state_dict(rank0_only=False),
                          "state": optimizer_state(engine), "memory": engine.memory_report(),

@@ -20,7 +20,7 @@ from ds_strategy.offload import OffloadSetupError
 from ds_strategy.zero.engine import ZeroEngine
 from test_offload import build, optimizer_state, train
 
-WIDTH = 2048  # two 2048x2048 layers: 8.4M parameters, Adam's moments 67 MB
+WIDTH = 2560  # two 2560x2560 layers: 13.1M parameters, Adam's moments 105 MB
 
 
 def _rss_bytes() -> int:
@@ -30,29 +30,33 @@ def _rss_bytes() -> int:
 
 def rss_growth(rank: int, world_size: int, nvme_root) -> dict:
     """Rank 0 trains with offload_optimizer="nvme", rank 1 the same with "cpu", each in its own one-rank group, at
-    the same time on the same machine; returns the resident-memory growth over building the engine and 3 steps."""
+    the same time on the same machine. Returns the resident-memory growth over 3 optimizer steps, from after the
+    first backward (parameters, gradients and buckets exist by then; optimizer state does not)."""
     groups = [dist.new_group([r]) for r in range(world_size)]
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH))
     place = {"offload_optimizer": "nvme", "nvme_path": str(nvme_root), "buffer_size": 1 << 18} if rank == 0 else \
         {"offload_optimizer": "cpu"}
-    before = _rss_bytes()
     engine = ZeroEngine(model, torch.optim.AdamW(model.parameters(), fused=True), ZeroConfig(stage=2, **place),
                         process_group=groups[rank])
-    peak = 0
+    before, peak = None, 0
     for _ in range(3):
         engine.backward(model(torch.randn(4, WIDTH)).square().mean())
+        before = before or _rss_bytes()
         engine.step()
         peak = max(peak, _rss_bytes())
     engine.remove_hooks()
     return {"growth": peak - before, "psi": sum(fp.master.numel() for fp in engine.flat_params)}
 
 
-def test_nvme_optimizer_state_is_not_resident(tmp_path):
+def test_nvme_optimizer_state_is_not_resident(tmp_path, monkeypatch):
+    # glibc otherwise raises its mmap threshold as large blocks are freed and keeps later ones on the heap, which
+    # then grows by a gradient bucket now and then: allocator noise the size of what is measured
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     nvme, cpu = run_ranks(rss_growth, 2, tmp_path, timeout=240)
     moments = 8 * cpu["psi"]
     assert cpu["growth"] >= 0.9 * moments  # the cpu run holds both moments in memory ...
-    assert nvme["growth"] <= cpu["growth"] - 0.6 * moments  # ... the nvme run holds buffers (13 MB), not moments
+    assert nvme["growth"] <= 0.4 * moments  # ... the nvme run its swap buffers (13 MB), not the moments (105 MB)
 
 
 # -- setup errors --------------------------------------------------------------------------------------------------

@@ -130,10 +130,10 @@ def test_zero3_builds_a_model_larger_than_the_rank_budget_directly_sharded():
         assert torch.equal(ranks[0]["state"][key], value), key
 
 
-def _generate(model: GPT, idx: torch.Tensor, tokens: int) -> torch.Tensor:
+def _generate(logits_of, idx: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Greedy decoding: one forward call per new token, as a generation loop makes them."""
     for _ in range(tokens):
-        logits, _ = GPT.forward(model, idx)
-        idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        idx = torch.cat([idx, logits_of(idx)[:, -1].argmax(-1, keepdim=True)], dim=1)
     return idx
 
 
@@ -148,10 +148,14 @@ def _eval_after_training(rank: int, world_size: int, tokens_per_rank: tuple, tim
         model(batch).backward()
         engine.step()
     model.eval()
-    prompt = batch[0][:2, :8]
+
+    def logits_of(idx):  # TinyGPT.forward returns the loss: call GPT's, after the hook the root forward would run
+        engine.before_forward()
+        return GPT.forward(model, idx)[0]
+
     with torch.no_grad():
-        logits, _ = GPT.forward(model, batch[0])
-        generated = _generate(model, prompt, tokens_per_rank[rank])
+        logits = logits_of(batch[0])
+        generated = _generate(logits_of, batch[0][:2, :8], tokens_per_rank[rank])
     engine.reshard()
     dist.barrier()
     return {"logits": logits, "generated": generated}
@@ -168,7 +172,8 @@ def _reference_eval() -> dict:
         optimizer.zero_grad()
     model.eval()
     with torch.no_grad():
-        return {"logits": GPT.forward(model, batch[0])[0], "generated": _generate(model, batch[0][:2, :8], 5)}
+        logits_of = lambda idx: GPT.forward(model, idx)[0]  # noqa: E731
+        return {"logits": logits_of(batch[0]), "generated": _generate(logits_of, batch[0][:2, :8], 5)}
 
 
 def test_zero3_evaluation_and_generation_match_the_unsharded_model():

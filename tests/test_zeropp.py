@@ -8,11 +8,10 @@ import pytest
 import torch
 from comm_runs import four_rank_runs, two_rank_runs
 
+import models
 from ds_strategy.comm.quantized import BLOCK_SIZE, Int8Packets
 from ds_strategy.config import ZeroConfig
 from ds_strategy.zero.engine import ZeroEngine
-
-import models
 
 FP32 = 4
 

@@ -15,10 +15,10 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ..config import ZeroConfig
-from ..plain_checkpoint import check_model_loadable, gather_optimizer_state, load_optimizer_state
 from ..precision import autocast_for
 from ..precision_flag import ACCELERATE_MIXED_PRECISION, reconcile_precision
 from ..zero.engine import ZeroEngine
+from .checkpointing import ZeroAcceleratorCheckpointing
 from .config_source import ENV_VAR, load_zero_config
 
 # Accelerate's own sharding back-ends, by the constructor argument and the environment variable that enable them.
@@ -30,16 +30,16 @@ _OTHER_SHARDING = {
 }
 
 
-class ZeroAccelerator(Accelerator):
+class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
     """An ``Accelerator`` whose ``prepare`` shards the model and optimizer with a :class:`ZeroEngine` instead of
     wrapping the model in DDP.
 
     ``zero_config`` is a :class:`ZeroConfig`, a mapping of its fields, or a YAML/JSON file (see
     :mod:`.config_source`); when omitted it is read from ``$DS_STRATEGY_CONFIG``, which ``ds-strategy launch``
     sets. Every other argument is Accelerate's. ``backward``, ``clip_grad_norm_``/``clip_grad_value_``,
-    ``no_sync``/``accumulate`` and the prepared optimizer's ``step``/``zero_grad``/``state_dict`` go to the engine;
-    ``save_state``/``load_state`` take Accelerate's ordinary path with the whole model state dict and every rank's
-    optimizer shard (see :mod:`ds_strategy.plain_checkpoint`).
+    ``no_sync``/``accumulate`` and the prepared optimizer's ``step``/``zero_grad`` go to the engine;
+    ``save_state``/``load_state`` write and read the model and optimizer as a sharded checkpoint, loadable at any
+    world size or ZeRO stage (see :mod:`.checkpointing`).
 
     Precision: ``mixed_precision`` ("no", "bf16", "fp16") is folded into ``ZeroConfig.precision`` and the engine
     implements it (16-bit buffers, fp32 masters, loss scaling); ``prepare`` only runs the model's forward in
@@ -140,18 +140,6 @@ class ZeroAccelerator(Accelerator):
             return super().get_state_dict(model, unwrap=unwrap)
         return self.engine.full_state_dict(rank0_only=False)
 
-    def save_state(self, output_dir: str | None = None, safe_serialization: bool = False, **kwargs: Any) -> str:
-        """Accelerate's ``save_state``, writing the model with ``torch.save`` by default: safetensors' loader
-        refuses a model whose parameters are views of one flat buffer, so a safetensors state would not load back."""
-        return super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
-
-    def load_state(self, input_dir: str | None = None, **kwargs: Any) -> None:
-        """Accelerate's ``load_state``; the model part needs an engine whose parameters it can write in place."""
-        if self.engine is not None:
-            check_model_loadable(self.engine.config)
-            self.engine.wait_for_params()
-        return super().load_state(input_dir, **kwargs)
-
     # -- reporting --------------------------------------------------------------------------------------------
     def memory_report(self) -> dict[str, dict[str, int]]:
         """This rank's bytes per kind of model state and place; see :func:`ds_strategy.zero.memory_report`."""
@@ -160,7 +148,7 @@ class ZeroAccelerator(Accelerator):
 
 class ZeroAcceleratedOptimizer(AcceleratedOptimizer):
     """The prepared optimizer: on an accumulation boundary ``step`` runs the engine's sharded step (after the
-    config's global-norm clip, if any); its state dict holds every rank's shard."""
+    config's global-norm clip, if any). Its ``state_dict`` is this rank's shard; ``save_state`` saves them all."""
 
     def __init__(self, optimizer: Optimizer, engine: ZeroEngine, clip_norm: float):
         super().__init__(optimizer, device_placement=False)
@@ -178,12 +166,6 @@ class ZeroAcceleratedOptimizer(AcceleratedOptimizer):
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         if self.gradient_state.sync_gradients:
             self.engine.zero_grad()
-
-    def state_dict(self) -> dict[str, Any]:
-        return gather_optimizer_state(self.optimizer)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        load_optimizer_state(self.optimizer, state_dict)
 
 
 def _in_autocast(forward: Any, precision: str, device_type: str) -> Any:

@@ -97,9 +97,20 @@ def _collect(procs, reports, logs, deadline: float, timeout: float) -> tuple[lis
                         return None, f"rank {r} exited with code {p.exitcode} without a result{_tail(logs[r])}"
             continue
         if kind == "error":
-            return None, f"rank {rank} raised:\n{payload}"
+            return None, _root_cause(procs, logs, rank, payload)
         values[rank] = pickle.loads(payload)
     return [values[r] for r in range(len(procs))], None
+
+
+def _root_cause(procs, logs, rank: int, payload: str) -> str:
+    """A rank's error is often the echo of another rank's death (its peer reset the connection): name the rank
+    that died first when one did, with the error as the consequence."""
+    time.sleep(5 * _POLL_S)
+    for r, p in enumerate(procs):
+        if r != rank and p.exitcode not in (None, 0):
+            return (f"rank {r} exited with code {p.exitcode} without a result{_tail(logs[r])}; "
+                    f"then rank {rank} raised:\n{payload}")
+    return f"rank {rank} raised:\n{payload}"
 
 
 def _tail(log: Path | None) -> str:

@@ -19,13 +19,13 @@ from torch.optim import Optimizer
 from ..config import ZeroConfig
 from ..deepspeed_config import config_from_deepspeed
 from ..lightning.strategy import PRESETS
-from ..plain_checkpoint import check_model_loadable, gather_optimizer_state, load_optimizer_state
 from ..precision import autocast_for
 from ..precision_flag import reconcile_precision
 from ..zero.engine import ZeroEngine
+from .checkpointing import ZeroFabricCheckpointing
 
 
-class ZeroFabricStrategy(DDPStrategy):
+class ZeroFabricStrategy(ZeroFabricCheckpointing, DDPStrategy):
     """ZeRO data parallelism for Fabric: ``Fabric(strategy="zero2")`` or ``Fabric(strategy=ZeroFabricStrategy(stage=1))``.
 
     Subclasses Fabric's ``DDPStrategy`` for its launchers and process-group setup, but never wraps the model in
@@ -40,8 +40,8 @@ class ZeroFabricStrategy(DDPStrategy):
     Fabric gets a :class:`ZeroFabricPrecision` that only supplies the autocast region. ``ZeroConfig.gradient_clipping``,
     when set, clips the global gradient norm before every ``optimizer.step()``, as DeepSpeed does.
 
-    ``fabric.save``/``fabric.load`` write one ordinary file through Fabric's checkpoint IO: the whole module state
-    dict and every rank's optimizer shard (see :mod:`ds_strategy.plain_checkpoint`).
+    ``fabric.save``/``fabric.load`` write and read a sharded checkpoint directory, each rank only its shards, and
+    load at any world size or ZeRO stage (see :mod:`.checkpointing`).
     """
 
     def __init__(self, config: ZeroConfig | Mapping | None = None, *, accelerator=None, parallel_devices=None,
@@ -129,38 +129,6 @@ class ZeroFabricStrategy(DDPStrategy):
 
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float | int) -> None:
         self.engine.clip_grad_value_(float(clip_val))
-
-    # -- checkpoint -------------------------------------------------------------------------------------------
-    def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
-        """The whole module's state dict, gathered unit by unit; only rank 0, which writes the file, keeps it."""
-        return self.engine.full_state_dict(rank0_only=True)
-
-    def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
-        check_model_loadable(self.engine.config)
-        self.engine.wait_for_params()
-        module.load_state_dict(state_dict, strict=strict)
-
-    def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return gather_optimizer_state(optimizer)
-
-    def load_checkpoint(self, path, state=None, strict: bool = True, weights_only: bool | None = None) -> dict:
-        """Fabric's loading, except that each optimizer gets this rank's shard of the saved optimizer state."""
-        if isinstance(state, Optimizer):
-            load_optimizer_state(state, self.checkpoint_io.load_checkpoint(path, weights_only=weights_only))
-            return {}
-        if not isinstance(state, dict):
-            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
-        optimizers = {name: obj for name, obj in state.items() if isinstance(obj, Optimizer)}
-        others = {name: obj for name, obj in state.items() if name not in optimizers}
-        remainder = super().load_checkpoint(path, others, strict=strict, weights_only=weights_only)
-        missing = [name for name in optimizers if name not in remainder]
-        if missing and strict:
-            raise KeyError(f"the checkpoint {str(path)!r} has no state for {missing}")
-        for name, optimizer in optimizers.items():
-            if name in remainder:
-                load_optimizer_state(optimizer, remainder.pop(name))
-        state.update(others)
-        return remainder
 
     # -- reporting --------------------------------------------------------------------------------------------
     def memory_report(self) -> dict[str, dict[str, int]]:

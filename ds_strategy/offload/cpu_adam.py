@@ -2,18 +2,17 @@
 
 Note: [One pass over the shard: torch's fused kernels, tiled on our own threads]
 PyTorch ships fused CPU kernels for Adam/AdamW, Adagrad and SGD (``torch._fused_adamw_`` and friends, what
-``torch.optim.AdamW(fused=True)`` runs): one vectorised pass that reads p, g, m, v and writes p, m, v, 28 bytes per
-fp32 element for Adam. They are the arithmetic here, so nothing is compiled at import or first use. Around them we
-add two things they lack:
-  * the 16-bit copy of the updated parameters that mixed precision needs. Done as a second pass it re-reads p
-    from memory (6 more bytes per element); here each tile of ``TILE`` elements is copied out right after its
-    update, while it is still in cache (2 more bytes per element).
-  * threading that does not pay ATen's fork/join on every small call. The shard is cut into one contiguous span
-    per thread of a :class:`TilePool`; each pool thread runs torch with one intra-op thread and walks its span
-    tile by tile. Measured on 2 cores, tiles on ATen's own threads ran 3-10x slower than on the pool (see
-    ``benchmarks/host_optimizer.py``).
-Every kernel is elementwise and spans start at multiples of ``TILE``, so the result does not depend on the number
-of threads.
+``torch.optim.AdamW(fused=True)`` runs): one vectorised, multi-threaded pass that reads p, g, m, v and writes p, m,
+v, 28 bytes per fp32 element for Adam, at memory bandwidth. They are the arithmetic here, so nothing is compiled at
+import or first use, and without a copy-out a shard is stepped by one call of them, as shipped. What they lack is
+the 16-bit copy of the updated parameters that mixed precision needs; as a second pass it re-reads p (6 more bytes
+per element). With a copy-out the shard is instead cut into tiles of ``TILE`` elements, each updated by the fused
+kernel and copied out at once, while it is still in cache (2 more bytes per element). Many small calls would each
+pay ATen's parallel fork/join, which stalls whenever a core is busy elsewhere, so the tiles run on a
+:class:`TilePool`: one contiguous span per thread, each pool thread running torch with one intra-op thread.
+``benchmarks/host_optimizer.py`` measures all of these against the machine's copy bandwidth.
+Every kernel is elementwise and spans start at multiples of ``TILE``, so the result is the same bits whichever
+way the shard is cut and however many threads run.
 
 The update rules keep ``torch.optim``'s state layout (``step`` as a CPU fp32 scalar tensor, ``exp_avg``,
 ``exp_avg_sq``, ``max_exp_avg_sq``, ``sum``, ``momentum_buffer``) and read hyperparameters from the param group
@@ -190,8 +189,12 @@ def prepare_state(rule: UpdateRule, optimizer: torch.optim.Optimizer, group: Map
 def tiled_update(pool: TilePool, rule: UpdateRule, hyper: dict[str, Any], param: torch.Tensor, grad: torch.Tensor,
                  states: list[torch.Tensor], step: torch.Tensor | None, first: bool,
                  out: torch.Tensor | None = None) -> None:
-    """Update 1-D ``param`` and ``states`` in place from ``grad``, tile by tile; ``out`` (any dtype) receives a copy
-    of each updated tile in the same pass (see [One pass over the shard])."""
+    """Update 1-D ``param`` and ``states`` in place from ``grad``; with ``out`` (any dtype), tile by tile, each
+    updated tile copied into ``out`` in the same pass (see [One pass over the shard])."""
+    if out is None:  # torch's kernel over the whole shard is the fastest there is
+        with torch.no_grad():
+            rule.update(hyper, param, grad, states, step, first)
+        return
 
     @torch.no_grad()  # grad mode is per thread: pool threads need it off as much as the caller
     def span(lo: int, hi: int) -> None:
@@ -199,8 +202,7 @@ def tiled_update(pool: TilePool, rule: UpdateRule, hyper: dict[str, Any], param:
             b = min(hi, a + TILE)
             tile = param[a:b]
             rule.update(hyper, tile, grad[a:b], [s[a:b] for s in states], step, first)
-            if out is not None:
-                out[a:b].copy_(tile)
+            out[a:b].copy_(tile)
 
     pool.run(param.numel(), span)
 
