@@ -54,36 +54,39 @@ def row(name: str, seconds: float, nbytes: float) -> dict:
 
 
 # -- part 1: host step -----------------------------------------------------------------------------------------
+def copy_row(numel: int, repeats: int) -> dict:
+    source, target = torch.randn(numel), torch.empty(numel)
+    return row("tensor copy (memory bandwidth)", best_seconds(lambda: target.copy_(source), repeats), 8 * numel)
+
+
+def step_row(name: str, optimizer: torch.optim.Optimizer, repeats: int, nbytes: float, **step_args) -> dict:
+    """One optimizer's step; its state is dropped on return, so rows do not add up in memory."""
+    return row(name, best_seconds(lambda: optimizer.step(**step_args), repeats), nbytes)
+
+
 def adam_rows(numel: int, repeats: int) -> list[dict]:
     torch.manual_seed(0)
     param = nn.Parameter(torch.randn(numel))
     param.grad = torch.randn(numel)
     copy16 = torch.empty(numel, dtype=torch.bfloat16)
-    source, target = torch.randn(numel), torch.empty(numel)
-    rows = [row("tensor copy (memory bandwidth)", best_seconds(lambda: target.copy_(source), repeats), 8 * numel)]
-    del source, target
-    for name, make in [("torch AdamW foreach=True", lambda: torch.optim.AdamW([param], foreach=True)),
-                       ("torch AdamW fused=True", lambda: torch.optim.AdamW([param], fused=True)),
-                       ("CpuAdam", lambda: CpuAdam([param]))]:
-        optimizer = make()
-        rows.append(row(name, best_seconds(optimizer.step, repeats), 28 * numel))
-        del optimizer
-    cpu_adam = CpuAdam([param])
-    rows.append(row("CpuAdam + bf16 copy-out (one pass)",
-                    best_seconds(lambda: cpu_adam.step(param_copies={param: copy16}), repeats), 30 * numel))
-    del cpu_adam
-    aten_threads = CpuAdam([param], threads=1)  # tiles run inline; each kernel call uses ATen's intra-op threads
-    rows.append(row("  alt: same tiles on ATen's threads + copy-out",
-                    best_seconds(lambda: aten_threads.step(param_copies={param: copy16}), repeats), 30 * numel))
-    del aten_threads
     fused = torch.optim.AdamW([param], fused=True)
 
     def fused_then_copy():
         fused.step()
         copy16.copy_(param.detach())
 
-    rows.append(row("  alt: torch fused, then a bf16 copy pass", best_seconds(fused_then_copy, repeats), 30 * numel))
-    return rows
+    return [
+        copy_row(numel, repeats),
+        step_row("torch AdamW foreach=True", torch.optim.AdamW([param], foreach=True), repeats, 28 * numel),
+        step_row("torch AdamW fused=True", torch.optim.AdamW([param], fused=True), repeats, 28 * numel),
+        step_row("CpuAdam", CpuAdam([param]), repeats, 28 * numel),
+        step_row("CpuAdam + bf16 copy-out (one pass)", CpuAdam([param]), repeats, 30 * numel,
+                 param_copies={param: copy16}),
+        # tiles run inline on the caller's thread, each kernel call on ATen's intra-op threads
+        step_row("  alt: same tiles on ATen's threads + copy-out", CpuAdam([param], threads=1), repeats, 30 * numel,
+                 param_copies={param: copy16}),
+        row("  alt: torch fused, then a bf16 copy pass", best_seconds(fused_then_copy, repeats), 30 * numel),
+    ]
 
 
 # -- part 2: NVMe ------------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ Activations are not model state and are not estimated.
 
 Note: offload (DeepSpeed's ZeRO-Offload and ZeRO-Infinity semantics). ``offload_optimizer="cpu"`` (stage >= 1)
 moves the optimizer state to host memory, together with the fp32 gradient partition the host optimizer reads;
-``"nvme"`` (stage 3) moves the optimizer state to NVMe. ``offload_params="cpu"|"nvme"`` (stage 3) keeps each
+``"nvme"`` (stage >= 1, as the engine allows) moves the optimizer state to NVMe. ``offload_params="cpu"|"nvme"`` (stage 3) keeps each
 rank's parameter partition there; the gathered working set stays on the device. Staging buffers of the
 NVMe path are not counted.
 """
@@ -222,8 +222,6 @@ def _offload_error(stage: int, offload_optimizer: str, offload_params: str) -> s
             return f"{name}={value!r} is not allowed; expected one of {OFFLOAD_MODES}"
     if offload_optimizer != "none" and stage == 0:
         return f"offload_optimizer={offload_optimizer!r} needs stage >= 1 (stage 0 keeps no partition to offload)"
-    if offload_optimizer == "nvme" and stage < 3:
-        return "offload_optimizer='nvme' needs stage 3 (ZeRO-Infinity)"
     if offload_params != "none" and stage < 3:
         return f"offload_params={offload_params!r} needs stage 3 (only stage 3 partitions parameters)"
     return None

@@ -45,7 +45,7 @@ def test_stage3_nvme_offload_leaves_only_the_working_set_on_device():
 
 
 @pytest.mark.parametrize("stage, offload_optimizer, offload_params, field", [
-    (1, "none", "cpu", "offload_params"), (2, "nvme", "none", "offload_optimizer"), (0, "cpu", "none", "offload_optimizer"),
+    (1, "none", "cpu", "offload_params"), (0, "nvme", "none", "offload_optimizer"), (0, "cpu", "none", "offload_optimizer"),
     (4, "none", "none", "stage"),
 ])
 def test_offload_a_stage_cannot_do_raises_naming_it(stage, offload_optimizer, offload_params, field):
@@ -130,3 +130,8 @@ def test_estimate_is_within_10_percent_of_peak_memory_report(measured, stage):
     assert sum(report.values()) == pytest.approx(estimate.total(), rel=0.10)
     for kind in ("grads", "optimizer"):
         assert report[kind] == pytest.approx(sum(estimate.bytes[kind].values()), rel=0.10)
+
+
+def test_nvme_optimizer_offload_below_stage_3_puts_the_optimizer_state_on_nvme():
+    estimate = estimate_memory(PSI, N, stage=2, offload_optimizer="nvme", precision="bf16-mixed")
+    assert estimate.nvme >= 12 * PSI / N

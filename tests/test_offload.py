@@ -89,7 +89,8 @@ def nvme_observation(engine: ZeroEngine) -> dict:
     """The rank's NVMe directory, its files' sizes, and how many optimizer shard elements were offloaded there."""
     directory, host = engine.offload.directory.path, engine.offload.host
     return {"directory": directory,
-            "files": {name: os.path.getsize(directory / name) for name in os.listdir(directory) if name != "owner.lock"},
+            "files": {name: os.path.getsize(directory / name) for name in os.listdir(directory)
+                      if name != "owner.lock"},
             "shard": sum(fp.master.numel() for fp in host.flat_params) if host is not None else 0}
 
 
@@ -100,6 +101,8 @@ def optimizer_state(engine: ZeroEngine) -> list[dict[str, torch.Tensor]]:
 
 
 def train_runs(rank: int, world_size: int, names: list[str], nvme_root) -> dict:
+    """Each named run on this rank: losses, full parameters, this rank's optimizer state, memory report, setup
+    summary, and for NVMe runs the files seen after the first step and whether they outlived teardown."""
     torch.set_num_threads(1)
     results = {}
     for name in names:

@@ -13,7 +13,6 @@ import torch.distributed as dist
 from distributed import run_ranks
 from torch import nn
 
-import models
 from ds_strategy.checkpoint import load, save
 from ds_strategy.config import ZeroConfig
 from ds_strategy.offload import OffloadSetupError

@@ -61,7 +61,7 @@ def documented_fields() -> dict[str, tuple[str, str]]:
 
 def markdown_tables() -> str:
     from ..config import ZeroConfig
-    from ..lightning.strategy import PRESETS
+    from ..engine_owner import PRESETS
 
     lines = ["| strategy name | ZeroConfig fields it sets |", "| --- | --- |"]
     lines += [f"| `{name}` | " + ", ".join(f"`{k}={v!r}`" for k, v in fields.items()) + " |"

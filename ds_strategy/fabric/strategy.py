@@ -18,14 +18,14 @@ from torch.optim import Optimizer
 
 from ..config import ZeroConfig
 from ..deepspeed_config import config_from_deepspeed
-from ..lightning.strategy import PRESETS
+from ..engine_owner import EngineOwnerMixin
 from ..precision import autocast_for
 from ..precision_flag import reconcile_precision
 from ..zero.engine import ZeroEngine
 from .checkpointing import ZeroFabricCheckpointing
 
 
-class ZeroFabricStrategy(ZeroFabricCheckpointing, DDPStrategy):
+class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy):
     """ZeRO data parallelism for Fabric: ``Fabric(strategy="zero2")`` or ``Fabric(strategy=ZeroFabricStrategy(stage=1))``.
 
     Subclasses Fabric's ``DDPStrategy`` for its launchers and process-group setup, but never wraps the model in
@@ -129,26 +129,6 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, DDPStrategy):
 
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float | int) -> None:
         self.engine.clip_grad_value_(float(clip_val))
-
-    # -- reporting --------------------------------------------------------------------------------------------
-    def memory_report(self) -> dict[str, dict[str, int]]:
-        """This rank's bytes per kind of model state and place; see :func:`ds_strategy.zero.memory_report`."""
-        return self.engine.memory_report()
-
-    def comm_stats(self) -> dict[str, dict[str, float]]:
-        return self.engine.comm_stats()
-
-    def teardown(self) -> None:
-        if self.engine is not None:
-            self.engine.wait_for_params()
-            self.engine.remove_hooks()
-        super().teardown()
-
-    @classmethod
-    def register_strategies(cls, strategy_registry) -> None:
-        for name, fields in PRESETS.items():
-            if name not in strategy_registry:
-                strategy_registry.register(name, cls, description=f"ZeRO {fields}", **fields)
 
 
 class ZeroFabricPrecision(Precision):

@@ -2,7 +2,7 @@
 
 Importing this module registers the groups (the YAML presets that use them ship in ``pkg://ds_strategy.configs``):
 
-* ``strategy``: one option per ``ds_strategy.lightning.PRESETS`` name (``strategy=zero2``), so new stages appear
+* ``strategy``: one option per ``ds_strategy.engine_owner.PRESETS`` name (``strategy=zero2``), so new stages appear
   here as they are added; every other ZeroConfig field is a key (``strategy.reduce_bucket_size=1e6``).
 * ``precision``: one option per ZeroConfig precision (``precision=bf16-mixed``) and the loss-scaling keys.
 * ``model`` (GPT presets tiny/small/medium), ``data`` (stdlib) and ``trainer`` (cpu, auto): what the example
@@ -21,7 +21,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from ..config import _PRECISIONS, ZeroConfig, ZeroConfigError
-from ..lightning.strategy import PRESETS
+from ..engine_owner import PRESETS
 from ..models import gpt_config
 from .structured import PRECISION_FIELDS, DataConf, ModelConf, PrecisionConf, StrategyConf, TrainerConf
 

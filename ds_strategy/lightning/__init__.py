@@ -4,8 +4,9 @@ import importlib.util
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from ..engine_owner import PRESETS
 from .precision import ZeroPrecision
-from .strategy import PRESETS, ZeroStrategy
+from .strategy import ZeroStrategy
 
 ZeroStrategy.register_strategies(StrategyRegistry)
 if importlib.util.find_spec("pytorch_lightning") is not None:

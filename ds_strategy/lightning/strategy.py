@@ -13,6 +13,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from ..comm.accounting import StepCommMeter
 from ..config import ZeroConfig
+from ..engine_owner import EngineOwnerMixin
 from ..deepspeed_config import config_from_deepspeed
 from ..precision_flag import reconcile_precision
 from ..zero.engine import ZeroEngine
@@ -22,18 +23,7 @@ from .precision import ZeroPrecision, zero_precision_for
 if TYPE_CHECKING:
     from lightning.pytorch.plugins.precision import Precision
 
-# Strategy names registered with Lightning, and the ZeroConfig fields each one sets.
-PRESETS: dict[str, dict[str, Any]] = {
-    "zero0": {"stage": 0},
-    "zero1": {"stage": 1},
-    "zero2": {"stage": 2},
-    "zero3": {"stage": 3},
-    "zero2_offload": {"stage": 2, "offload_optimizer": "cpu", "pin_memory": True},
-    "zero3_offload": {"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu", "pin_memory": True},
-}
-
-
-class ZeroStrategyMixin:
+class ZeroStrategyMixin(EngineOwnerMixin):
     """ZeRO data parallelism for the Lightning Trainer: ``Trainer(strategy="zero2")`` or ``ZeroStrategy(stage=1)``.
 
     Subclasses ``DDPStrategy`` for its launchers and process-group setup, but never wraps the model in DDP:
@@ -188,28 +178,6 @@ class ZeroStrategyMixin:
             self.lightning_module.log_dict(self._comm_meter.step_metrics(), on_step=True, on_epoch=False,
                                            rank_zero_only=True)
         return output
-
-    # -- reporting --------------------------------------------------------------------------------------------
-    def memory_report(self) -> dict[str, dict[str, int]]:
-        """This rank's bytes per kind of model state and place; see :func:`ds_strategy.zero.memory_report`."""
-        return self.engine.memory_report()
-
-    def comm_stats(self) -> dict[str, dict[str, float]]:
-        """Calls, bytes and seconds waited per collective kind since setup; see ``ZeroEngine.comm_stats``."""
-        return self.engine.comm_stats()
-
-    def teardown(self) -> None:
-        if self.engine is not None:
-            self.engine.reshard()
-            self.engine.remove_hooks()
-        super().teardown()
-
-    @classmethod
-    def register_strategies(cls, strategy_registry) -> None:
-        for name, fields in PRESETS.items():
-            if name not in strategy_registry:
-                strategy_registry.register(name, cls, description=f"ZeRO {fields}", **fields)
-
 
 def zero_strategy_for(package: str, module: str) -> type:
     """ZeroStrategy on ``package``'s DDPStrategy (``"lightning.pytorch"`` or ``"pytorch_lightning"``), with that
