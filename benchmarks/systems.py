@@ -79,6 +79,10 @@ SYSTEMS: tuple[SystemSpec, ...] = (
     SystemSpec("zero2", "ours", options={"stage": 2}),
     SystemSpec("zero3", "ours", options={"stage": 3}),
     SystemSpec("zero3-noreshard", "ours", options={"stage": 3, "reshard_after_forward": False}),
+    # Prefetch budgets below DeepSpeed's default 5e7 elements (more than a small model: every unit is prefetched):
+    # none, and one GPT-small block (3.15M elements).
+    SystemSpec("zero3-noprefetch", "ours", options={"stage": 3, "prefetch_bucket_size": 0}),
+    SystemSpec("zero3-prefetch1", "ours", options={"stage": 3, "prefetch_bucket_size": 3_200_000}),
     SystemSpec("zero2-qgz", "ours", options={"stage": 2, "zero_quantized_gradients": True},
                requires="ds_strategy.comm.quantized"),
     SystemSpec("zero3-qwz", "ours", options={"stage": 3, "zero_quantized_weights": True},

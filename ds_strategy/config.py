@@ -59,17 +59,20 @@ class ZeroConfig:
             gradients all-reduced); 1 = optimizer state (Adam's two fp32 moments, plus fp32 master weights
             under mixed precision); 2 = also gradients, reduced straight into the owner's shard; 3 = also
             parameters, all-gathered per unit before its forward/backward and freed after.
-        reduce_bucket_size (default 5e8, or "auto"): gradients are flattened into buckets of this many
-            elements per collective. Larger: fewer, better-utilised collectives but a bigger staging buffer.
-        allgather_bucket_size (default 5e8): same, for the stage 1/2 all-gather of updated parameters.
+        reduce_bucket_size (default 5e8, or "auto"): at most this many elements of gradient scratch (stage
+            2/3: each flat buffer's gradients, copied out as autograd finishes them) in flight in reductions;
+            past it, launching waits for the oldest reductions. Larger: more overlap, more memory.
+        allgather_bucket_size (default 5e8): at most this many elements of the stage 1/2 all-gathers of
+            updated parameters in flight after a step; past it, the step waits before launching more.
         overlap_comm (default True): launch each bucket's reduction as soon as it fills and wait for it only
             when the in-flight bound or the optimizer needs it, overlapping backward compute at the cost of
             keeping buckets alive until they finish; also prefetch stage-3 gathers ahead of use. False waits
             for every reduction as soon as it is launched and gathers stage-3 units on demand: the same
             collectives in the same order, so the same results, slower. (The stage 1/2 parameter all-gathers
             after a step are launched together and waited on inside the step either way.)
-        contiguous_gradients (default True): copy reduced gradient shards into one preallocated flat
-            buffer, avoiding fragmentation at the cost of one extra copy.
+        contiguous_gradients (default True, the only value): gradients always live in flat contiguous
+            buffers (one per unit and param group), so they never fragment memory. Accepted for DeepSpeed
+            configs; False, which DeepSpeed uses to skip that copy, is rejected rather than silently ignored.
         communication_dtype (default None = auto): dtype gradients travel in. Auto is fp32 for fp32 and
             fp16 training (fp16 sums overflow) and bf16 for bf16 training. "fp16"/"bf16" halve the bytes
             sent but lose precision in the sum.
@@ -84,7 +87,9 @@ class ZeroConfig:
             slices its shard, yet is faster on gloo; "auto" picks per backend (``gradient_collective``).
 
     Stage 3 parameter gathering:
-        prefetch_bucket_size (default 5e7, or "auto"): elements of upcoming units gathered ahead of use.
+        prefetch_bucket_size (default 5e7, or "auto"): elements of upcoming units gathered ahead of use (while
+            the current unit computes); 0 gathers each unit only when it is needed. DeepSpeed's default covers
+            every unit of a small model, so the whole model is then gathered during forward.
         param_persistence_threshold (default 1e5, or "auto"): parameters this small stay gathered on every
             rank; they cost little memory and would otherwise cost one latency-bound collective each.
         max_live_parameters (default 1e9): cap on gathered elements alive at once; gathering waits for
@@ -211,7 +216,8 @@ class ZeroConfig:
             "reduce_bucket_size": _integer("reduce_bucket_size", self.reduce_bucket_size, 1, auto=True),
             "allgather_bucket_size": _integer("allgather_bucket_size", self.allgather_bucket_size, 1),
             "overlap_comm": _flag("overlap_comm", self.overlap_comm),
-            "contiguous_gradients": _flag("contiguous_gradients", self.contiguous_gradients),
+            "contiguous_gradients": _only_true("contiguous_gradients", self.contiguous_gradients,
+                                               "gradients always live in flat contiguous buffers"),
             "grad_accum_dtype": _choice("grad_accum_dtype", self.grad_accum_dtype, _COMMUNICATION_DTYPES,
                                         "None, 'fp32', 'fp16' or 'bf16'"),
             "communication_dtype": _choice(
@@ -219,7 +225,7 @@ class ZeroConfig:
                 "None (auto), 'fp32', 'fp16', 'bf16', 'float32', 'float16', 'bfloat16' or that torch dtype",
             ),
             "gradient_reduction": _choice("gradient_reduction", self.gradient_reduction, _GRADIENT_REDUCTIONS),
-            "prefetch_bucket_size": _integer("prefetch_bucket_size", self.prefetch_bucket_size, 1, auto=True),
+            "prefetch_bucket_size": _integer("prefetch_bucket_size", self.prefetch_bucket_size, 0, auto=True),
             "param_persistence_threshold": _integer(
                 "param_persistence_threshold", self.param_persistence_threshold, 0, auto=True
             ),
@@ -373,6 +379,12 @@ def _choice(name: str, value: Any, aliases: Mapping[Any, Any], expected: str | N
     if not known:
         raise _reject(name, value, expected or "one of " + ", ".join(map(repr, dict.fromkeys(aliases.values()))))
     return aliases[value]
+
+
+def _only_true(name: str, value: Any, why: str) -> bool:
+    if value is not True:
+        raise _reject(name, value, f"True ({why})")
+    return True
 
 
 def _integer(

@@ -406,3 +406,8 @@ def test_grad_accum_dtype_defaults_to_the_compute_dtype_and_accepts_fp32():
 def test_bad_grad_accum_dtype_names_the_key():
     with pytest.raises(ValueError, match="grad_accum_dtype"):
         ZeroConfig(grad_accum_dtype="int8")
+
+
+def test_contiguous_gradients_false_is_rejected_with_the_reason():
+    with pytest.raises(ValueError, match="contiguous_gradients=False .*flat contiguous buffers"):
+        ZeroConfig(contiguous_gradients=False)

@@ -37,13 +37,22 @@ EDGE = ("FrozenParamModel", "UnusedParamModel", "BatchNormModel", "OddSizeModel"
 
 @pytest.fixture(scope="module")
 def edge_runs():
-    return check_jobs({f"{model}/{stage}": (Recipe(model=model, steps=4), stage) for model in EDGE for stage in (1, 2)})
+    jobs = {f"{model}/{stage}": (Recipe(model=model, steps=4), stage) for model in EDGE for stage in (1, 2)}
+    jobs["small-buckets"] = (Recipe(model="TinyGPT", steps=3, zero={"allgather_bucket_size": 1,
+                                                                    "reduce_bucket_size": 1}), 2)
+    return check_jobs(jobs)
 
 
 @pytest.mark.parametrize("stage", (1, 2))
 @pytest.mark.parametrize("model", EDGE)
 def test_edge_model_matches_single_process(edge_runs, model, stage):
     ranks, reference = edge_runs[f"{model}/{stage}"]
+    for rank in ranks:
+        assert_matches(rank, reference)
+
+
+def test_one_element_buckets_serialise_communication_without_changing_results(edge_runs):
+    ranks, reference = edge_runs["small-buckets"]
     for rank in ranks:
         assert_matches(rank, reference)
 

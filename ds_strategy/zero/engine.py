@@ -368,10 +368,22 @@ class ZeroEngine:
         self._grad_stats = self._master_grads = None
         for fp in self.flat_params:
             self.reducer.zero_grads(fp)
-        for unit in self.units:
-            unit.refresh([fp for fp in unit.flat_params if fp.policy.optimizer and not fp.policy.params])
-        self.wait_for_params()
+        self._refresh_params()
         return True
+
+    def _refresh_params(self) -> None:
+        """All-gather the updated shards of the whole (never freed) buffers, at most ``allgather_bucket_size``
+        elements in flight: past that, wait for what is in flight before launching more."""
+        in_flight = 0
+        for unit in self.units:
+            stale = [fp for fp in unit.flat_params if fp.policy.optimizer and not fp.policy.params]
+            size = sum(fp.padded_numel for fp in stale)
+            if in_flight and in_flight + size > self.config.allgather_bucket_size:
+                self.wait_for_params()
+                in_flight = 0
+            unit.refresh(stale)
+            in_flight += size
+        self.wait_for_params()
 
     def zero_grad(self) -> None:
         self._grad_stats = self._master_grads = None
