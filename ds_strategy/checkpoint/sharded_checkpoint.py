@@ -6,6 +6,7 @@ change between save and load. See :mod:`.directory` for the files and how a save
 """
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -56,6 +57,10 @@ def write(path: str | os.PathLike, model: dict[str, Any], optimizer: dict[str, A
     with quiet_single_process():
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(partial), planner=PieceSavePlanner(),
                  process_group=process_group, no_dist=not dist.is_initialized())
+    # Note: a process that exits soon after ``dcp.save`` on gloo sometimes aborts at interpreter shutdown
+    # ("terminate called without an active exception"; torch 2.13, reproduced with a bare two-rank dcp.save).
+    # Collecting the save's garbage here, while the runtime is whole, made it disappear in our runs.
+    gc.collect()
     meta = {"param_groups": optimizer["param_groups"] if optimizer else None,
             "loss_scaler": optimizer["loss_scaler"] if optimizer else None, "extra": extra or {}}
     _on_rank0(lambda: directory.finish(partial, path, manifest, meta), process_group, f"publishing {path}")
