@@ -6,11 +6,11 @@ process group: an uninterrupted 4-step fit whose ModelCheckpoint saves every ste
 fresh module (other initial weights) resumed by ``fit(ckpt_path=...)`` from the step-2 checkpoint.
 """
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from e2e_runs import run
 import torch
 
 STEPS, RESUME_FROM, ROWS_PER_RANK = 4, 2, 4
@@ -19,8 +19,8 @@ STEPS, RESUME_FROM, ROWS_PER_RANK = 4, 2, 4
 @pytest.fixture(scope="module")
 def fits(tmp_path_factory):
     out = tmp_path_factory.mktemp("lightning")
-    subprocess.run([sys.executable, __file__, str(out)], check=True, timeout=300, cwd=out,
-                   env={**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent)] + sys.path)})
+    run([sys.executable, __file__, str(out)], timeout=300, cwd=out,
+        env={"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent)] + sys.path)})
     return out, torch.load(out / "result.pt", weights_only=False)
 
 

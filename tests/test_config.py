@@ -411,3 +411,11 @@ def test_bad_grad_accum_dtype_names_the_key():
 def test_contiguous_gradients_false_is_rejected_with_the_reason():
     with pytest.raises(ValueError, match="contiguous_gradients=False .*flat contiguous buffers"):
         ZeroConfig(contiguous_gradients=False)
+
+
+def test_build_accepts_a_config_a_mapping_or_nothing_with_fields_on_top():
+    assert ZeroConfig.build() == ZeroConfig()
+    assert ZeroConfig.build({"stage": 1}, overlap_comm=False) == ZeroConfig(stage=1, overlap_comm=False)
+    assert ZeroConfig.build(ZeroConfig(stage=3), stage=2).stage == 2
+    with pytest.raises(ValueError, match="stge"):
+        ZeroConfig.build({"stge": 1})

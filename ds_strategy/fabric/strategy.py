@@ -47,10 +47,7 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
     def __init__(self, config: ZeroConfig | Mapping | None = None, *, accelerator=None, parallel_devices=None,
                  cluster_environment=None, checkpoint_io=None, precision_plugin: Precision | None = None,
                  process_group_backend: str | None = None, start_method: str = "popen", **config_fields: Any):
-        if isinstance(config, Mapping):
-            config = ZeroConfig.from_dict(config)
-        config = config or ZeroConfig()
-        self.config = config.replace(**config_fields) if config_fields else config
+        self.config = ZeroConfig.build(config, **config_fields)
         self.engine: ZeroEngine | None = None
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision_plugin,
