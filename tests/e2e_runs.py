@@ -48,7 +48,12 @@ def aborted_at_exit(result: subprocess.CompletedProcess) -> bool:
     ends with exactly that message has done all its work; the callers then check its outputs (summary, checkpoint)
     as for any run. Any other non-zero exit still fails."""
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    return result.returncode in (-6, 134) and bool(lines) and lines[-1].strip() == EXIT_ABORT
+    if result.returncode in (-6, 134):
+        return bool(lines) and lines[-1].strip() == EXIT_ABORT
+    # torchrun (accelerate launch) reports a worker's abort as its own exit 1, after the worker's message.
+    before, found, after = result.stderr.partition(EXIT_ABORT)
+    return (result.returncode == 1 and bool(found) and "Traceback" not in before
+            and "(exitcode: -6)" in after)
 
 
 def output(result: subprocess.CompletedProcess) -> str:
