@@ -18,18 +18,11 @@ from ds_strategy.accelerate import ZeroAccelerator
 from ds_strategy.data import CharDataset, stdlib_tokens
 from ds_strategy.models import GPT, gpt_config
 from run_summary import RunSummary
+from training_args import training_parser
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny", help="GPT preset: tiny, small or medium")
-    parser.add_argument("--max-steps", type=int, default=100, help="optimizer steps")
-    parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
-    parser.add_argument("--batch-size", type=int, default=16, help="sequences per micro-batch per process")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--corpus-bytes", type=int, default=1_000_000)
-    parser.add_argument("--out", default="outputs/accelerate")
-    return parser.parse_args()
+    return training_parser(__doc__, out="outputs/accelerate").parse_args()
 
 
 def main() -> None:

@@ -21,6 +21,7 @@ scheduler and its ``state_dict`` keep working (see :mod:`.host_optimizer`).
 """
 from __future__ import annotations
 
+import abc
 import math
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -64,7 +65,7 @@ class TilePool:
 
 
 # -- update rules --------------------------------------------------------------------------------------------------
-class UpdateRule:
+class UpdateRule(abc.ABC):
     """One optimizer family's elementwise update of a tile, as one call of a fused torch kernel.
 
     ``keys(group)``: the elementwise state tensors, in the order ``update`` takes them. ``initial(key, optimizer)``:
@@ -74,8 +75,9 @@ class UpdateRule:
     name = ""
     counts_steps = True
 
+    @abc.abstractmethod
     def keys(self, group: Mapping[str, Any]) -> tuple[str, ...]:
-        raise NotImplementedError
+        """See the class docstring."""
 
     def initial(self, key: str, optimizer: torch.optim.Optimizer) -> float | None:
         return 0.0
@@ -83,12 +85,14 @@ class UpdateRule:
     def is_first(self, state: Mapping[str, Any], group: Mapping[str, Any]) -> bool:
         return len(state) == 0
 
+    @abc.abstractmethod
     def hyper(self, group: Mapping[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        raise NotImplementedError
+        """See the class docstring."""
 
+    @abc.abstractmethod
     def update(self, hyper: dict[str, Any], param: torch.Tensor, grad: torch.Tensor, states: list[torch.Tensor],
                step: torch.Tensor | None, first: bool) -> None:
-        raise NotImplementedError
+        """Update ``param`` and ``states`` in place for one tile."""
 
 
 class AdamRule(UpdateRule):
