@@ -3,10 +3,12 @@
     python benchmarks/compare.py --model small --world-size 2 --steps 20
     python benchmarks/compare.py --quick                      # the tiny preset, a couple of minutes here
     python benchmarks/compare.py --systems 'ddp,fsdp2*,zero*'  # names or shell patterns from systems.SYSTEMS
+    python benchmarks/compare.py --systems 'zero[123],zero[123]-nooverlap' --rounds 6 --steps 18  # overlap on/off
 
 For each system: median and p25–p75 of step time (the slowest rank's), tokens/s, peak model-state bytes per
 rank, peak RSS per rank, communication bytes per step per rank, ratios against DDP and FSDP2 of the same
-precision, and the last-step loss difference from DDP. Writes ``<out-dir>/<name>.md``, ``.json`` and ``.png``.
+precision, and the last-step loss difference from DDP; systems run with and without ``overlap_comm``
+(``X``, ``X-nooverlap``) also get their per-round on/off step-time ratios. Writes ``<out-dir>/<name>.md``, ``.json`` and ``.png``.
 How each figure is measured: ``runner.py`` (rounds, timing, memory), ``accounting.py`` (bytes, RSS) and
 ``systems.py`` (the systems). The chart needs matplotlib: ``pip install -e '.[bench]'``.
 """
@@ -24,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from report import add_ratios, markdown_table, summarize, write_chart, write_json
+from report import add_ratios, markdown_table, overlap_pairs, overlap_table, summarize, write_chart, write_json
 from runner import Settings, rank_main
 from systems import SYSTEMS, SystemSpec
 
@@ -117,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     title = (f"GPT {settings.model} ({_param_count(config) / 1e6:.2f}M params), "
              f"{args.world_size} gloo ranks, batch {settings.batch_size}x{config.block_size} per rank")
     table = markdown_table(rows)
+    pairs = overlap_pairs(rows)
+    if pairs:
+        table += "\n\nOverlap (`overlap_comm`), paired within each round:\n\n" + overlap_table(pairs)
     print(f"\n{title}\n`{command}`\n\n{table}")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     chart_note = write_chart(args.out_dir / f"{name}.png", rows, title)
@@ -124,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json(args.out_dir / f"{name}.json", {
         "command": command, "title": title, "machine": host, "settings": dataclasses.asdict(settings),
         "world_size": args.world_size, "tokens_per_step": tokens_per_step, "seconds": time.time() - started,
-        "systems": rows, "chart": None if chart_note else f"{name}.png", "notes": [chart_note] if chart_note else []})
+        "systems": rows, "overlap_pairs": pairs, "chart": None if chart_note else f"{name}.png", "notes": [chart_note] if chart_note else []})
     (args.out_dir / f"{name}.md").write_text(
         f"{title}\n\n`{command}` on {host['cpu']} ({host['cores']} cores), torch {torch.__version__}, "
         f"load average {load_before[0]:.1f} at start\n\n{table}\n")

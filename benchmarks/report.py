@@ -26,8 +26,9 @@ def summarize(spec: SystemSpec, per_rank: list[dict], tokens_per_step: int) -> d
     failure = next((rank["failed"][spec.name] for rank in per_rank if spec.name in rank["failed"]), None)
     if not windows[0]:
         return {**row, "status": "failed", "error": failure or "no window completed"}
-    steps = [max(times) for rank_windows in zip(*windows)
-             for times in zip(*(w["step_seconds"] for w in rank_windows))]
+    rounds = [[max(times) for times in zip(*(w["step_seconds"] for w in rank_windows))]
+              for rank_windows in zip(*windows)]
+    steps = [step for round_steps in rounds for step in round_steps]
     timed = sum(len(w["step_seconds"]) for w in windows[0])
     states = [w["state_bytes"] for rank_windows in windows for w in rank_windows]
     state = max(states, key=lambda s: sum(s.get(k, 0) for k in STATE_KINDS))
@@ -43,6 +44,7 @@ def summarize(spec: SystemSpec, per_rank: list[dict], tokens_per_step: int) -> d
     return {
         **row, "status": "ok" if failure is None else "failed after some rounds", "error": failure,
         "timed_steps": timed, "step_seconds": steps, "step_median_s": median,
+        "round_median_s": [statistics.median(round_steps) for round_steps in rounds],
         "step_p25_s": _quantile(steps, 0.25), "step_p75_s": _quantile(steps, 0.75),
         "step_min_s": min(steps), "step_max_s": max(steps),
         "tokens_per_s": tokens_per_step / median,
@@ -72,6 +74,36 @@ def add_ratios(rows: list[dict]) -> None:
             row[f"state_vs_{baseline}"] = row["model_state_bytes"] / other["model_state_bytes"] if other else None
         ddp = by_name.get("ddp" + suffix)
         row["loss_delta_vs_ddp"] = abs(row["losses"][-1] - ddp["losses"][-1]) if ddp else None
+
+
+OVERLAP_OFF = "-nooverlap"
+
+
+def overlap_pairs(rows: list[dict]) -> list[dict]:
+    """For every system ``X`` measured beside ``X-nooverlap`` (``overlap_comm=False``): on/off step-time ratios.
+
+    Each round runs both once, close in time, so the ratio of their median steps within a round cancels most
+    of a shared machine's slow spells; the pair reports that per-round ratio's median and range and how many
+    rounds had overlap no slower than without.
+    """
+    by_name = {row["name"]: row for row in rows if "round_median_s" in row}
+    pairs = []
+    for name, off in by_name.items():
+        on = by_name.get(name.removesuffix(OVERLAP_OFF)) if name.endswith(OVERLAP_OFF) else None
+        if on is None:
+            continue
+        ratios = [a / b for a, b in zip(on["round_median_s"], off["round_median_s"])]
+        pairs.append({"system": on["name"], "ratios": ratios, "median": statistics.median(ratios),
+                      "min": min(ratios), "max": max(ratios), "rounds_not_slower": sum(r <= 1.0 for r in ratios)})
+    return pairs
+
+
+def overlap_table(pairs: list[dict]) -> str:
+    lines = ["| system | step time, overlap on ÷ off: median of rounds (min–max) | rounds with on ≤ off |",
+             "|---|---:|---:|"]
+    lines += [f"| {p['system']} | {p['median']:.3f} ({p['min']:.3f}–{p['max']:.3f}) "
+              f"| {p['rounds_not_slower']} of {len(p['ratios'])} |" for p in pairs]
+    return "\n".join(lines)
 
 
 def _ratio(value) -> str:

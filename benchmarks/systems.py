@@ -78,6 +78,10 @@ SYSTEMS: tuple[SystemSpec, ...] = (
     SystemSpec("zero1", "ours", options={"stage": 1}),
     SystemSpec("zero2", "ours", options={"stage": 2}),
     SystemSpec("zero3", "ours", options={"stage": 3}),
+    # overlap_comm=False: the same collectives, each waited on where it is launched (the overlap benchmark's pairs).
+    SystemSpec("zero1-nooverlap", "ours", options={"stage": 1, "overlap_comm": False}),
+    SystemSpec("zero2-nooverlap", "ours", options={"stage": 2, "overlap_comm": False}),
+    SystemSpec("zero3-nooverlap", "ours", options={"stage": 3, "overlap_comm": False}),
     SystemSpec("zero3-noreshard", "ours", options={"stage": 3, "reshard_after_forward": False}),
     # Prefetch budgets below DeepSpeed's default 5e7 elements (more than a small model: every unit is prefetched):
     # none, and one GPT-small block (3.15M elements).

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from .grad_stats_reference import unscale_and_check_reference
-from .quantize_reference import dequantize_blockwise_reference, quantize_blockwise_reference
+from .quantize_reference import QMAX, dequantize_blockwise_reference, quantize_blockwise_reference
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TRUTHY = ("1", "true", "yes", "on", "y")
@@ -85,35 +85,43 @@ def unscale_and_check(grad: Tensor, inv_scale: float,
     return unscale_and_check_reference(grad, inv_scale)
 
 
-def quantize_blockwise(x: Tensor, block_size: int = 256,
+def quantize_blockwise(x: Tensor, block_size: int = 256, bits: int = 8,
                        backend: Backend | str | None = None) -> tuple[Tensor, Tensor]:
-    """Quantise flat ``x`` to ``(q int8 [n_blocks * block_size], scales fp32 [n_blocks])``.
+    """Quantise flat ``x`` to ``(q int8 [n_blocks * block_size * bits / 8], scales fp32 [n_blocks])``.
 
-    Symmetric, one scale ``max|x| / 127`` per block (1 for an all-zero block); see ``quantize_reference.py``.
+    Symmetric, one scale ``max|x| / QMAX`` per block (QMAX 127 for ``bits=8``, 7 for ``bits=4``, two values
+    per byte; 1 for an all-zero block); see ``quantize_reference.py``.
     """
     _require_flat(x, "x", _GRAD_DTYPES)
-    if block_size <= 0 or block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a positive power of two, got {block_size}")
+    _require_bits(bits)
+    if block_size < 2 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two >= 2, got {block_size}")
     if select_backend(x, backend) is Backend.TRITON:
         from .quantize import quantize_blockwise_triton
 
-        return quantize_blockwise_triton(x, block_size)
-    return quantize_blockwise_reference(x, block_size)
+        return quantize_blockwise_triton(x, block_size, bits)
+    return quantize_blockwise_reference(x, block_size, bits)
 
 
-def dequantize_blockwise(q: Tensor, scales: Tensor, numel: int, dtype: torch.dtype,
+def dequantize_blockwise(q: Tensor, scales: Tensor, numel: int, dtype: torch.dtype, bits: int = 8,
                          backend: Backend | str | None = None) -> Tensor:
     """Invert ``quantize_blockwise``: a flat ``dtype`` tensor of the first ``numel`` dequantised values."""
     _require_flat(q, "q", (torch.int8,))
     _require_flat(scales, "scales", (torch.float32,))
-    if not _is_quantized_shape(q.numel(), scales.numel(), numel):
-        raise ValueError(f"q ({q.numel()} values) and scales ({scales.numel()} blocks) "
+    _require_bits(bits)
+    if not _is_quantized_shape(q.numel() * 8 // bits, scales.numel(), numel):
+        raise ValueError(f"q ({q.numel()} bytes of {bits}-bit values) and scales ({scales.numel()} blocks) "
                          f"are not what quantize_blockwise makes of numel={numel} values")
     if select_backend(q, backend) is Backend.TRITON:
         from .quantize import dequantize_blockwise_triton
 
-        return dequantize_blockwise_triton(q, scales, numel, dtype)
-    return dequantize_blockwise_reference(q, scales, numel, dtype)
+        return dequantize_blockwise_triton(q, scales, numel, dtype, bits)
+    return dequantize_blockwise_reference(q, scales, numel, dtype, bits)
+
+
+def _require_bits(bits: int) -> None:
+    if bits not in QMAX:
+        raise ValueError(f"bits must be one of {sorted(QMAX)}, got {bits!r}")
 
 
 def _require_flat(tensor: Tensor, name: str, dtypes: tuple[torch.dtype, ...]) -> None:

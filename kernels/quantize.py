@@ -1,4 +1,4 @@
-"""Triton kernels for block-wise symmetric int8 quantise / dequantise (ZeRO++ qwZ/qgZ).
+"""Triton kernels for block-wise symmetric int8 / int4 quantise / dequantise (ZeRO++ qwZ/qgZ).
 
 The plain-PyTorch statement of the same functions, and the scheme itself, is in ``quantize_reference.py``.
 One program handles one block, so the block's ``max|x|`` is a single in-register reduction.
@@ -17,8 +17,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .quantize_reference import INT8_MAX
-
 
 @triton.jit
 def _round_half_to_even(v):
@@ -31,43 +29,69 @@ def _round_half_to_even(v):
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, q_ptr, scale_ptr, numel, BLOCK: tl.constexpr, QMAX: tl.constexpr):
-    """Quantise one block: store its scale and its ``BLOCK`` int8 values (zeros past ``numel``)."""
+def _quantize_values(x, scale):
+    """``round(x / scale)`` as the reference computes it, in fp32."""
+    return _round_half_to_even(tl.math.div_rn(x, scale))
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, q_ptr, scale_ptr, numel, BLOCK: tl.constexpr, BITS: tl.constexpr):
+    """Quantise one block: store its scale and its ``BLOCK`` values (zeros past ``numel``) as int8, or as
+    ``BLOCK / 2`` bytes of two int4 values each (packing: see the reference's Note)."""
     block = tl.program_id(0)
-    offsets = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + offsets, mask=offsets < numel, other=0.0).to(tl.float32)
-    scale = tl.max(tl.abs(x), axis=0) * (1.0 / QMAX)
-    scale = tl.where(scale > 0.0, scale, 1.0)
-    q = _round_half_to_even(tl.math.div_rn(x, scale))
-    tl.store(q_ptr + offsets, q.to(tl.int8))
+    if BITS == 8:
+        offsets = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offsets, mask=offsets < numel, other=0.0).to(tl.float32)
+        scale = tl.max(tl.abs(x), axis=0) * (1.0 / 127)
+        scale = tl.where(scale > 0.0, scale, 1.0)
+        tl.store(q_ptr + offsets, _quantize_values(x, scale).to(tl.int8))
+    else:
+        evens = block.to(tl.int64) * BLOCK + 2 * tl.arange(0, BLOCK // 2)
+        even = tl.load(x_ptr + evens, mask=evens < numel, other=0.0).to(tl.float32)
+        odd = tl.load(x_ptr + evens + 1, mask=evens + 1 < numel, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(even), axis=0), tl.max(tl.abs(odd), axis=0)) * (1.0 / 7)
+        scale = tl.where(scale > 0.0, scale, 1.0)
+        q_even = _quantize_values(even, scale)
+        packed = _quantize_values(odd, scale) * 16.0 + tl.where(q_even < 0.0, q_even + 16.0, q_even)
+        tl.store(q_ptr + block.to(tl.int64) * (BLOCK // 2) + tl.arange(0, BLOCK // 2), packed.to(tl.int8))
     tl.store(scale_ptr + block, scale)
 
 
 @triton.jit
-def _dequantize_kernel(q_ptr, scale_ptr, out_ptr, numel, BLOCK: tl.constexpr):
+def _dequantize_kernel(q_ptr, scale_ptr, out_ptr, numel, BLOCK: tl.constexpr, BITS: tl.constexpr):
     """Dequantise one block into ``out`` (fp32 product, rounded once to ``out``'s dtype)."""
     block = tl.program_id(0)
-    offsets = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    in_range = offsets < numel
-    q = tl.load(q_ptr + offsets, mask=in_range, other=0)
-    value = q.to(tl.float32) * tl.load(scale_ptr + block)
-    tl.store(out_ptr + offsets, value.to(out_ptr.dtype.element_ty), mask=in_range)
+    scale = tl.load(scale_ptr + block)
+    if BITS == 8:
+        offsets = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        in_range = offsets < numel
+        q = tl.load(q_ptr + offsets, mask=in_range, other=0)
+        tl.store(out_ptr + offsets, (q.to(tl.float32) * scale).to(out_ptr.dtype.element_ty), mask=in_range)
+    else:
+        packed = tl.load(q_ptr + block.to(tl.int64) * (BLOCK // 2) + tl.arange(0, BLOCK // 2)).to(tl.float32)
+        high = tl.floor(packed * 0.0625)  # the arithmetic shift by 4, exact in fp32
+        low = packed - 16.0 * high
+        low = tl.where(low > 7.0, low - 16.0, low)
+        evens = block.to(tl.int64) * BLOCK + 2 * tl.arange(0, BLOCK // 2)
+        tl.store(out_ptr + evens, (low * scale).to(out_ptr.dtype.element_ty), mask=evens < numel)
+        tl.store(out_ptr + evens + 1, (high * scale).to(out_ptr.dtype.element_ty), mask=evens + 1 < numel)
 
 
-def quantize_blockwise_triton(x: Tensor, block_size: int = 256) -> tuple[Tensor, Tensor]:
-    """Triton version of ``quantize_blockwise_reference``; ``block_size`` must be a power of two."""
+def quantize_blockwise_triton(x: Tensor, block_size: int = 256, bits: int = 8) -> tuple[Tensor, Tensor]:
+    """Triton version of ``quantize_blockwise_reference``; ``block_size`` must be a power of two (>= 2 for 4 bits)."""
     n_blocks = triton.cdiv(x.numel(), block_size)
-    q = torch.empty(n_blocks * block_size, dtype=torch.int8, device=x.device)
+    q = torch.empty(n_blocks * block_size * bits // 8, dtype=torch.int8, device=x.device)
     scales = torch.empty(n_blocks, dtype=torch.float32, device=x.device)
     if n_blocks > 0:
-        _quantize_kernel[(n_blocks,)](x, q, scales, x.numel(), BLOCK=block_size, QMAX=INT8_MAX)
+        _quantize_kernel[(n_blocks,)](x, q, scales, x.numel(), BLOCK=block_size, BITS=bits)
     return q, scales
 
 
-def dequantize_blockwise_triton(q: Tensor, scales: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
+def dequantize_blockwise_triton(q: Tensor, scales: Tensor, numel: int, dtype: torch.dtype, bits: int = 8) -> Tensor:
     """Triton version of ``dequantize_blockwise_reference``."""
     out = torch.empty(numel, dtype=dtype, device=q.device)
     n_blocks = scales.numel()
     if n_blocks > 0:
-        _dequantize_kernel[(n_blocks,)](q, scales, out, numel, BLOCK=q.numel() // n_blocks)
+        block_size = q.numel() * 8 // bits // n_blocks
+        _dequantize_kernel[(n_blocks,)](q, scales, out, numel, BLOCK=block_size, BITS=bits)
     return out

@@ -162,8 +162,10 @@ def _two_rank_plan() -> dict:
                                                            steps=4, record_step=2)
     for name, options in {"plain": {}, "qwZ": {"zero_quantized_weights": True},
                           "qgZ": {"zero_quantized_gradients": True},
+                          "qgZ int8": {"zero_quantized_gradients": True, "zero_quantized_gradients_bits": 8},
                           "qwZ+qgZ": {"zero_quantized_weights": True, "zero_quantized_gradients": True}}.items():
         plan[f"zero++ {name}"] = Run({"stage": 3, **NATIVE, **PARTITION_ALL, **options}, steps=50, text=True)
+    plan["zero++ plain bf16"] = Run({"stage": 3, "precision": "bf16-mixed", **NATIVE, **PARTITION_ALL})
     plan["lightning"] = lightning_runs
     return plan
 

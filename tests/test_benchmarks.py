@@ -12,7 +12,7 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 @pytest.fixture(scope="module")
 def document(tmp_path_factory):
     out = tmp_path_factory.mktemp("results")
-    argv = ["--quick", "--systems", "ddp,fsdp2,zero2", "--steps", "1", "--rounds", "1", "--out-dir", str(out),
+    argv = ["--quick", "--systems", "ddp,fsdp2,zero2,zero2-nooverlap", "--steps", "1", "--rounds", "1", "--out-dir", str(out),
             "--name", "smoke", "--timeout", "300"]
     sys.path.insert(0, str(BENCHMARKS))  # the benchmark's modules, for this process and the ranks it spawns
     try:
@@ -21,8 +21,9 @@ def document(tmp_path_factory):
         assert compare.main(argv) == 0
     finally:
         sys.path.remove(str(BENCHMARKS))
-    assert (out / "smoke.md").read_text().count("| zero2 |") == 1
-    return {row["name"]: row for row in json.loads((out / "smoke.json").read_text())["systems"]}
+    assert (out / "smoke.md").read_text().count("| zero2 |") == 2  # its row, and its overlap pair's
+    results = json.loads((out / "smoke.json").read_text())
+    return {**{row["name"]: row for row in results["systems"]}, "overlap_pairs": results["overlap_pairs"]}
 
 
 def _psi() -> int:
@@ -32,8 +33,9 @@ def _psi() -> int:
 
 
 def test_every_system_ran_and_trains_the_same_model_as_ddp(document):
-    assert set(document) == {"ddp", "fsdp2", "zero2"}
-    for row in document.values():
+    assert set(document) == {"ddp", "fsdp2", "zero2", "zero2-nooverlap", "overlap_pairs"}
+    for name in ("ddp", "fsdp2", "zero2", "zero2-nooverlap"):
+        row = document[name]
         assert row["status"] == "ok" and row["timed_steps"] == 1 and row["tokens_per_s"] > 0
         assert row["loss_delta_vs_ddp"] < 1e-5
 
@@ -43,6 +45,16 @@ def test_counted_bytes_match_each_algorithms_volume(document):
     assert document["ddp"]["comm_bytes_per_step"] == 2 * fp32_grads  # one all-reduce of every gradient
     # FSDP2: all-gather in forward and again in backward, one reduce-scatter (each flat buffer padded to N)
     assert document["fsdp2"]["comm_bytes_per_step"] == pytest.approx(3 * fp32_grads, rel=0.01)
+
+
+def test_overlap_on_and_off_are_paired_by_round(document):
+    """``zero2-nooverlap`` runs the same collectives as ``zero2``; their step times are compared round by round."""
+    on, off = document["zero2"], document["zero2-nooverlap"]
+    assert on["comm_bytes_per_step"] == off["comm_bytes_per_step"]
+    [pair] = document["overlap_pairs"]
+    assert pair["system"] == "zero2"
+    assert pair["ratios"] == [on["round_median_s"][0] / off["round_median_s"][0]]
+    assert pair["rounds_not_slower"] == (pair["ratios"][0] <= 1.0)
 
 
 def test_counted_bytes_match_the_engines_own_comm_stats(document):

@@ -139,35 +139,47 @@ def _values(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("block_size", [64, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("numel", QUANT_SIZES)
-def test_quantize_kernels_match_reference(triton_kernels, numel, dtype, block_size):
+def test_quantize_kernels_match_reference(triton_kernels, numel, dtype, block_size, bits):
     x = _values(numel, dtype).to(DEVICE)
-    q_kernel, scales_kernel = triton_kernels.quantize.quantize_blockwise_triton(x, block_size)
-    q_reference, scales_reference = kernels.quantize_blockwise_reference(x, block_size)
+    q_kernel, scales_kernel = triton_kernels.quantize.quantize_blockwise_triton(x, block_size, bits)
+    q_reference, scales_reference = kernels.quantize_blockwise_reference(x, block_size, bits)
     _assert_bitwise_equal(q_kernel, q_reference)
     _assert_bitwise_equal(scales_kernel, scales_reference)
     _assert_equal_but_for_interpreter_bf16_rounding(
-        triton_kernels.quantize.dequantize_blockwise_triton(q_kernel, scales_kernel, numel, dtype),
-        kernels.dequantize_blockwise_reference(q_reference, scales_reference, numel, dtype))
+        triton_kernels.quantize.dequantize_blockwise_triton(q_kernel, scales_kernel, numel, dtype, bits),
+        kernels.dequantize_blockwise_reference(q_reference, scales_reference, numel, dtype, bits))
 
 
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("numel", QUANT_SIZES)
-def test_quantize_round_trip_error_is_at_most_half_a_step(numel, dtype):
-    block_size = 64
+def test_quantize_round_trip_error_is_at_most_half_a_step(numel, dtype, bits):
+    block_size, qmax = 64, {8: 127, 4: 7}[bits]
     x = _values(numel, dtype).float()
-    q, scales = kernels.quantize_blockwise_reference(x.to(dtype), block_size)
-    restored = kernels.dequantize_blockwise_reference(q, scales, numel, torch.float32)
+    q, scales = kernels.quantize_blockwise_reference(x.to(dtype), block_size, bits)
+    restored = kernels.dequantize_blockwise_reference(q, scales, numel, torch.float32, bits)
 
-    assert q.dtype == torch.int8 and q.numel() == scales.numel() * block_size >= numel
-    padded = torch.nn.functional.pad(x, (0, q.numel() - numel)).view(-1, block_size)
+    assert q.dtype == torch.int8 and q.numel() * 8 // bits == scales.numel() * block_size >= numel
+    padded = torch.nn.functional.pad(x, (0, scales.numel() * block_size - numel)).view(-1, block_size)
     block_max = padded.abs().amax(dim=1)
-    half_step = torch.where(block_max > 0, block_max / 127, 1.0) / 2
+    half_step = torch.where(block_max > 0, block_max / qmax, 1.0) / 2
     fp32_rounding = block_max * 2.0**-22  # a few ulps of the largest value, from x / scale and q * scale
     bound = (half_step + fp32_rounding).repeat_interleave(block_size)[:numel]
     assert torch.all((restored - x).abs() <= bound)
+
+
+def test_int4_uses_every_level_and_packs_two_values_per_byte():
+    """The 15 levels -7..7 each survive a round trip in both nibbles (packing: see quantize_reference's Note)."""
+    levels = torch.arange(-7.0, 8.0)
+    pairs = torch.cartesian_prod(levels, levels)  # every (even, odd) combination
+    x = torch.cat([pairs, torch.full_like(pairs, 7.0)], dim=1).flatten()  # blocks of 4 whose max is 7
+    q, scales = kernels.quantize_blockwise(x, block_size=4, bits=4)
+    assert q.numel() == x.numel() // 2
+    assert torch.allclose(kernels.dequantize_blockwise(q, scales, x.numel(), torch.float32, bits=4), x, atol=1e-5)
 
 
 def test_all_zero_block_gets_scale_one_and_restores_exactly():
@@ -180,3 +192,11 @@ def test_dequantize_rejects_mismatched_numel():
     q, scales = kernels.quantize_blockwise(torch.ones(300), block_size=256)
     with pytest.raises(ValueError, match="numel=256"):
         kernels.dequantize_blockwise(q, scales, 256, torch.float32)
+    with pytest.raises(ValueError, match="4-bit values"):  # int8 bytes read as int4: twice the values
+        kernels.dequantize_blockwise(q, scales, 300, torch.float32, bits=4)
+
+
+@pytest.mark.parametrize("bits", [2, 16, True])
+def test_quantize_rejects_unsupported_bits(bits):
+    with pytest.raises(ValueError, match="bits must be one of"):
+        kernels.quantize_blockwise(torch.ones(8), block_size=4, bits=bits)

@@ -12,7 +12,7 @@ from torch import nn
 
 from ..comm.accounting import combined
 from ..comm.collectives import Collectives
-from ..comm.quantized import reduce_scatter_int8
+from ..comm.quantized import reduce_scatter_quantized
 from ..comm.sequence_check import CollectiveSequenceCheck
 from ..config import ZeroConfig
 from ..precision import GradStats, LossScaler, unscale_and_check_shards
@@ -120,7 +120,8 @@ class ZeroEngine:
             for unit in self.units:
                 unit.weight_gather = self.weight_gather
         if cfg.zero_quantized_gradients:
-            self.reducer.quantized_reduce_scatter = functools.partial(reduce_scatter_int8, self.collectives)
+            self.reducer.quantized_reduce_scatter = functools.partial(
+                reduce_scatter_quantized, self.collectives, bits=cfg.zero_quantized_gradients_bits)
         self.sequence_check = None
         if dist.is_initialized() and self.world_size > 1:
             self.sequence_check = CollectiveSequenceCheck(list(self.comm_groups.values()))

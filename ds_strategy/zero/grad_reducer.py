@@ -45,7 +45,7 @@ class GradReducer:
     so the optimizer never reads a shard a reduction is still writing. At stage 0/1 the buffer in flight is
     ``grad_full`` itself (or its copy in ``comm_dtype``): nothing writes it between its launch, after its last
     gradient arrived, and the end of backward. Under qgZ (``quantized_reduce_scatter``) the scratch is read
-    once, into int8 packets, when the reduction is launched; the packets and the fp32 ``out`` live until the
+    once, into quantised packets, when the reduction is launched; the packets and the fp32 ``out`` live until the
     wait, which sums into ``out`` (see :mod:`ds_strategy.comm.quantized`). With ``overlap`` off every reduction
     is waited on as soon as it is launched, inside the hook that launched it, so at most one is ever in flight.
     """
