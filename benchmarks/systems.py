@@ -91,6 +91,16 @@ SYSTEMS: tuple[SystemSpec, ...] = (
                requires="ds_strategy.comm.quantized"),
     SystemSpec("zero3-qwz", "ours", options={"stage": 3, "zero_quantized_weights": True},
                requires="ds_strategy.comm.quantized"),
+    # The sharded collectives themselves (reduce-scatter, all-gather) rather than gloo's faster stand-ins:
+    # the plain stage 3 that ZeRO++'s byte counts compare with.
+    SystemSpec("zero3-rs", "ours", options={"stage": 3, "gradient_reduction": "reduce_scatter"}),
+    SystemSpec("zero3-qgz", "ours", options={"stage": 3, "zero_quantized_gradients": True}),
+    SystemSpec("zero3-qwz-qgz", "ours", options={"stage": 3, "zero_quantized_weights": True,
+                                                 "zero_quantized_gradients": True}),
+    # hpZ in groups of 2 ranks (run with --world-size 4: with 2 ranks the group is everyone).
+    SystemSpec("zero3-hpz", "ours", options={"stage": 3, "zero_hpz_partition_size": 2}),
+    SystemSpec("zero3-zeropp", "ours", options={"stage": 3, "zero_quantized_weights": True,
+                                                "zero_quantized_gradients": True, "zero_hpz_partition_size": 2}),
     SystemSpec("zero2-offload", "ours", options={"stage": 2, "offload_optimizer": "cpu"}, requires="ds_strategy.offload"),
     SystemSpec("zero3-offload", "ours", options={"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"},
                requires="ds_strategy.offload"),
