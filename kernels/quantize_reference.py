@@ -33,11 +33,14 @@ def block_scales_reference(blocks: Tensor, bits: int = 8) -> Tensor:
 def quantize_blockwise_reference(x: Tensor, block_size: int = 256, bits: int = 8) -> tuple[Tensor, Tensor]:
     """Quantise flat ``x`` to ``(q int8 [n_blocks * block_size * bits / 8], scales fp32 [n_blocks])``."""
     n_blocks = -(-x.numel() // block_size)
-    padded = torch.zeros(n_blocks * block_size, dtype=torch.float32, device=x.device)
-    padded[: x.numel()] = x
+    if x.numel() == n_blocks * block_size:  # whole blocks: no padded copy (only read below)
+        padded = x.float()
+    else:
+        padded = torch.zeros(n_blocks * block_size, dtype=torch.float32, device=x.device)
+        padded[: x.numel()] = x
     blocks = padded.view(n_blocks, block_size)
     scales = block_scales_reference(blocks, bits)
-    q = torch.round(blocks / scales[:, None]).to(torch.int8)
+    q = blocks.div(scales[:, None]).round_().to(torch.int8)
     if bits == 4:
         q = q[:, 1::2] * 16 + (q[:, 0::2] & 15)
     return q.flatten(), scales
@@ -48,8 +51,7 @@ def dequantize_blockwise_reference(q: Tensor, scales: Tensor, numel: int, dtype:
     """Undo ``quantize_blockwise_reference``: the first ``numel`` values of ``q * scale``, as ``dtype``."""
     if scales.numel() == 0:
         return torch.empty(0, dtype=dtype, device=q.device)
-    if bits == 4:
-        low = q & 15
-        q = torch.stack([torch.where(low > 7, low - 16, low), q >> 4], dim=-1)
+    if bits == 4:  # (q << 4) >> 4 sign-extends the low nibble; the bits shifted out of an int8 are dropped
+        q = torch.stack([(q << 4) >> 4, q >> 4], dim=-1)
     blocks = q.reshape(scales.numel(), -1).float() * scales[:, None]
     return blocks.flatten()[:numel].to(dtype)

@@ -64,8 +64,11 @@ class QuantizedPackets:
     def pack(self, pieces: Tensor) -> Tensor:
         """``pieces`` [k, numel] (any float dtype) to packets [k, nbytes] int8, each piece quantised alone."""
         count = pieces.shape[0]
-        padded = torch.zeros(count, self.values, dtype=pieces.dtype, device=pieces.device)
-        padded[:, :self.numel] = pieces
+        if self.numel == self.values and pieces.is_contiguous():
+            padded = pieces
+        else:
+            padded = torch.zeros(count, self.values, dtype=pieces.dtype, device=pieces.device)
+            padded[:, :self.numel] = pieces
         q, scales = quantize_blockwise(padded.reshape(-1), self.block_size, self.bits)
         return torch.cat([q.view(count, self.values_bytes), scales.view(count, self.n_blocks).view(torch.int8)], dim=1)
 
