@@ -8,7 +8,8 @@
 For each system: median and p25–p75 of step time (the slowest rank's), tokens/s, peak model-state bytes per
 rank, peak RSS per rank, communication bytes per step per rank, ratios against DDP and FSDP2 of the same
 precision, and the last-step loss difference from DDP; systems run with and without ``overlap_comm``
-(``X``, ``X-nooverlap``) also get their per-round on/off step-time ratios. Writes ``<out-dir>/<name>.md``, ``.json`` and ``.png``.
+(``X``, ``X-nooverlap``) also get their per-round on/off step-time ratios. Writes ``<out-dir>/<name>.md``,
+``.json`` and ``.png``.
 How each figure is measured: ``runner.py`` (rounds, timing, memory), ``accounting.py`` (bytes, RSS) and
 ``systems.py`` (the systems). The chart needs matplotlib: ``pip install -e '.[bench]'``.
 """
@@ -129,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     write_json(args.out_dir / f"{name}.json", {
         "command": command, "title": title, "machine": host, "settings": dataclasses.asdict(settings),
         "world_size": args.world_size, "tokens_per_step": tokens_per_step, "seconds": time.time() - started,
-        "systems": rows, "overlap_pairs": pairs, "chart": None if chart_note else f"{name}.png", "notes": [chart_note] if chart_note else []})
+        "systems": rows, "overlap_pairs": pairs, "chart": None if chart_note else f"{name}.png",
+        "notes": [chart_note] if chart_note else []})
     (args.out_dir / f"{name}.md").write_text(
         f"{title}\n\n`{command}` on {host['cpu']} ({host['cores']} cores), torch {torch.__version__}, "
         f"load average {load_before[0]:.1f} at start\n\n{table}\n")

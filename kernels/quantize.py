@@ -17,6 +17,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .quantize_reference import QMAX
+
 
 @triton.jit
 def _round_half_to_even(v):
@@ -29,28 +31,33 @@ def _round_half_to_even(v):
 
 
 @triton.jit
+def _block_scale(max_abs, QMAX: tl.constexpr):
+    """The reference's ``block_scales_reference`` for one block: ``max|x| * (1/QMAX)``, or 1 if that is 0."""
+    scale = max_abs * (1.0 / QMAX)
+    return tl.where(scale > 0.0, scale, 1.0)
+
+
+@triton.jit
 def _quantize_values(x, scale):
     """``round(x / scale)`` as the reference computes it, in fp32."""
     return _round_half_to_even(tl.math.div_rn(x, scale))
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, q_ptr, scale_ptr, numel, BLOCK: tl.constexpr, BITS: tl.constexpr):
+def _quantize_kernel(x_ptr, q_ptr, scale_ptr, numel, BLOCK: tl.constexpr, BITS: tl.constexpr, QMAX: tl.constexpr):
     """Quantise one block: store its scale and its ``BLOCK`` values (zeros past ``numel``) as int8, or as
     ``BLOCK / 2`` bytes of two int4 values each (packing: see the reference's Note)."""
     block = tl.program_id(0)
     if BITS == 8:
         offsets = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + offsets, mask=offsets < numel, other=0.0).to(tl.float32)
-        scale = tl.max(tl.abs(x), axis=0) * (1.0 / 127)
-        scale = tl.where(scale > 0.0, scale, 1.0)
+        scale = _block_scale(tl.max(tl.abs(x), axis=0), QMAX)
         tl.store(q_ptr + offsets, _quantize_values(x, scale).to(tl.int8))
     else:
         evens = block.to(tl.int64) * BLOCK + 2 * tl.arange(0, BLOCK // 2)
         even = tl.load(x_ptr + evens, mask=evens < numel, other=0.0).to(tl.float32)
         odd = tl.load(x_ptr + evens + 1, mask=evens + 1 < numel, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(even), axis=0), tl.max(tl.abs(odd), axis=0)) * (1.0 / 7)
-        scale = tl.where(scale > 0.0, scale, 1.0)
+        scale = _block_scale(tl.maximum(tl.max(tl.abs(even), axis=0), tl.max(tl.abs(odd), axis=0)), QMAX)
         q_even = _quantize_values(even, scale)
         packed = _quantize_values(odd, scale) * 16.0 + tl.where(q_even < 0.0, q_even + 16.0, q_even)
         tl.store(q_ptr + block.to(tl.int64) * (BLOCK // 2) + tl.arange(0, BLOCK // 2), packed.to(tl.int8))
@@ -83,7 +90,7 @@ def quantize_blockwise_triton(x: Tensor, block_size: int = 256, bits: int = 8) -
     q = torch.empty(n_blocks * block_size * bits // 8, dtype=torch.int8, device=x.device)
     scales = torch.empty(n_blocks, dtype=torch.float32, device=x.device)
     if n_blocks > 0:
-        _quantize_kernel[(n_blocks,)](x, q, scales, x.numel(), BLOCK=block_size, BITS=bits)
+        _quantize_kernel[(n_blocks,)](x, q, scales, x.numel(), BLOCK=block_size, BITS=bits, QMAX=QMAX[bits])
     return q, scales
 
 

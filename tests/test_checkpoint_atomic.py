@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
-from test_checkpoint_sharded import build, global_batches, train
+from test_checkpoint_sharded import build, global_batches, saved_after_one_step, train
 from training_loops import full_state
 
 from ds_strategy.checkpoint import CheckpointError, load, remove, save
@@ -89,11 +89,7 @@ def test_rank_killed_mid_save_leaves_previous_checkpoint_loadable_and_resumable(
 
 @pytest.fixture
 def trained(tmp_path):
-    """A one-rank zero2 model after one step, saved at ``tmp_path / "ckpt"``."""
-    model, engine = build("zero2")
-    train(model, engine, global_batches()[:1])
-    save(tmp_path / "ckpt", model, engine)
-    return tmp_path / "ckpt", model, engine
+    return saved_after_one_step(tmp_path / "ckpt")
 
 
 def test_interrupted_save_is_never_loaded_and_next_save_clears_it(trained):

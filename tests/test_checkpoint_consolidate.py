@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
-from test_checkpoint_sharded import build, global_batches, train
+from test_checkpoint_sharded import saved_after_one_step
 from torch import nn
 
 import models
@@ -21,11 +21,7 @@ from ds_strategy.zero.engine import ZeroEngine
 
 @pytest.fixture
 def trained(tmp_path):
-    """A one-rank zero2 TinyGPT after one step, saved at ``tmp_path / "ckpt"``."""
-    model, engine = build("zero2")
-    train(model, engine, global_batches()[:1])
-    save(tmp_path / "ckpt", model, engine)
-    return tmp_path / "ckpt", model, engine
+    return saved_after_one_step(tmp_path / "ckpt")
 
 
 def test_bf16_safetensors_loads_strictly_with_tied_weight_copied(trained, tmp_path):

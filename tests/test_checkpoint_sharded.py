@@ -60,6 +60,14 @@ def train(model, engine: ZeroEngine, batches: list) -> list[float]:
     return losses
 
 
+def saved_after_one_step(path):
+    """A one-rank zero2 TinyGPT after one step, saved at ``path``; returns ``(path, model, engine)``."""
+    model, engine = build("zero2")
+    train(model, engine, global_batches()[:1])
+    save(path, model, engine)
+    return path, model, engine
+
+
 def fit_saving_midway(rank: int, world_size: int, root, runs: dict[str, str]) -> dict:
     """For each ``checkpoint name: config``: train STEPS steps, saving after SAVE_AT."""
     torch.set_num_threads(1)

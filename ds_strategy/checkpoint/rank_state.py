@@ -25,16 +25,6 @@ def master_base(fp: FlatParam) -> int:
     return fp.shard_offset if fp.policy.optimizer else 0
 
 
-def slot_pieces(fp: FlatParam, lo: int, hi: int) -> list[tuple[ParamSlot, int, int]]:
-    """(slot, start within the slot, length) for each parameter piece inside flat positions ``[lo, hi)``."""
-    pieces = []
-    for slot in fp.slots:
-        start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
-        if start < end:
-            pieces.append((slot, start - slot.offset, end - start))
-    return pieces
-
-
 def piece_of(tensor: torch.Tensor, fp: FlatParam, slot: ParamSlot, start: int, length: int) -> FlatPiece:
     """The piece ``[start, start + length)`` of ``slot``'s parameter within ``tensor``, which is laid out like
     ``fp.master``."""

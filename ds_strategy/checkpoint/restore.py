@@ -28,7 +28,7 @@ from ..zero.flat_param import FlatParam
 from .errors import CheckpointError
 from .flat_piece import FlatPiece
 from .manifest import Manifest, StateKind, model_key, optimizer_key
-from .rank_state import describe, master_base, piece_of, replicated_tensors, slot_pieces, stored_names
+from .rank_state import describe, master_base, piece_of, replicated_tensors, stored_names
 
 
 @dataclass
@@ -86,7 +86,7 @@ def plan_restore(module: nn.Module, engine: ZeroEngine | None, manifest: Manifes
 
 def _master_pieces(fp: FlatParam):
     base = master_base(fp)
-    return slot_pieces(fp, base, base + fp.master.numel())
+    return fp.slot_pieces(base, base + fp.master.numel())
 
 
 def _plan_optimizer_state(fp: FlatParam, names: dict[tuple[int, str], str], manifest: Manifest,

@@ -175,15 +175,18 @@ class FlatParam:
             region.copy_(self.master)
 
     # -- introspection ------------------------------------------------------------------------------------------
-    def shard_slots(self) -> list[tuple[ParamSlot, int, int]]:
-        """(slot, start within the slot, length) for each parameter piece inside this rank's shard."""
-        lo, hi = self.shard_offset, self.shard_offset + self.shard_numel
+    def slot_pieces(self, lo: int, hi: int) -> list[tuple[ParamSlot, int, int]]:
+        """(slot, start within the slot, length) for each parameter piece inside flat positions ``[lo, hi)``."""
         pieces = []
         for slot in self.slots:
             start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
             if start < end:
                 pieces.append((slot, start - slot.offset, end - start))
         return pieces
+
+    def shard_slots(self) -> list[tuple[ParamSlot, int, int]]:
+        """(slot, start within the slot, length) for each parameter piece inside this rank's shard."""
+        return self.slot_pieces(self.shard_offset, self.shard_offset + self.shard_numel)
 
     def __repr__(self) -> str:
         return (f"FlatParam({self.name}, numel={self.numel}, shard={self.shard_numel}x{self.world_size}, "
