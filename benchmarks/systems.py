@@ -293,9 +293,9 @@ def build_deepspeed(spec: SystemSpec, recipe: Recipe) -> BuiltSystem:
         "zero_allow_untested_optimizer": True, "steps_per_print": 10**9, "wall_clock_breakdown": False,
         "zero_optimization": {
             "stage": spec.options["stage"],
-            "reduce_bucket_size": min(defaults.reduce_bucket_size, numel),
+            "reduce_bucket_size": min(_elements(defaults.reduce_bucket_size, model), numel),
             "allgather_bucket_size": min(defaults.allgather_bucket_size, numel),
-            "stage3_prefetch_bucket_size": min(defaults.prefetch_bucket_size, numel),
+            "stage3_prefetch_bucket_size": min(_elements(defaults.prefetch_bucket_size, model), numel),
             "stage3_param_persistence_threshold": defaults.param_persistence_threshold,
             **offload,
         },
@@ -303,6 +303,11 @@ def build_deepspeed(spec: SystemSpec, recipe: Recipe) -> BuiltSystem:
     }
     engine, *_ = deepspeed.initialize(model=model, optimizer=make_optimizer(model), config=config)
     return _DeepSpeedSystem(engine)
+
+
+def _elements(size: int | str, model: GPT) -> int:
+    """A ZeroConfig bucket size in elements for DeepSpeed: "units" is the largest transformer block."""
+    return max(sum(p.numel() for p in block.parameters()) for block in model.blocks) if size == "units" else int(size)
 
 
 class _OurSystem(BuiltSystem):

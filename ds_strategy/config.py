@@ -11,7 +11,7 @@ import difflib
 import math
 import numbers
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -19,6 +19,7 @@ import torch
 from ds_strategy.auto_values import deepspeed_auto_values
 
 AUTO = "auto"
+UNITS = "units"  # a bucket or prefetch size bounded by the model's largest unit rather than by an element count
 
 _PRECISIONS = {
     "32-true": "32-true", "bf16-mixed": "bf16-mixed", "16-mixed": "16-mixed",
@@ -59,9 +60,12 @@ class ZeroConfig:
             gradients all-reduced); 1 = optimizer state (Adam's two fp32 moments, plus fp32 master weights
             under mixed precision); 2 = also gradients, reduced straight into the owner's shard; 3 = also
             parameters, all-gathered per unit before its forward/backward and freed after.
-        reduce_bucket_size (default 5e8, or "auto"): at most this many elements of gradient scratch (stage
-            2/3: each flat buffer's gradients, copied out as autograd finishes them) in flight in reductions;
-            past it, launching waits for the oldest reductions. Larger: more overlap, more memory.
+        reduce_bucket_size (default "units", or an element count, or "auto"): at most this many elements of
+            gradient scratch (stage 2/3: each flat buffer's gradients, copied out as autograd finishes them) in
+            flight in reductions; past it, launching waits for the oldest reductions. "units" is the largest
+            unit's elements: one unit's scratch in flight while the next fills, about two units alive whatever
+            the model size and however slow the reductions (FSDP2's bound). DeepSpeed's 5e8 holds up to the
+            whole model's gradients as scratch when reductions lag. Larger: more overlap, more memory.
         allgather_bucket_size (default 5e8): at most this many elements of the stage 1/2 all-gathers of
             updated parameters in flight after a step; past it, the step waits before launching more.
         overlap_comm (default True): launch each bucket's reduction as soon as it fills and wait for it only
@@ -87,13 +91,16 @@ class ZeroConfig:
             slices its shard, yet is faster on gloo; "auto" picks per backend (``gradient_collective``).
 
     Stage 3 parameter gathering:
-        prefetch_bucket_size (default 5e7, or "auto"): elements of upcoming units gathered ahead of use (while
-            the current unit computes); 0 gathers each unit only when it is needed. DeepSpeed's default covers
-            every unit of a small model, so the whole model is then gathered during forward.
+        prefetch_bucket_size (default "units", or an element count, or "auto"): elements of upcoming units
+            gathered ahead of use (while the current unit computes); 0 gathers each unit only when it is needed.
+            "units" is the largest unit's elements: the next unit is gathered while one computes (FSDP2's
+            prefetch). DeepSpeed's 5e7 covers every unit of a small model, so the whole model is then gathered
+            during forward.
         param_persistence_threshold (default 1e5, or "auto"): parameters this small stay gathered on every
             rank; they cost little memory and would otherwise cost one latency-bound collective each.
         max_live_parameters (default 1e9): cap on gathered elements alive at once; gathering waits for
-            frees beyond it, trading speed for peak memory.
+            frees beyond it, trading speed for peak memory. The unit in use is always gathered: 0 prefetches
+            nothing, as in DeepSpeed.
         reshard_after_forward (default True): free a unit's gathered parameters after its forward and
             gather again for backward. False keeps them until backward: one fewer all-gather, more memory.
         collective_timeout (default 600 s): how long a rank waits for one collective before raising an error
@@ -106,6 +113,14 @@ class ZeroConfig:
             child block type (e.g. a transformer layer).
         unit_min_params (default 0): when > 0 and unit_modules is empty, form units by parameter count
             instead of by class, with this many elements as the threshold for a unit.
+
+    Construction of a model built on the meta device (see ``ds_strategy.zero.sharded_init``):
+        param_init_fn (default None): ``param_init_fn(module)`` (FSDP's name) fills the parameters and buffers
+            of one module in place; the engine calls it once per module that owns tensors, in module order,
+            one unit at a time, ahead of Hugging Face's ``_init_weights`` and of ``reset_parameters()``.
+        sync_module_states (default False; FSDP's name): rank 0 holds the real model (e.g. built normally or
+            loaded), the other ranks build it on the meta device; the engine streams rank 0's values unit by
+            unit, so no other rank ever holds more than one unit. Every rank must pass the same value.
 
     ZeRO++ (communication volume; names and defaults as in DeepSpeed; see ``ds_strategy.comm.quantized``):
         zero_quantized_weights (default False; stage 3): qwZ, all-gather weights as block-wise int8 (one
@@ -159,6 +174,9 @@ class ZeroConfig:
         gradient_clipping (default 0.0 = off): clip the global gradient norm to this before the step.
         gradient_accumulation_steps (default 1): micro-batches summed before each optimizer step.
         train_micro_batch_size_per_gpu (default None = whatever the data loader yields): per-rank batch.
+        train_batch_size (default None = not checked): the global batch, micro-batch x accumulation x
+            world size, as in DeepSpeed; ``resolve_batch_sizes`` derives the missing one of the three at setup,
+            or fails naming all three when they disagree.
 
     Precision and dynamic loss scaling (DeepSpeed semantics):
         precision (default "32-true"): "32-true", "bf16-mixed", "16-mixed", "bf16-true" or "16-true";
@@ -173,24 +191,27 @@ class ZeroConfig:
             after which training raises instead of silently skipping every step.
 
     The three sizes that accept "auto" keep the string until ``resolve_auto(hidden_size)`` substitutes
-    DeepSpeed's formulas; engine code must resolve before reading them.
+    DeepSpeed's formulas; engine code must resolve before reading them. "units" stays a string: the engine
+    resolves it against its units (``ds_strategy.zero.memory_report.unit_bounded_sizes``).
     """
 
     stage: int = 2
-    reduce_bucket_size: int | str = 500_000_000
+    reduce_bucket_size: int | str = UNITS
     allgather_bucket_size: int = 500_000_000
     overlap_comm: bool = True
     contiguous_gradients: bool = True
     communication_dtype: str | None = None
     grad_accum_dtype: str | None = None
     gradient_reduction: str = "auto"
-    prefetch_bucket_size: int | str = 50_000_000
+    prefetch_bucket_size: int | str = UNITS
     param_persistence_threshold: int | str = 100_000
     max_live_parameters: int = 1_000_000_000
     reshard_after_forward: bool = True
     collective_timeout: float = 600.0
     unit_modules: tuple[type[torch.nn.Module] | str, ...] = ()
     unit_min_params: int = 0
+    param_init_fn: Callable[[torch.nn.Module], None] | None = None
+    sync_module_states: bool = False
     zero_quantized_weights: bool = False
     zero_quantized_gradients: bool = False
     zero_quantized_gradients_bits: int = 4
@@ -207,6 +228,7 @@ class ZeroConfig:
     gradient_clipping: float = 0.0
     gradient_accumulation_steps: int = 1
     train_micro_batch_size_per_gpu: int | None = None
+    train_batch_size: int | None = None
     precision: str = "32-true"
     loss_scale: float = 0.0
     initial_scale_power: int = 16
@@ -218,7 +240,7 @@ class ZeroConfig:
     def __post_init__(self) -> None:
         checked = {
             "stage": _choice("stage", self.stage, {s: s for s in range(4)}),
-            "reduce_bucket_size": _integer("reduce_bucket_size", self.reduce_bucket_size, 1, auto=True),
+            "reduce_bucket_size": _integer("reduce_bucket_size", self.reduce_bucket_size, 1, auto=True, units=True),
             "allgather_bucket_size": _integer("allgather_bucket_size", self.allgather_bucket_size, 1),
             "overlap_comm": _flag("overlap_comm", self.overlap_comm),
             "contiguous_gradients": _only_true("contiguous_gradients", self.contiguous_gradients,
@@ -230,15 +252,18 @@ class ZeroConfig:
                 "None (auto), 'fp32', 'fp16', 'bf16', 'float32', 'float16', 'bfloat16' or that torch dtype",
             ),
             "gradient_reduction": _choice("gradient_reduction", self.gradient_reduction, _GRADIENT_REDUCTIONS),
-            "prefetch_bucket_size": _integer("prefetch_bucket_size", self.prefetch_bucket_size, 0, auto=True),
+            "prefetch_bucket_size": _integer("prefetch_bucket_size", self.prefetch_bucket_size, 0, auto=True,
+                                             units=True),
             "param_persistence_threshold": _integer(
                 "param_persistence_threshold", self.param_persistence_threshold, 0, auto=True
             ),
-            "max_live_parameters": _integer("max_live_parameters", self.max_live_parameters, 1),
+            "max_live_parameters": _integer("max_live_parameters", self.max_live_parameters, 0),
             "reshard_after_forward": _flag("reshard_after_forward", self.reshard_after_forward),
             "collective_timeout": _real("collective_timeout", self.collective_timeout, 0.0, exclusive=True),
             "unit_modules": _unit_modules(self.unit_modules),
             "unit_min_params": _integer("unit_min_params", self.unit_min_params, 0),
+            "param_init_fn": _callable_or_none("param_init_fn", self.param_init_fn),
+            "sync_module_states": _flag("sync_module_states", self.sync_module_states),
             "zero_quantized_weights": _needs_stage(
                 "zero_quantized_weights", _flag("zero_quantized_weights", self.zero_quantized_weights), self.stage, 3),
             "zero_quantized_gradients": _needs_stage(
@@ -269,6 +294,7 @@ class ZeroConfig:
             "train_micro_batch_size_per_gpu": _integer(
                 "train_micro_batch_size_per_gpu", self.train_micro_batch_size_per_gpu, 1, none=True
             ),
+            "train_batch_size": _integer("train_batch_size", self.train_batch_size, 1, none=True),
             "precision": _choice(
                 "precision", self.precision, _PRECISIONS,
                 "one of '32-true', 'bf16-mixed', '16-mixed', 'bf16-true', '16-true' (or 32, '32', 'bf16', 16, '16')",
@@ -306,6 +332,24 @@ class ZeroConfig:
         """A copy with ``changes`` applied and every field validated again."""
         _check_field_names(changes)
         return dataclasses.replace(self, **changes)
+
+    def resolve_batch_sizes(self, world_size: int) -> ZeroConfig:
+        """A copy whose micro-batch and accumulation follow from ``train_batch_size`` at this world size, as
+        DeepSpeed derives them: the micro-batch when unset, else the accumulation when it is 1 (its default).
+        Raises, naming the three numbers, when train_batch_size != micro-batch x accumulation x world size."""
+        if self.train_batch_size is None:
+            return self
+        total, accumulation, micro = self.train_batch_size, self.gradient_accumulation_steps, \
+            self.train_micro_batch_size_per_gpu
+        if micro is None and total % (accumulation * world_size) == 0:
+            micro = total // (accumulation * world_size)
+        elif micro is not None and accumulation == 1 and total % (micro * world_size) == 0:
+            accumulation = total // (micro * world_size)
+        if micro is None or total != micro * accumulation * world_size:
+            raise ZeroConfigError("train_batch_size", (
+                f"ZeroConfig.train_batch_size={total} is not train_micro_batch_size_per_gpu={micro} x "
+                f"gradient_accumulation_steps={accumulation} x world size {world_size}; change one of the three"))
+        return self.replace(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accumulation)
 
     def resolve_auto(self, hidden_size: int) -> ZeroConfig:
         """A copy whose "auto" sizes are DeepSpeed's values for this hidden size (see ``hidden_size_of``)."""
@@ -404,12 +448,14 @@ def _only_true(name: str, value: Any, why: str) -> bool:
 
 
 def _integer(
-    name: str, value: Any, minimum: int, *, maximum: int | None = None, auto: bool = False, none: bool = False
+    name: str, value: Any, minimum: int, *, maximum: int | None = None, auto: bool = False, none: bool = False,
+    units: bool = False,
 ) -> int | str:
-    if (auto and isinstance(value, str) and value == AUTO) or (none and value is None):
+    words = (AUTO,) * auto + (UNITS,) * units
+    if (isinstance(value, str) and value in words) or (none and value is None):
         return value
     expected = f"an integer >= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
-    expected += ' or "auto"' if auto else ""
+    expected += "".join(f' or "{word}"' for word in words)
     expected += " or None" if none else ""
     whole = isinstance(value, numbers.Real) and not isinstance(value, bool) and float(value).is_integer()
     if not whole or int(value) < minimum or (maximum is not None and int(value) > maximum):
@@ -457,6 +503,12 @@ def _offload_ratio(value: Any, offload_optimizer: Any) -> float:
 def _flag(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise _reject(name, value, "True or False")
+    return value
+
+
+def _callable_or_none(name: str, value: Any) -> Callable | None:
+    if value is not None and not callable(value):
+        raise _reject(name, value, "None or a callable taking one module")
     return value
 
 

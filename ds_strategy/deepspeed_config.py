@@ -1,204 +1,140 @@
-"""Translate a DeepSpeed JSON config into a ZeroConfig.
+"""Translate a DeepSpeed JSON config into a ZeroConfig (and its optimizer/scheduler sections), with DeepSpeed's meaning.
 
-Every key a DeepSpeed config may hold here has exactly one rule in the tables below. A rule either copies
-the value to a ZeroConfig field, translates it (``reduce_scatter``, ``fp16.enabled``), accepts only the value
-ds_strategy already behaves as (``allgather_partitions: true``), ignores it, or rejects it. Any other key
-raises, naming its dotted path. Defaults live in ZeroConfig alone: an absent key leaves the field's default.
+Every key DeepSpeed accepts has one rule in ``ds_strategy.deepspeed.key_tables`` (mapped, no-op or rejected; see
+``rule_kinds``). Keys DeepSpeed does not know are ignored at the top level, with one warning naming them, and
+fail inside a section, naming the dotted path: DeepSpeed's own rule. Defaults stay ZeroConfig's, except where a
+DeepSpeed config means something else by leaving a key out (see the Note below).
 
-Accepted and ignored, with no effect:
-    ``steps_per_print``, ``wall_clock_breakdown``: DeepSpeed's own logging; Lightning logs instead.
-    ``train_batch_size``: implied by micro batch x accumulation x world size, which ds_strategy derives.
-    ``zero_optimization.stage3_gather_16bit_weights_on_model_save`` (and its older ``fp16`` spelling):
-        ds_strategy's checkpoint export can always gather full weights, so the flag changes nothing.
-    ``offload_optimizer.fast_init``, ``.pipeline``, ``.pipeline_read``, ``.pipeline_write``: the NVMe step always
-        creates its files at setup and always overlaps reads and writes with the update.
-    ``offload_param.buffer_count``: ds_strategy streams through one pool of host buffers, sized by
-        ``offload_optimizer.buffer_count`` (``ZeroConfig.buffer_count``). ``offload_param.max_in_cpu``: an
-        offloaded parameter shard lives wholly where ``device`` says.
-    ``aio.*``: libaio tuning; ds_strategy's NVMe IO is ``os.pread``/``os.pwrite`` on a thread pool.
-
-Both offload sections may name ``nvme_path`` and ``pin_memory``: equal values are fine, different ones conflict.
-
-``"auto"`` is kept for the sizes ZeroConfig resolves from the hidden size; for ``gradient_clipping``,
-``gradient_accumulation_steps``, ``train_micro_batch_size_per_gpu`` and ``train_batch_size`` it means the
-ZeroConfig default. ``fp16.enabled`` / ``bf16.enabled`` set to ``"auto"`` leave ``precision`` to the caller.
+Note: [What an absent key means in a DeepSpeed config]
+    ZeroConfig's defaults serve users who never wrote a JSON; a DeepSpeed config is read as DeepSpeed reads it:
+    - no ``zero_optimization.stage``: stage 0 (ZeroConfig's default is 2); likewise DeepSpeed's bucket, prefetch,
+      persistence, live-parameter and sub-group sizes, whatever ZeroConfig's defaults are;
+    - no ``gradient_clipping``: clip at 1.0, DeepSpeed 0.19's default (ZeroConfig's is off); ``"auto"`` leaves
+      clipping to the framework, as Hugging Face's integration does;
+    - an offload section without ``pin_memory``: pinned, DeepSpeed's default since 0.19.5;
+    - ``offload_param`` below stage 3, or ``offload_optimizer`` at stage 0: ignored (with a warning), as DeepSpeed
+      ignores them;
+    - ``train_batch_size`` is kept and checked against micro-batch x accumulation x world size at setup
+      (``ZeroConfig.resolve_batch_sizes``), where the world size is known.
 """
-
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import os
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Union
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any
 
-from ds_strategy.config import AUTO, ZeroConfig, ZeroConfigError
+from ds_strategy.config import ZeroConfig, ZeroConfigError
+from ds_strategy.deepspeed.key_tables import DEEPSPEED, ZERO_OPTIMIZATION
+from ds_strategy.deepspeed.optimizer_section import (
+    OptimizerSections,
+    read_optimizer_sections,
+)
+from ds_strategy.deepspeed.rule_kinds import Kind, Rule, Table
 
-_Rule = Callable[[str, Any], dict[str, Any]]  # (dotted DeepSpeed key, value) -> ZeroConfig fields it sets
-_Table = dict[str, Union[_Rule, "_Table"]]  # a section: key -> rule, or key -> nested section
-
-
-def _field(name: str) -> _Rule:
-    return lambda key, value: {name: value}
-
-
-def _field_unless_auto(name: str) -> _Rule:
-    return lambda key, value: {} if value == AUTO else {name: value}
-
-
-def _ignored(key: str, value: Any) -> dict[str, Any]:
-    return {}
-
-
-def _only(accepted: bool, reason: str) -> _Rule:
-    def rule(key: str, value: Any) -> dict[str, Any]:
-        if value is not accepted:
-            raise ValueError(f"DeepSpeed {key}={value!r} is not supported; only {accepted!r} is, because {reason}")
-        return {}
-
-    return rule
+# ZeroConfig fields whose default differs from (or may drift from) DeepSpeed's -> the rule holding DeepSpeed's.
+_DEEPSPEED_DEFAULTS = {"gradient_clipping": DEEPSPEED["gradient_clipping"],
+                       **{name: ZERO_OPTIMIZATION[name] for name in (
+                           "stage", "reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size",
+                           "param_persistence_threshold", "max_live_parameters", "sub_group_size")}}
+_OFFLOAD_MIN_STAGE = {"offload_optimizer": ("zero_optimization.offload_optimizer", 1),
+                      "offload_params": ("zero_optimization.offload_param", 3)}
 
 
-def _rejected(advice: str) -> _Rule:
-    def rule(key: str, value: Any) -> dict[str, Any]:
-        raise ValueError(f"DeepSpeed {key} is not supported by ds_strategy; {advice}")
-
-    return rule
+class DeepSpeedConfigWarning(UserWarning):
+    """A DeepSpeed key ds_strategy accepts but does not act on."""
 
 
-def _not_yet(what: str) -> _Rule:
-    def rule(key: str, value: Any) -> dict[str, Any]:
-        raise ValueError(f"DeepSpeed {key} is not supported yet: ds_strategy does not implement {what}; remove it")
+@dataclasses.dataclass(frozen=True)
+class DeepSpeedConfig:
+    """A DeepSpeed config as ds_strategy runs it: the ZeRO settings and the optimizer/scheduler sections."""
 
-    return rule
-
-
-def _reduce_scatter(key: str, value: Any) -> dict[str, Any]:
-    if not isinstance(value, bool):
-        raise ValueError(f"DeepSpeed {key}={value!r} is not allowed; expected true or false")
-    return {"gradient_reduction": "reduce_scatter" if value else "all_reduce"}
+    zero: ZeroConfig
+    sections: OptimizerSections
 
 
-def _enables(precision: str) -> _Rule:
-    def rule(key: str, value: Any) -> dict[str, Any]:
-        if value is True:
-            return {"precision": precision}
-        if value is False or value == AUTO:
-            return {}
-        raise ValueError(f"DeepSpeed {key}={value!r} is not allowed; expected true, false or \"auto\"")
+def read_deepspeed_config(ds: Mapping[str, Any] | str | os.PathLike) -> DeepSpeedConfig:
+    """Read a DeepSpeed config (a dict, or a path to its JSON file) with DeepSpeed's meaning.
 
-    return rule
-
-
-_OFFLOAD_OPTIMIZER: _Table = {
-    "device": _field("offload_optimizer"),
-    "nvme_path": _field("nvme_path"),
-    "pin_memory": _field("pin_memory"),
-    "ratio": _field("offload_ratio"),
-    "buffer_count": _field("buffer_count"),
-    "fast_init": _ignored,
-    "pipeline": _ignored,
-    "pipeline_read": _ignored,
-    "pipeline_write": _ignored,
-}
-_OFFLOAD_PARAM: _Table = {
-    "device": _field("offload_params"),
-    "nvme_path": _field("nvme_path"),
-    "pin_memory": _field("pin_memory"),
-    "buffer_size": _field("buffer_size"),
-    "buffer_count": _ignored,
-    "max_in_cpu": _ignored,
-}
-_AIO: _Table = {name: _ignored for name in ("block_size", "queue_depth", "thread_count", "single_submit",
-                                            "overlap_events", "use_gds")}
-_ZERO_OPTIMIZATION: _Table = {
-    "stage": _field("stage"),
-    "reduce_bucket_size": _field("reduce_bucket_size"),
-    "allgather_bucket_size": _field("allgather_bucket_size"),
-    "overlap_comm": _field("overlap_comm"),
-    "contiguous_gradients": _field("contiguous_gradients"),
-    "reduce_scatter": _reduce_scatter,
-    "allgather_partitions": _only(True, "ds_strategy always all-gathers the updated partitions after a step"),
-    "round_robin_gradients": _only(False, "ds_strategy reduces gradients in bucket order, not round robin"),
-    "stage3_prefetch_bucket_size": _field("prefetch_bucket_size"),
-    "stage3_param_persistence_threshold": _field("param_persistence_threshold"),
-    "stage3_max_live_parameters": _field("max_live_parameters"),
-    "stage3_gather_16bit_weights_on_model_save": _ignored,
-    "stage3_gather_fp16_weights_on_model_save": _ignored,
-    "zero_quantized_weights": _field("zero_quantized_weights"),
-    "zero_quantized_gradients": _field("zero_quantized_gradients"),
-    "zero_hpz_partition_size": _field("zero_hpz_partition_size"),
-    "sub_group_size": _field("sub_group_size"),
-    "offload_optimizer": _OFFLOAD_OPTIMIZER,
-    "offload_param": _OFFLOAD_PARAM,
-}
-_FP16: _Table = {
-    "enabled": _enables("16-mixed"),
-    "loss_scale": _field("loss_scale"),
-    "initial_scale_power": _field("initial_scale_power"),
-    "loss_scale_window": _field("loss_scale_window"),
-    "hysteresis": _field("hysteresis"),
-    "min_loss_scale": _field("min_loss_scale"),
-    "consecutive_hysteresis": _only(False, "hysteresis is not refilled by overflow-free steps"),
-}
-_BF16: _Table = {"enabled": _enables("bf16-mixed")}
-_DATA_TYPES: _Table = {"grad_accum_dtype": _field("grad_accum_dtype")}
-_DEEPSPEED: _Table = {
-    "zero_optimization": _ZERO_OPTIMIZATION,
-    "fp16": _FP16,
-    "bf16": _BF16,
-    "gradient_clipping": _field_unless_auto("gradient_clipping"),
-    "gradient_accumulation_steps": _field_unless_auto("gradient_accumulation_steps"),
-    "train_micro_batch_size_per_gpu": _field_unless_auto("train_micro_batch_size_per_gpu"),
-    "train_batch_size": _ignored,
-    "communication_data_type": _field("communication_dtype"),
-    "data_types": _DATA_TYPES,
-    "steps_per_print": _ignored,
-    "wall_clock_breakdown": _ignored,
-    "aio": _AIO,
-    "optimizer": _rejected("configure the optimizer in configure_optimizers; ds_strategy retargets it"),
-    "scheduler": _rejected("configure the scheduler in configure_optimizers; ds_strategy steps it"),
-}
-
-
-def config_from_deepspeed(ds: Mapping[str, Any] | str | os.PathLike) -> ZeroConfig:
-    """The ZeroConfig a DeepSpeed config (a dict, or a path to its JSON file) describes.
-
-    Raises ``ValueError`` naming the dotted key for keys ds_strategy does not support and for bad values.
+    Raises ``ValueError`` naming the dotted key for rejected keys, unknown keys inside sections and bad values;
+    warns once (``DeepSpeedConfigWarning``) listing ignored top-level keys and no-op keys set to a non-default.
     """
     if isinstance(ds, (str, os.PathLike)):
         with open(ds, encoding="utf-8") as file:
             ds = json.load(file)
+    if not isinstance(ds, Mapping):
+        raise ValueError(f"a DeepSpeed config must be a JSON object, got {type(ds).__name__}: {ds!r}")
+    unknown = [str(key) for key in ds if key not in DEEPSPEED]
     fields: dict[str, Any] = {}
     origins: dict[str, str] = {}  # ZeroConfig field -> "deepspeed.key=value" that set it
-    for key, value, updates in _translate(_DEEPSPEED, ds, prefix=""):
-        for field, field_value in updates.items():
-            if field in fields and fields[field] != field_value:
-                raise ValueError(
-                    f"DeepSpeed {key}={value!r} conflicts with {origins[field]}: "
-                    f"both set ZeroConfig.{field}; keep only one"
-                )
-            fields[field] = field_value
-            origins[field] = f"{key}={value!r}"
+    no_ops: list[str] = []
+    for key, value, rule in _rules({k: v for k, v in ds.items() if k in DEEPSPEED}, DEEPSPEED, prefix=""):
+        if rule.kind is Kind.NO_OP:
+            if not rule.is_quiet(value):
+                no_ops.append(f"{key}={value!r} ({rule.note})")
+            continue
+        if rule.kind is Kind.REJECTED:
+            if not rule.is_quiet(value):
+                raise ValueError(f"DeepSpeed {key}={value!r} is not supported: {rule.note}")
+            continue
+        for name, field_value in rule.translate(key, value).items():
+            if name in fields and fields[name] != field_value:
+                raise ValueError(f"DeepSpeed {key}={value!r} conflicts with {origins[name]}: both set "
+                                 f"ZeroConfig.{name}; keep only one")
+            fields[name], origins[name] = field_value, f"{key}={value!r}"
+    ignored = _apply_deepspeed_defaults(fields, origins)
+    if unknown:
+        _warn(f"DeepSpeed config keys ignored (DeepSpeed does not know them either): {', '.join(unknown)}")
+    if no_ops or ignored:
+        _warn("DeepSpeed config keys accepted with no effect in ds_strategy: " + "; ".join(no_ops + ignored))
     try:
-        return ZeroConfig(**fields)
+        zero = ZeroConfig(**fields)
     except ZeroConfigError as error:  # defaults are valid, so a field set here is at fault
-        raise ValueError(f"DeepSpeed {origins[error.field]}: {error}") from error
+        raise ValueError(f"DeepSpeed {origins.get(error.field, error.field)}: {error}") from error
+    return DeepSpeedConfig(zero, read_optimizer_sections(ds.get("optimizer"), ds.get("scheduler")))
 
 
-def _translate(table: _Table, options: Any, prefix: str) -> Iterator[tuple[str, Any, dict[str, Any]]]:
-    """Apply ``table``'s rules to ``options``, yielding (dotted key, value, ZeroConfig fields it sets)."""
+def config_from_deepspeed(ds: Mapping[str, Any] | str | os.PathLike) -> ZeroConfig:
+    """The ZeroConfig a DeepSpeed config describes; see ``read_deepspeed_config``."""
+    return read_deepspeed_config(ds).zero
+
+
+def _rules(options: Any, table: Table, prefix: str) -> Iterator[tuple[str, Any, Rule]]:
+    """(dotted key, value, rule) for every key of ``options``, descending into sections."""
     if not isinstance(options, Mapping):
-        where = f"DeepSpeed {prefix[:-1]}" if prefix else "a DeepSpeed config"
-        raise ValueError(f"{where} must be a JSON object, got {type(options).__name__}: {options!r}")
+        raise ValueError(f"DeepSpeed {prefix[:-1]} must be a JSON object, got {type(options).__name__}: {options!r}")
     for name, value in options.items():
         key = prefix + str(name)
         rule = table.get(name)
         if rule is None:
             close = difflib.get_close_matches(str(name), table, n=1)
-            hint = f"did you mean {prefix + close[0]!r}?" if close else f"supported here: {', '.join(table)}"
-            raise ValueError(f"DeepSpeed {key} is not supported by ds_strategy; {hint}")
+            hint = f"did you mean {prefix + close[0]!r}?" if close else f"DeepSpeed accepts here: {', '.join(table)}"
+            raise ValueError(f"DeepSpeed {key} is not a key DeepSpeed accepts; {hint}")
         if isinstance(rule, dict):
-            yield from _translate(rule, value, prefix=key + ".")
+            yield from _rules(value, rule, prefix=key + ".")
         else:
-            yield key, value, rule(key, value)
+            yield key, value, rule
+
+
+def _apply_deepspeed_defaults(fields: dict[str, Any], origins: dict[str, str]) -> list[str]:
+    """Fill in what an absent key means to DeepSpeed (the Note above); returns the settings it ignored."""
+    for name, rule in _DEEPSPEED_DEFAULTS.items():
+        fields.setdefault(name, rule.default)
+    ignored = []
+    for name, (section, minimum) in _OFFLOAD_MIN_STAGE.items():
+        if fields.get(name, "none") != "none" and fields["stage"] < minimum:
+            ignored.append(f"{section}.device={fields.pop(name)!r} (DeepSpeed ignores it below stage {minimum})")
+            if name == "offload_optimizer":
+                fields.pop("offload_ratio", None)
+    places = (fields.get("offload_optimizer", "none"), fields.get("offload_params", "none"))
+    if places != ("none", "none"):
+        fields.setdefault("pin_memory", True)
+        origins.setdefault("pin_memory", "offload pin_memory (DeepSpeed's default: true)")
+    return ignored
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, DeepSpeedConfigWarning, stacklevel=3)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 # Strategy names every adapter registers (Lightning, pytorch_lightning, Fabric, Hydra's ``strategy`` group), and
 # the ZeroConfig fields each one sets.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -29,10 +31,20 @@ class EngineOwnerMixin:
         """Calls, bytes and seconds waited per collective kind since setup; see ``ZeroEngine.comm_stats``."""
         return self.engine.comm_stats()
 
+    def load_pretrained(self, path, prefix: str = "") -> None:
+        """Load pretrained weights into the set-up model, each rank reading only its shards (after
+        ``fabric.setup``; in Lightning from a hook such as ``on_fit_start``); see ``ZeroEngine.load_weights``."""
+        if self.engine is None:
+            raise RuntimeError("load_pretrained needs the model set up first (fabric.setup, or a Lightning hook "
+                               "from on_fit_start on)")
+        self.engine.load_weights(path, prefix)
+
     def teardown(self) -> None:
         if self.engine is not None:
             self.engine.reshard()
             self.engine.remove_hooks()
+        else:  # setup failed: the error already raised must not be followed by another from moving meta tensors
+            _drop_meta_tensors(getattr(self, "lightning_module", None))
         super().teardown()
 
     @classmethod
@@ -40,3 +52,17 @@ class EngineOwnerMixin:
         for name, fields in PRESETS.items():
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=f"ZeRO {fields}", **fields)
+
+
+def _drop_meta_tensors(module) -> None:
+    """Point the meta parameters and buffers of a module whose setup failed at empty CPU tensors, so teardown's
+    ``module.cpu()`` succeeds; such a model is unusable either way, and allocating it whole could run out of memory."""
+    if module is None:
+        return
+    for sub in module.modules():
+        for p in sub._parameters.values():
+            if p is not None and p.is_meta:
+                torch.utils.swap_tensors(p, torch.nn.Parameter(torch.empty(0, dtype=p.dtype), p.requires_grad))
+        for name, buffer in sub._buffers.items():
+            if buffer is not None and buffer.is_meta:
+                sub._buffers[name] = torch.empty(0, dtype=buffer.dtype)

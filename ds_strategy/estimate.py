@@ -38,7 +38,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from .config import ZeroConfig
+from .config import UNITS, ZeroConfig
 from .zero.wrap_policy import select_unit_modules
 
 PLACES = ("device", "host", "nvme")
@@ -209,9 +209,13 @@ def _model_size(model, largest_layer, reduce_bucket_size, config) -> tuple[Model
     if config is None:
         return size, _Buckets(reduce=reduce_bucket_size)
     defaults = ZeroConfig()
-    known = lambda name: getattr(config if getattr(config, name) != "auto" else defaults, name)  # noqa: E731
-    return size, _Buckets(reduce=reduce_bucket_size if reduce_bucket_size is not None else int(known("reduce_bucket_size")),
-                          prefetch=int(known("prefetch_bucket_size")), max_live=config.max_live_parameters)
+
+    def known(name: str) -> int:
+        """The size in elements: "auto" estimated at the default, "units" as the largest unit (the engine's rule)."""
+        value = getattr(config if getattr(config, name) != "auto" else defaults, name)
+        return size.largest_unit if value == UNITS else int(value)
+    return size, _Buckets(reduce=reduce_bucket_size if reduce_bucket_size is not None else known("reduce_bucket_size"),
+                          prefetch=known("prefetch_bucket_size"), max_live=config.max_live_parameters)
 
 
 def _offload_error(stage: int, offload_optimizer: str, offload_params: str) -> str | None:

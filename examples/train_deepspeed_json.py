@@ -3,9 +3,9 @@
     python examples/train_deepspeed_json.py                        # examples/ds_config.json, 2 CPU processes
     python examples/train_deepspeed_json.py --ds-config my_config.json --max-steps 200
 
-``ZeroStrategy.from_deepspeed_config`` maps ``zero_optimization.*``, ``gradient_clipping``,
-``gradient_accumulation_steps`` and ``train_micro_batch_size_per_gpu`` onto a ZeroConfig and rejects, naming the
-key, anything ds_strategy does not support. The Trainer runs accumulation and clipping, so this script passes the
+``ZeroStrategy.from_deepspeed_config`` reads the config with DeepSpeed's meaning (every key DeepSpeed accepts has
+a rule: mapped onto a ZeroConfig, accepted with no effect, or rejected naming the key; see the README's DeepSpeed
+table), and builds the config's ``optimizer``/``scheduler`` sections when ``configure_optimizers`` returns None. The Trainer runs accumulation and clipping, so this script passes the
 config's accumulation steps and micro-batch size to it (the strategy checks they agree).
 """
 import argparse

@@ -16,6 +16,7 @@ from ds_strategy.zero.engine import ZeroEngine
 
 TIMEOUT = 2.0  # collective_timeout, seconds
 SLACK = 3.0  # scheduling noise on a loaded machine
+PEER_TIMEOUT = 60.0  # a collective_timeout that a peer's departure must not have to wait out
 LAYERS, WIDTH, BAD_STEP = 4, 16, 1
 
 
@@ -82,11 +83,28 @@ def _mislabelled_collectives(rank: int, trailing_extra: bool) -> dict:
     return _outcome(None, started)
 
 
+def _peer_leaves(rank: int) -> dict:
+    """Rank 1 closes its connections (as a process that dies does) while rank 0 waits in an all-reduce whose
+    timeout is long."""
+    group = dist.new_group(timeout=datetime.timedelta(seconds=PEER_TIMEOUT))
+    started = time.perf_counter()
+    if rank == 1:
+        dist.destroy_process_group(group)
+        del group  # the last reference: gloo closes the group's sockets
+        return _outcome(None, started)
+    try:
+        Collectives(group, timeout=PEER_TIMEOUT).all_reduce(torch.ones(64), label="unit blocks.0").wait()
+    except Exception as error:  # noqa: BLE001
+        return _outcome(error, started)
+    return _outcome(None, started)
+
+
 def _scenarios(rank: int, world_size: int) -> dict:
     return {"skip, overlap": _skip_a_unit(rank, overlap=True),
             "skip, no overlap": _skip_a_unit(rank, overlap=False),
             "silent": _mislabelled_collectives(rank, trailing_extra=False),
-            "trailing": _mislabelled_collectives(rank, trailing_extra=True)}
+            "trailing": _mislabelled_collectives(rank, trailing_extra=True),
+            "peer leaves": _peer_leaves(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -129,3 +147,12 @@ def test_the_rank_with_fewer_collectives_reports_at_the_step_check_instead_of_ha
     assert waiting["message"].startswith("rank 0: all_reduce for unit blocks.1 did not complete within 2 s")
     assert skipper["message"].startswith("rank 1: the check of collective sequences before optimizer step #1")
     assert "the last ones: all_reduce of 512 B for unit blocks.0" in skipper["message"]
+
+
+def test_a_peer_that_leaves_is_reported_as_a_failed_peer_well_within_the_timeout(outcomes):
+    """A wait whose peer closed its connections is not a mismatch: it raises PeerFailedError in seconds, not
+    after collective_timeout, pointing at the other rank's own error."""
+    error = outcomes[0]["peer leaves"]
+    assert error["type"] == "PeerFailedError", error
+    assert error["seconds"] < PEER_TIMEOUT / 4, error
+    assert error["message"].startswith("rank 0: all_reduce for unit blocks.0 failed because another rank died")

@@ -39,10 +39,10 @@ def test_ds_strategy_launch_rejects_a_bad_zero_setting_before_starting_workers(t
     assert "ZeroConfig.stage=5 is not allowed" in capsys.readouterr().err
 
 
-def test_ds_strategy_launch_rejects_accelerates_own_deepspeed_backend(tmp_path, capsys):
+def test_ds_strategy_launch_rejects_a_deepspeed_section_beside_a_ds_strategy_section(tmp_path, capsys):
     config = _yaml_with(tmp_path, "deepspeed_config:\n  zero_stage: 2\n")
     assert cli.main(["launch", "--config_file", config, str(EXAMPLES / "train_accelerate.py")]) == 2
-    assert "deepspeed_config: configures accelerate's own sharding back-end" in capsys.readouterr().err
+    assert "both deepspeed_config: and ds_strategy: configure ZeRO; keep one" in capsys.readouterr().err
 
 
 def test_zero_accelerator_rejects_accelerates_own_deepspeed_plugin():

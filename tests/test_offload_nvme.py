@@ -84,15 +84,15 @@ def tmpfs(tmp_path):
 
 
 def test_read_only_nvme_path_fails_at_setup_naming_path_and_bytes(tmpfs):
-    read_only = tmpfs("size=1M,ro")
+    read_only = tmpfs("size=1M,ro")  # 16 bytes for each of the 72 elements (as below)
     with pytest.raises(OffloadSetupError, match=rf"nvme_path '{read_only}' is not writable \(Read-only file system\); "
-                                                r"rank 0 needs 864 bytes \(0.00 GiB\) of NVMe offload files there"):
+                                                r"rank 0 needs 1,152 bytes \(0.00 GiB\) of NVMe offload files there"):
         _nvme_engine(read_only)
 
 
 def test_full_nvme_path_fails_at_setup_naming_path_and_bytes(tmpfs):
     small = tmpfs("size=64k")
-    needed = 12 * (256 * 256 + 256)
+    needed = 16 * (256 * 256 + 256)  # per element: fp32 master, two Adam moments and the stage-2 gradient shard
     with pytest.raises(OffloadSetupError, match=rf"nvme_path '{small}' has 65,536 bytes \(0.00 GiB\) free but rank 0 "
                                                 rf"needs {needed:,} bytes"):
         _nvme_engine(small, width=256)

@@ -5,6 +5,7 @@ global micro-batch; the reference runs every rank's slice through one unsharded 
 which is exactly what data parallelism computes (per-slice BatchNorm statistics included).
 """
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +29,17 @@ class Recipe:
     lr: float = 1e-2
     eps: float = 1e-6
     zero: dict = field(default_factory=dict)
+    pattern: str = "no_sync"  # how backward calls are driven between steps: one of PATTERNS
+
+
+# Note: [Backward patterns]
+#   Every pattern computes the same gradient per step (the mean over ranks of the sum of the micro-batch losses),
+#   so all are compared with the one reference. "no_sync": non-boundary micro-batches under ``no_sync`` (one
+#   reduction per step at stage 0/1). "every": a synced backward per micro-batch (Accelerate's plain manual
+#   loop, ``accumulate(sync_each_batch=True)``). "twice": each micro-batch forwarded twice and each half of its
+#   loss backwarded separately, every backward synced. "forwards_first": the step's forwards all run under
+#   ``no_sync``, then their backwards outside it (Accelerate's test_sync.py pattern).
+PATTERNS = ("no_sync", "every", "twice", "forwards_first")
 
 
 def build(recipe: Recipe):
@@ -35,6 +47,35 @@ def build(recipe: Recipe):
     model = getattr(models, recipe.model)()
     optimizer = torch.optim.AdamW(models.param_groups(model), lr=recipe.lr, betas=(0.9, 0.99), eps=recipe.eps)
     return model, optimizer
+
+
+def drive_micro_batch(pattern: str, boundary: bool, loss_of, backward, no_sync, pending: list) -> torch.Tensor:
+    """One micro-batch of ``pattern`` (see Note: [Backward patterns]); returns its loss.
+
+    ``loss_of()`` runs the forward and returns the micro-batch's share of the step's loss, ``backward(loss)``
+    and ``no_sync()`` are the entry point's own; ``pending`` carries the losses "forwards_first" has not yet
+    backwarded, from one call to the next.
+    """
+    if pattern == "no_sync":
+        with contextlib.nullcontext() if boundary else no_sync():
+            loss = loss_of()
+            backward(loss)
+    elif pattern == "every":
+        loss = loss_of()
+        backward(loss)
+    elif pattern == "twice":
+        loss = loss_of()
+        backward(loss / 2)
+        backward(loss_of() / 2)
+    else:
+        with no_sync():
+            loss = loss_of()
+        pending.append(loss)
+        if boundary:
+            for queued in pending:
+                backward(queued)
+            pending.clear()
+    return loss
 
 
 def _micro_batches(recipe: Recipe, world_size: int):
@@ -55,12 +96,12 @@ def train_zero(rank: int, world_size: int, recipe: Recipe, stage: int) -> dict:
     torch.set_num_threads(1)
     model, optimizer = build(recipe)
     engine = ZeroEngine(model, optimizer, ZeroConfig(stage=stage, **recipe.zero))
-    losses, step_loss, gathered_between_steps = [], torch.zeros(()), 0
+    losses, step_loss, gathered_between_steps, pending = [], torch.zeros(()), 0, []
     for step, micro, batch in _micro_batches(recipe, world_size):
         boundary = micro == recipe.accumulate - 1
-        with contextlib.nullcontext() if boundary else engine.no_sync():
-            loss = model(_rank_slice(batch, rank, recipe.per_rank_batch)) / recipe.accumulate
-            loss.backward()
+        mine = _rank_slice(batch, rank, recipe.per_rank_batch)
+        loss = drive_micro_batch(recipe.pattern, boundary, lambda: model(mine) / recipe.accumulate,
+                                 torch.Tensor.backward, engine.no_sync, pending)
         step_loss += loss.detach()
         if boundary:
             if recipe.clip:
@@ -126,8 +167,17 @@ def check_jobs(jobs: dict, world_size: int = 2) -> dict:
     """Train ``jobs`` on ``world_size`` ranks and return ``{name: (per-rank results, reference)}``."""
     from distributed import run_ranks
     ranks = run_ranks(train_jobs, world_size, jobs, timeout=600)
-    return {name: ([rank[name] for rank in ranks], train_reference(recipe, world_size))
+    references = {}
+    for recipe, _ in jobs.values():
+        if _reference_key(recipe) not in references:
+            references[_reference_key(recipe)] = train_reference(recipe, world_size)
+    return {name: ([rank[name] for rank in ranks], references[_reference_key(recipe)])
             for name, (recipe, _) in jobs.items()}
+
+
+def _reference_key(recipe: Recipe) -> str:
+    """The reference reads neither the ZeRO settings nor the backward pattern: jobs differing only there share it."""
+    return repr(dataclasses.replace(recipe, zero={}, pattern=PATTERNS[0]))
 
 
 def assert_matches(zero: dict, reference: dict, rtol: float = 1e-5) -> None:

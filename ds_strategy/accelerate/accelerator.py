@@ -4,11 +4,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.data_loader import DataLoaderDispatcher
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 from torch import nn
@@ -69,22 +71,45 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
         mixed = str(self.mixed_precision)
         self.zero_config = reconcile_precision(config, ACCELERATE_MIXED_PRECISION.get(mixed, mixed),
                                                "Accelerator(mixed_precision)")
-        self.engine: ZeroEngine | None = None
+        self.engines: list[ZeroEngine] = []
 
     # -- prepare ----------------------------------------------------------------------------------------------
+    @property
+    def engine(self) -> ZeroEngine | None:
+        """The engine of the model that trains (the first prepared with an optimizer), else of the first model."""
+        trainable = [engine for engine in self.engines if engine.optimizer is not None]
+        return (trainable or self.engines or [None])[0]
+
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
-        """Shard the one model with its one optimizer; data loaders and schedulers are Accelerate's as usual."""
+        """Shard each model with a ZeRO engine of its own and hand each optimizer to its model's engine; data
+        loaders and schedulers are Accelerate's as usual.
+
+        An optimizer belongs to the model whose parameters it holds, prepared in this call or an earlier one.
+        A model prepared without an optimizer (evaluation, a teacher, or an optimizer still to come) gets an
+        engine without one: under stage 3 its forward gathers units as usual.
+        """
         placement = device_placement or [None] * len(args)
-        models = [i for i, obj in enumerate(args) if isinstance(obj, nn.Module)]
-        optimizers = [i for i, obj in enumerate(args) if isinstance(obj, Optimizer)]
-        if (models or optimizers) and (len(models) != 1 or len(optimizers) != 1 or self.engine is not None):
-            raise ValueError("ZeroAccelerator shards one model with its optimizer: pass both to a single prepare() "
-                             f"call, once (got {len(models)} model(s) and {len(optimizers)} optimizer(s))")
         result = list(args)
-        if models:
-            (m,), (o,) = models, optimizers
-            result[m], result[o] = self._shard(args[m], args[o], placement[m])
-        rest = [i for i in range(len(args)) if i not in models + optimizers]
+        models = {i: obj for i, obj in enumerate(args) if isinstance(obj, nn.Module)}
+        optimizers = {i: obj for i, obj in enumerate(args) if isinstance(obj, Optimizer)}
+        owner = {i: _owning_model(optimizer, [*models.values(), *(e.module for e in self.engines)])
+                 for i, optimizer in optimizers.items()}
+        mine = {i: [j for j, target in owner.items() if target is model] for i, model in models.items()}
+        for i, model in models.items():  # everything is checked before anything is sharded
+            if self.engine_of(model) is not None:
+                raise ValueError(f"{type(model).__name__} was already prepared; prepare each model once")
+            if len(mine[i]) > 1:
+                raise ValueError(f"{len(mine[i])} optimizers hold parameters of one {type(model).__name__}; ZeRO "
+                                 f"shards one optimizer per model: put the parameters in param groups of one")
+        for i, model in models.items():
+            optimizer = optimizers[mine[i][0]] if mine[i] else None
+            result[i] = self._shard(model, optimizer, placement[i])
+            if optimizer is not None:
+                result[mine[i][0]] = self._wrap(optimizer)
+        for j, optimizer in optimizers.items():
+            if not any(owner[j] is model for model in models.values()):
+                result[j] = self._attach(self.engine_of(owner[j]), optimizer)
+        rest = [i for i in range(len(args)) if i not in models and i not in optimizers]
         if rest:
             prepared = super().prepare(*(args[i] for i in rest),
                                        device_placement=[placement[i] for i in rest] if device_placement else None)
@@ -92,43 +117,125 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
                 result[i] = obj
         return tuple(result) if len(result) > 1 else result[0]
 
-    def _shard(self, model: nn.Module, optimizer: Optimizer, placement: bool | None) -> tuple[nn.Module, Any]:
-        if self.device_placement if placement is None else placement:
-            model.to(self.device)
+    def engine_of(self, model: nn.Module) -> ZeroEngine | None:
+        """The engine that shards ``model``, if this accelerator prepared it."""
+        return next((engine for engine in self.engines if engine.module is model), None)
+
+    def _shard(self, model: nn.Module, optimizer: Optimizer | None, placement: bool | None) -> nn.Module:
+        if (self.device_placement if placement is None else placement) and not self.zero_config.partitions_parameters:
+            model.to(self.device)  # stage 3: the engine places one unit at a time (ds_strategy.zero.placement)
+        if self.zero_config.precision in ("bf16-true", "16-true"):
+            model.to(dtype=self.zero_config.compute_dtype)
+        engine = self._build_engine(model, optimizer)
+        if self.zero_config.compute_dtype != torch.float32:
+            model.forward = _in_autocast(model.forward, self.zero_config.precision, self.device.type)
+        self.engines.append(engine)
+        self._models.append(model)
+        model._is_accelerate_prepared = True
+        return model
+
+    def _build_engine(self, model: nn.Module, optimizer: Optimizer | None) -> ZeroEngine:
         config = self.zero_config
         if config.has_auto_values:
             from ..auto_values import hidden_size_of
             config = config.resolve_auto(hidden_size_of(model))
-        if config.precision in ("bf16-true", "16-true"):
-            model.to(dtype=config.compute_dtype)
-        self.engine = ZeroEngine(model, optimizer, config)
-        if config.compute_dtype != torch.float32:
-            model.forward = _in_autocast(model.forward, config.precision, self.device.type)
-        self.print(self.engine.summary())
-        wrapped = ZeroAcceleratedOptimizer(optimizer, self.engine, config.gradient_clipping)
-        self._models.append(model)
+        engine = ZeroEngine(model, optimizer, config, device=self.device)
+        self.print(engine.summary())
+        return engine
+
+    def _attach(self, engine: ZeroEngine, optimizer: Optimizer) -> "ZeroAcceleratedOptimizer":
+        """Note: [An optimizer prepared after its model]
+          The model's engine laid out its flat buffers without param groups. When each buffer falls inside one
+          group of the optimizer (a single group always does) and the step runs on the device, the optimizer is
+          attached to that engine. Otherwise the buffers must be laid out anew: at stage 0-2 every rank holds the
+          whole parameters, so a new engine is built over the module in place of the old one; at stage 3 the
+          parameters exist only as shards, and the model must be prepared together with its optimizer.
+        """
+        if engine.optimizer is None and engine.config.stage < 3 and not engine.can_attach(optimizer):
+            engine.remove_hooks()
+            self.engines[self.engines.index(engine)] = self._build_engine(engine.module, optimizer)
+        else:
+            engine.attach_optimizer(optimizer)  # raises, saying why, where it cannot
+        return self._wrap(optimizer)
+
+    def _wrap(self, optimizer: Optimizer) -> "ZeroAcceleratedOptimizer":
+        engine = next(engine for engine in self.engines if engine.optimizer is optimizer)
+        wrapped = ZeroAcceleratedOptimizer(optimizer, engine, self.zero_config.gradient_clipping)
         self._optimizers.append(wrapped)
-        model._is_accelerate_prepared = wrapped._is_accelerate_prepared = True
-        return model, wrapped
+        wrapped._is_accelerate_prepared = True
+        return wrapped
 
     # -- training ---------------------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """Scale for accumulation as Accelerate does, then the engine's backward."""
-        self.engine.backward(loss / self.gradient_accumulation_steps)
+        """Scale for accumulation as Accelerate does, then backward through the loss scale of the model that
+        trains (fp16): one backward may reach several engines, each reducing the gradients of its own model."""
+        if not self.engines:
+            return super().backward(loss, **kwargs)
+        scaled = [engine for engine in self.engines if engine.loss_scaler is not None and engine.optimizer is not None]
+        if len(scaled) > 1:
+            raise ValueError("fp16 loss scaling with several trained models: each engine keeps its own loss scale; "
+                             "call engine.backward(loss) for each (accelerator.engine_of(model)), or train in bf16")
+        loss = loss / self.gradient_accumulation_steps
+        scaled[0].backward(loss) if scaled else loss.backward(**kwargs)
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module):
-        """Accumulate without gradient communication (stage 0/1; stage 2 still reduces); ``accumulate`` uses it."""
-        with self.engine.no_sync():
+        """Accumulate without gradient communication (stage 0/1; stage 2/3 still reduce); ``accumulate`` uses it.
+
+        Whether a backward communicates is decided when it runs (as in FSDP), not when its forward ran (as in
+        DDP): a backward outside ``no_sync`` always reduces, so gradients stay right in every pattern.
+        """
+        engine = self.engine_of(model)
+        with engine.no_sync() if engine is not None else super().no_sync(model):
             yield
 
+    @contextlib.contextmanager
+    def join_uneven_inputs(self, joinables: list, even_batches: bool | None = None):
+        """Accelerate's ``even_batches`` override of the prepared data loaders, without DDP's Join for the models
+        this accelerator shards: a ZeRO engine needs every rank to run the same backward calls, so uneven inputs
+        end in ``CollectiveMismatchError`` within ``collective_timeout`` instead of being joined."""
+        if not any(self.engine_of(model) is not None for model in joinables):
+            with super().join_uneven_inputs(joinables, even_batches=even_batches):
+                yield
+            return
+        overridden = []
+        if even_batches is not None:
+            for loader in self._dataloaders:
+                if isinstance(loader, DataLoaderDispatcher):
+                    warnings.warn("Overriding even_batches is only supported for map-style datasets, yet some "
+                                  "dataloaders given were iterable")
+                    continue
+                overridden.append((loader.batch_sampler, loader.batch_sampler.even_batches))
+                loader.batch_sampler.even_batches = even_batches
+        try:
+            yield
+        finally:
+            for sampler, value in overridden:
+                sampler.even_batches = value
+
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip every parameter the engine shards to the global norm over all ranks' shards, which equals the
-        unsharded model's gradient norm; ``parameters`` is accepted for Accelerate's signature."""
-        return self.engine.clip_grad_norm_(float(max_norm), float(norm_type))
+        """Clip the gradients of the engine that shards ``parameters`` to its global norm over all ranks' shards,
+        which equals the unsharded model's gradient norm (``torch.nn.utils.clip_grad_norm_`` on the module's own
+        ``.grad`` cannot: at stage 2/3 they are None)."""
+        engine = self._engine_of_parameters(parameters)
+        if engine is None:
+            return super().clip_grad_norm_(parameters, max_norm, norm_type)
+        return engine.clip_grad_norm_(float(max_norm), float(norm_type))
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
-        self.engine.clip_grad_value_(float(clip_value))
+        engine = self._engine_of_parameters(parameters)
+        if engine is None:
+            return super().clip_grad_value_(parameters, clip_value)
+        engine.clip_grad_value_(float(clip_value))
+
+    def _engine_of_parameters(self, parameters: Any) -> ZeroEngine | None:
+        """The one engine whose model owns ``parameters`` (a tensor or an iterable of them), or None for
+        parameters no engine shards."""
+        given = {id(p) for p in ([parameters] if isinstance(parameters, torch.Tensor) else parameters)}
+        owners = [engine for engine in self.engines if any(id(p) in given for p in engine.module.parameters())]
+        if len(owners) > 1:
+            raise ValueError("these parameters belong to several prepared models; clip each model's separately")
+        return owners[0] if owners else None
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
         """The whole model's state dict on every rank, as Accelerate's DDP path returns it, gathered unit by unit.
@@ -136,9 +243,18 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
         Its tensors are copies: the parameters themselves are views of the engine's flat buffers, which
         safetensors would take for shared tensors and drop.
         """
-        if self.engine is None:
+        engine = self.engine_of(model)
+        if engine is None:
             return super().get_state_dict(model, unwrap=unwrap)
-        return self.engine.full_state_dict(rank0_only=False)
+        return engine.full_state_dict(rank0_only=False)
+
+    def load_pretrained(self, path, prefix: str = "", model: nn.Module | None = None) -> None:
+        """Load pretrained weights into a prepared model (default: the one that trains), each rank reading only
+        its shards; see ``ZeroEngine.load_weights``."""
+        engine = self.engine_of(model) if model is not None else self.engine
+        if engine is None:
+            raise RuntimeError("load_pretrained needs a model prepared by this accelerator (accelerator.prepare)")
+        engine.load_weights(path, prefix)
 
     # -- reporting --------------------------------------------------------------------------------------------
     def memory_report(self) -> dict[str, dict[str, int]]:
@@ -175,6 +291,16 @@ def _in_autocast(forward: Any, precision: str, device_type: str) -> Any:
             return forward(*args, **kwargs)
 
     return forward_in_autocast
+
+
+def _owning_model(optimizer: Optimizer, models: list[nn.Module]) -> nn.Module:
+    """The one model among ``models`` that holds every parameter ``optimizer`` updates."""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for model in models:
+        if held <= {id(p) for p in model.parameters()}:
+            return model
+    raise ValueError(f"{type(optimizer).__name__} holds parameters of no model being prepared, or of several: "
+                     f"prepare its model in the same prepare() call or an earlier one, one optimizer per model")
 
 
 def _reject_other_sharding(kwargs: Mapping[str, Any]) -> None:

@@ -26,7 +26,9 @@ SHARDED_DIR = "zero_checkpoint"
 
 
 class ZeroAcceleratorCheckpointing:
-    """``save_state``/``load_state`` of an ``Accelerator`` that owns a ``ZeroEngine`` as ``self.engine``."""
+    """``save_state``/``load_state`` of an ``Accelerator`` that owns ``ZeroEngine``\ s as ``self.engines``: the
+    first prepared model's checkpoint is ``zero_checkpoint``, the i-th's ``zero_checkpoint_{i}`` (accelerate's own
+    ``pytorch_model``, ``pytorch_model_1``, ... numbering)."""
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:
         with self._engine_state_sharded():
@@ -38,15 +40,16 @@ class ZeroAcceleratorCheckpointing:
 
     @contextlib.contextmanager
     def _engine_state_sharded(self):
-        """Within accelerate's save_state/load_state: the engine's model and optimizer are saved and loaded as a
-        sharded checkpoint by pre-hooks, and hidden from accelerate's own lists."""
-        if self.engine is None:
+        """Within accelerate's save_state/load_state: the engines' models and optimizers are saved and loaded as
+        sharded checkpoints by pre-hooks, and hidden from accelerate's own lists."""
+        if not self.engines:
             yield
             return
-        engine = self.engine
+        modules = {id(engine.module) for engine in self.engines}
+        held = {id(engine.optimizer) for engine in self.engines if engine.optimizer is not None}
         models, optimizers = self._models, self._optimizers
-        self._models = [model for model in models if model is not engine.module]
-        self._optimizers = [optimizer for optimizer in optimizers if optimizer.optimizer is not engine.optimizer]
+        self._models = [model for model in models if id(model) not in modules]
+        self._optimizers = [optimizer for optimizer in optimizers if id(optimizer.optimizer) not in held]
         hooks = [self.register_save_state_pre_hook(self._save_sharded),
                  self.register_load_state_pre_hook(self._load_sharded)]
         try:
@@ -56,8 +59,14 @@ class ZeroAcceleratorCheckpointing:
             for hook in hooks:
                 hook.remove()
 
+    def _sharded_dirs(self, output_dir: str):
+        for i, engine in enumerate(self.engines):
+            yield Path(output_dir, SHARDED_DIR if i == 0 else f"{SHARDED_DIR}_{i}"), engine
+
     def _save_sharded(self, models: list, weights: list, output_dir: str) -> None:
-        checkpoint.save(Path(output_dir, SHARDED_DIR), self.engine.module, self.engine)
+        for path, engine in self._sharded_dirs(output_dir):
+            checkpoint.save(path, engine.module, engine)
 
     def _load_sharded(self, models: list, input_dir: str) -> None:
-        checkpoint.load(Path(input_dir, SHARDED_DIR), self.engine.module, self.engine)
+        for path, engine in self._sharded_dirs(input_dir):
+            checkpoint.load(path, engine.module, engine)

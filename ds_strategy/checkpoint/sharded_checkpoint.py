@@ -6,7 +6,6 @@ change between save and load. See :mod:`.directory` for the files and how a save
 """
 from __future__ import annotations
 
-import gc
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -15,6 +14,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from ..comm.process_exit import destroy_process_groups_at_exit
 from ..zero.engine import ZeroEngine
 from . import directory
 from .errors import CheckpointError
@@ -57,10 +57,8 @@ def write(path: str | os.PathLike, model: dict[str, Any], optimizer: dict[str, A
     with quiet_single_process():
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(partial), planner=PieceSavePlanner(),
                  process_group=process_group, no_dist=not dist.is_initialized())
-    # Note: a process that exits soon after ``dcp.save`` on gloo sometimes aborts at interpreter shutdown
-    # ("terminate called without an active exception"; torch 2.13, reproduced with a bare two-rank dcp.save).
-    # Collecting the save's garbage here, while the runtime is whole, made it disappear in our runs.
-    gc.collect()
+    if dist.is_initialized():
+        destroy_process_groups_at_exit()  # [Why every process group is destroyed at exit]
     meta = {"param_groups": optimizer["param_groups"] if optimizer else None,
             "loss_scaler": optimizer["loss_scaler"] if optimizer else None, "extra": extra or {}}
     _on_rank0(lambda: directory.finish(partial, path, manifest, meta), process_group, f"publishing {path}")

@@ -1,9 +1,11 @@
-"""``ds-strategy config-table``: the README's strategy-name and ZeroConfig tables, generated so they cannot drift.
+"""``ds-strategy config-table``: the README's strategy-name, ZeroConfig and DeepSpeed-key tables, generated so they
+cannot drift.
 
 The strategy table comes from ``PRESETS`` (the names every adapter registers) and the config table from
 ZeroConfig's fields and the ``name (default ...): meaning`` entries of its docstring. ``tests/test_readme.py``
 checks that the README holds exactly this output; ``ds-strategy config-table --update README.md`` rewrites the
-README's two marked blocks after a field or preset changes.
+README's marked blocks after a field, preset or DeepSpeed rule changes (the DeepSpeed table comes from
+``ds_strategy.deepspeed.compat_table``).
 """
 from __future__ import annotations
 
@@ -13,10 +15,10 @@ import inspect
 import re
 from pathlib import Path
 
-HELP = "print the README's markdown tables of strategy names and ZeroConfig fields"
+HELP = "print the README's markdown tables of strategy names, ZeroConfig fields and DeepSpeed keys"
 
 _ENTRY = re.compile(r"^    (\w+) \(default (.*?)\): (.*)$")
-_BLOCKS = ("strategies", "config")  # README markers: <!-- begin: NAME table --> ... <!-- end: NAME table -->
+_BLOCKS = ("strategies", "config", "deepspeed")  # README markers: <!-- begin: NAME table --> ... <!-- end: NAME table -->
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,6 +63,7 @@ def documented_fields() -> dict[str, tuple[str, str]]:
 
 def markdown_tables() -> str:
     from ..config import ZeroConfig
+    from ..deepspeed.compat_table import markdown_table
     from ..engine_owner import PRESETS
 
     lines = ["| strategy name | ZeroConfig fields it sets |", "| --- | --- |"]
@@ -71,4 +74,4 @@ def markdown_tables() -> str:
     for field in dataclasses.fields(ZeroConfig):
         default, meaning = documented.get(field.name, ("", "(undocumented)"))
         lines.append(f"| `{field.name}` | {default} | {meaning.replace('|', '/')} |")
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n\n" + markdown_table()

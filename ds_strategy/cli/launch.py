@@ -3,8 +3,13 @@
 Accelerate's config file rejects keys it does not know, so a ZeRO section cannot live in it as such. This command
 reads an ordinary accelerate YAML plus a ``ds_strategy:`` section, validates that section as a ZeroConfig (so a bad
 key fails here, before any process starts), hands the rest to ``accelerate launch --config_file`` and the section
-to the workers as ``$DS_STRATEGY_CONFIG``, where ``ZeroAccelerator()`` reads it. Accelerate's own sharding
-back-ends (DeepSpeed, FSDP, Megatron-LM) would shard a second time and are rejected.
+to the workers as ``$DS_STRATEGY_CONFIG``, where ``ZeroAccelerator()`` reads it.
+
+A YAML written for accelerate's DeepSpeed back-end (``distributed_type: DEEPSPEED``, ``deepspeed_config:``) runs
+on ds_strategy instead: the section becomes the DeepSpeed config accelerate would build
+(``ds_strategy.deepspeed.accelerate_yaml``), read with DeepSpeed's meaning, and the processes start as
+``MULTI_GPU`` (on CPU-only machines ZeroAccelerator trains them on CPU with gloo). FSDP and Megatron-LM would
+shard a second time and are rejected.
 """
 from __future__ import annotations
 
@@ -18,8 +23,8 @@ from pathlib import Path
 
 HELP = "run a script under accelerate's launcher, with ZeRO settings from the config's ds_strategy section"
 
-_OTHER_SHARDING_TYPES = ("DEEPSPEED", "FSDP", "MEGATRON_LM")
-_OTHER_SHARDING_SECTIONS = ("deepspeed_config", "fsdp_config", "megatron_lm_config")
+_OTHER_SHARDING_TYPES = ("FSDP", "MEGATRON_LM")
+_OTHER_SHARDING_SECTIONS = ("fsdp_config", "megatron_lm_config")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,11 +39,18 @@ def run(args: argparse.Namespace) -> int:
     from accelerate.commands.launch import launch_command, launch_command_parser
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from ..accelerate.config_source import ENV_VAR, SECTION, config_from_mapping, read_config_file
+    from ..accelerate.config_source import (
+        ENV_VAR,
+        SECTION,
+        config_from_mapping,
+        read_config_file,
+    )
 
     try:
         settings = read_config_file(args.config_file)
         zero_section = settings.pop(SECTION, None) or {}
+        if str(settings.get("distributed_type", "")).upper() == "DEEPSPEED" or settings.get("deepspeed_config"):
+            zero_section = _from_deepspeed_backend(settings, zero_section, Path(args.config_file).parent)
         _check_no_other_sharding(settings)
         config_from_mapping(zero_section)
     except (OSError, ValueError) as error:
@@ -58,11 +70,26 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _from_deepspeed_backend(settings: dict, zero_section: dict, config_dir: Path) -> dict:
+    """The DeepSpeed config an accelerate DeepSpeed YAML describes; ``settings`` become a MULTI_GPU launch."""
+    from ..deepspeed.accelerate_yaml import deepspeed_config_from_accelerate
+
+    if zero_section:
+        raise ValueError("both deepspeed_config: and ds_strategy: configure ZeRO; keep one")
+    ds_config, ignored = deepspeed_config_from_accelerate(settings.pop("deepspeed_config", None) or {}, config_dir)
+    settings["distributed_type"] = "MULTI_GPU"
+    if ignored:
+        print(f"ds-strategy launch: running accelerate's DeepSpeed config on ds_strategy; ignored: "
+              f"{'; '.join(ignored)}", file=sys.stderr)
+    return ds_config
+
+
 def _check_no_other_sharding(settings: dict) -> None:
     distributed_type = str(settings.get("distributed_type", "")).upper()
     if distributed_type in _OTHER_SHARDING_TYPES:
         raise ValueError(f"distributed_type: {distributed_type} is accelerate's own sharding back-end, which would "
-                         f"shard on top of ZeRO; use MULTI_GPU (or MULTI_CPU) and put the ZeRO settings under ds_strategy:")
+                         f"shard on top of ZeRO; use MULTI_GPU (or DEEPSPEED, which ds_strategy runs) and put the "
+                         f"ZeRO settings under ds_strategy:")
     for section in _OTHER_SHARDING_SECTIONS:
         if settings.get(section):
             raise ValueError(f"{section}: configures accelerate's own sharding back-end, which conflicts with "

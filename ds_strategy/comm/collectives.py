@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .process_exit import destroy_process_groups_at_exit, leave_process_groups_at_exit
+
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast")
 
 
@@ -62,6 +64,28 @@ class CommStats:
 
 class CollectiveMismatchError(RuntimeError):
     """A collective did not complete in time: the ranks are not issuing the same collectives."""
+
+
+class PeerFailedError(RuntimeError):
+    """A collective failed because another rank's process died or closed its connections (it crashed, was killed,
+    or raised and left): its own error, printed by that rank or its launcher, is the cause to look at."""
+
+
+# How gloo reports a peer whose sockets closed (a dead or departed process), as opposed to a timeout.
+_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused")
+
+
+def _wait_error(error: RuntimeError, kind: str, label: str, rank: int, timeout: float) -> RuntimeError:
+    """What a failed wait means: a peer that went away, or (a timeout) ranks issuing different collectives."""
+    what = f"rank {rank}: {kind} for {label or 'an engine buffer'}"
+    if any(sign in str(error).lower() for sign in _PEER_GONE):
+        return PeerFailedError(f"{what} failed because another rank died or left the job ({error}). That rank's "
+                               f"own error is the cause; this one is its consequence.")
+    return CollectiveMismatchError(
+        f"{what} did not complete within {timeout:g} s ({error}). The ranks are issuing different collectives: "
+        f"one skipped a unit or ran a different number of forward/backward calls (under ZeRO-3 every rank must "
+        f"run the same forward calls, e.g. keep generating dummy tokens until all ranks finish). Raise "
+        f"ZeroConfig.collective_timeout if the collective is merely slow.")
 
 
 class _AllOf:
@@ -103,13 +127,8 @@ class PendingCollective:
             try:
                 self._work.wait(datetime.timedelta(seconds=self._describe[3]))
             except RuntimeError as error:
-                kind, label, rank, timeout = self._describe
-                raise CollectiveMismatchError(
-                    f"rank {rank}: {kind} for {label or 'an engine buffer'} did not complete within {timeout:g} s "
-                    f"({error}). The ranks are issuing different collectives: one skipped a unit or ran a "
-                    f"different number of forward/backward calls (under ZeRO-3 every rank must run the same "
-                    f"forward calls, e.g. keep generating dummy tokens until all ranks finish). Raise "
-                    f"ZeroConfig.collective_timeout if the collective is merely slow.") from error
+                leave_process_groups_at_exit()
+                raise _wait_error(error, *self._describe) from error
             self._stats.wait_seconds += time.perf_counter() - start
             self._work = None
         if self._on_done is not None:
@@ -133,6 +152,8 @@ class Collectives:
         self.use_all_reduce = use_all_reduce
         self.stats = CommStats()
         self.observers: list = []
+        if dist.is_initialized():
+            destroy_process_groups_at_exit()  # [Why every process group is destroyed at exit]
 
     def _launch(self, kind: str, nbytes: int, fn, on_done=None, label: str = "") -> PendingCollective:
         """Launch ``fn`` asynchronously; without a process group a one-rank collective is run in process."""

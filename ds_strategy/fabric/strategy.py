@@ -92,9 +92,25 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
         if config.has_auto_values:
             from ..auto_values import hidden_size_of
             config = config.resolve_auto(hidden_size_of(module))
-        self.engine = ZeroEngine(module, optimizers[0], config)
+        self.engine = ZeroEngine(module, optimizers[0], config, device=self.root_device)
         rank_zero_info(self.engine.summary())
         return module, optimizers, scheduler
+
+    def module_init_context(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager:
+        """``fabric.init_module(empty_init=True)`` under stage 3 builds on the meta device, and the engine
+        materialises one unit at a time (see :mod:`ds_strategy.zero.sharded_init`); otherwise stage 3 builds on
+        the CPU, for the engine to place unit by unit (:mod:`ds_strategy.zero.placement`)."""
+        if not self.config.partitions_parameters:
+            return super().module_init_context(empty_init)
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.device("meta") if empty_init else torch.device("cpu"))
+        stack.enter_context(self.precision.module_init_context())
+        return stack
+
+    def module_to_device(self, module: nn.Module) -> None:
+        """Stage 3 never moves the whole model: the engine places it one unit at a time as it flattens it."""
+        if not self.config.partitions_parameters:
+            super().module_to_device(module)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         raise NotImplementedError(self._err_msg_joint_setup_required())

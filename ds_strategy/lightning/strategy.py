@@ -14,10 +14,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from ..comm.accounting import StepCommMeter
 from ..config import ZeroConfig
 from ..engine_owner import EngineOwnerMixin
-from ..deepspeed_config import config_from_deepspeed
+from ..deepspeed.optimizer_section import OptimizerSections
+from ..deepspeed_config import read_deepspeed_config
+from ..micro_batch import check_micro_batch
 from ..precision_flag import reconcile_precision
 from ..zero.engine import ZeroEngine
 from .checkpointing import ZeroCheckpointing
+from .config_optimizer import apply_optimizer_sections
 from .precision import ZeroPrecision, zero_precision_for
 
 if TYPE_CHECKING:
@@ -40,8 +43,11 @@ class ZeroStrategyMixin(EngineOwnerMixin):
 
     def __init__(self, config: ZeroConfig | Mapping | None = None, *, accelerator=None, parallel_devices=None,
                  cluster_environment=None, checkpoint_io=None, precision_plugin: Precision | None = None,
-                 process_group_backend: str | None = None, start_method: str = "popen", **config_fields: Any):
+                 process_group_backend: str | None = None, start_method: str = "popen",
+                 deepspeed_sections: OptimizerSections | None = None, **config_fields: Any):
         self.config = ZeroConfig.build(config, **config_fields)
+        self.optimizer_sections = deepspeed_sections or OptimizerSections()
+        self._micro_batch_checked = False
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
@@ -51,8 +57,10 @@ class ZeroStrategyMixin(EngineOwnerMixin):
 
     @classmethod
     def from_deepspeed_config(cls, ds_config: Mapping | str | os.PathLike, **kwargs: Any) -> "ZeroStrategy":
-        """Build from a DeepSpeed JSON config (a dict or a path); unsupported keys raise a ValueError."""
-        return cls(config_from_deepspeed(ds_config), **kwargs)
+        """Build from a DeepSpeed JSON config (a dict or a path), with DeepSpeed's meaning and its optimizer and
+        scheduler sections (used when ``configure_optimizers`` returns None); unsupported keys raise a ValueError."""
+        ds = read_deepspeed_config(ds_config)
+        return cls(ds.zero, deepspeed_sections=ds.sections, **kwargs)
 
     # -- precision --------------------------------------------------------------------------------------------
     @property
@@ -79,28 +87,30 @@ class ZeroStrategyMixin(EngineOwnerMixin):
     def setup(self, trainer) -> None:
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
-        if not any(p.is_meta for p in self.model.parameters()):  # meta-built models are materialised sharded
+        if not self.config.partitions_parameters:  # stage 3: the engine places one unit at a time (zero.placement)
             self.model_to_device()
         optimizer = None
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            apply_optimizer_sections(self, self.optimizer_sections)
             if len(self.optimizers) != 1:
                 raise ValueError(f"ZeroStrategy supports exactly one optimizer, configure_optimizers returned "
                                  f"{len(self.optimizers)}")
             optimizer = self.optimizers[0]
         config = self._resolved_config()
+        self._check_trainer_matches(trainer, config)
         self.engine = ZeroEngine(self.lightning_module, optimizer, config, device=self.root_device)
         self._comm_meter = StepCommMeter(self.engine.comm_stats) if config.log_comm_stats else None
-        self._check_trainer_matches(trainer, config)
         self.precision_plugin.attach_engine(self.engine, self.lightning_module)
         rank_zero_info(self.engine.summary())
         self.setup_precision_plugin()
 
     def _resolved_config(self) -> ZeroConfig:
-        if not self.config.has_auto_values:
-            return self.config
+        config = self.config.resolve_batch_sizes(self.world_size)
+        if not config.has_auto_values:
+            return config
         from ..auto_values import hidden_size_of
-        return self.config.resolve_auto(hidden_size_of(self.lightning_module))
+        return config.resolve_auto(hidden_size_of(self.lightning_module))
 
     def _check_trainer_matches(self, trainer, config: ZeroConfig) -> None:
         """A DeepSpeed config's accumulation and clipping must agree with the Trainer, which owns both loops."""
@@ -109,7 +119,11 @@ class ZeroStrategyMixin(EngineOwnerMixin):
                 f"ZeroConfig.gradient_accumulation_steps={config.gradient_accumulation_steps} but the Trainer has "
                 f"accumulate_grad_batches={trainer.accumulate_grad_batches}; the Trainer runs accumulation, so pass "
                 f"Trainer(accumulate_grad_batches={config.gradient_accumulation_steps})")
-        if config.gradient_clipping and trainer.gradient_clip_val is None:
+        if config.gradient_clipping and trainer.gradient_clip_val not in (None, config.gradient_clipping):
+            raise ValueError(f"ZeroConfig.gradient_clipping={config.gradient_clipping} (a DeepSpeed config clips at "
+                             f"1.0 unless it says otherwise) but Trainer(gradient_clip_val={trainer.gradient_clip_val})"
+                             f"; set clipping in one place (gradient_clipping: \"auto\" defers to the Trainer)")
+        if config.gradient_clipping:
             trainer.gradient_clip_val = config.gradient_clipping
 
     # -- training ---------------------------------------------------------------------------------------------
@@ -137,6 +151,9 @@ class ZeroStrategyMixin(EngineOwnerMixin):
             self.engine.before_forward()
 
     def training_step(self, *args: Any, **kwargs: Any):
+        if not self._micro_batch_checked and args:
+            check_micro_batch(self.engine.config if self.engine is not None else self.config, args[0])
+            self._micro_batch_checked = True
         self._before_forward()
         return super().training_step(*args, **kwargs)
 

@@ -33,7 +33,12 @@ class EngineOffload:
         has_optimizer = engine.optimizer is not None and cfg.offload_optimizer != "none"
         nvme_bytes = ParamOffload.nvme_bytes(engine) if cfg.offload_params == "nvme" else 0
         nvme_bytes += HostOptimizer.nvme_bytes(engine) if has_optimizer and cfg.offload_optimizer == "nvme" else 0
-        self.directory = RunDirectory.create(cfg.nvme_path, engine.rank, nvme_bytes) if nvme_bytes else None
+        shard_files = engine.shard_files
+        if shard_files is not None and shard_files.directory is not None:
+            self.directory = shard_files.directory
+            self.directory.require(engine.rank, nvme_bytes - shard_files.nbytes())
+        else:
+            self.directory = RunDirectory.create(cfg.nvme_path, engine.rank, nvme_bytes) if nvme_bytes else None
         self.params: ParamOffload | None = None
         self.host: HostOptimizer | None = None
         self._closed = False

@@ -15,6 +15,11 @@ reduction of the accumulation boundary finishes (``GradReducer.on_reduced``), ov
 The copy is used only if the device shard is unchanged when the step runs (its ``_version``): loss-scale unscaling
 or clipping, which run on the device shards, change it, and the shard is then copied again at the step. On a CPU
 device the reduced shard is already in host memory and the host step reads it in place (zero-copy).
+With ``offload_optimizer="nvme"`` that host buffer (on a CPU device: the partitioned ``grad_shard`` itself) is a
+shared memory map of a gradient file, as the masters and states are: reductions add into page-cache pages that
+the kernel writes back and may evict, and ``trim`` after each step unmaps them, so no gradient shard stays in
+anonymous memory and resident memory does not grow with the model (see
+:mod:`.nvme_swapper`, [Files, page cache and the tensors others see]).
 """
 from __future__ import annotations
 
@@ -51,6 +56,16 @@ def _state_keys(rule: UpdateRule, optimizer: torch.optim.Optimizer, fp: "FlatPar
     return rule.keys(optimizer.param_groups[fp.group_index])
 
 
+def _grad_file_numel(fp: "FlatParam", engine: "ZeroEngine") -> int:
+    """Elements of ``fp``'s NVMe gradient file (see [Gradients to the host]): its shard, when the gradients
+    are partitioned on a CPU device or copied off a device; 0 when a CPU run keeps them whole (stage 0/1)."""
+    return fp.master.numel() if fp.policy.grads or engine.device.type != "cpu" else 0
+
+
+def _grad_file_dtype(fp: "FlatParam", engine: "ZeroEngine") -> torch.dtype:
+    return fp.master_dtype if engine.device.type != "cpu" else fp.grad_shard_dtype
+
+
 class HostOptimizer:
     """Steps the offloaded share of the user's optimizer on the host (see the module's Notes)."""
 
@@ -64,6 +79,7 @@ class HostOptimizer:
         self.copies_grads = engine.device.type != "cpu"
         self.pool = TilePool()
         self.files: dict[int, dict[str, SwapFile]] = {}
+        self.grad_files: dict[int, SwapFile] = {}
         self.swapper: NvmeSwapper | None = None
         if cfg.offload_optimizer == "nvme":
             if self.rule is None:
@@ -99,6 +115,7 @@ class HostOptimizer:
         if rule is None:
             return 0
         return sum(fp.master.numel() * fp.master.element_size() * (1 + len(_state_keys(rule, engine.optimizer, fp)))
+                   + _grad_file_numel(fp, engine) * torch.empty((), dtype=_grad_file_dtype(fp, engine)).element_size()
                    for fp in offloaded_flat_params(engine.flat_params, engine.config.offload_ratio))
 
     def _move_masters_to_files(self, directory: RunDirectory) -> None:
@@ -110,6 +127,13 @@ class HostOptimizer:
             files["master"].write_converted(fp.master)
             fp.master = files["master"].view
             self.files[id(fp)] = files
+            if _grad_file_numel(fp, self.engine):
+                self.grad_files[id(fp)] = directory.new_file(f"flat{index}.grad", numel,
+                                                             _grad_file_dtype(fp, self.engine))
+                if not self.copies_grads:
+                    if fp.grad_shard is not None:
+                        self.grad_files[id(fp)].write_converted(fp.grad_shard)
+                    fp.grad_shard = self.grad_files[id(fp)].view
 
     def _make_swapper(self, cfg) -> NvmeSwapper:
         keys = tuple(dict.fromkeys(k for files in self.files.values() for k in files if k != "master"))
@@ -144,6 +168,8 @@ class HostOptimizer:
 
     # -- gradients ----------------------------------------------------------------------------------------------
     def _host_grad(self, fp: "FlatParam") -> torch.Tensor:
+        if id(fp) in self.grad_files:
+            return self.grad_files[id(fp)].view
         if id(fp) not in self._host_grads:
             self._host_grads[id(fp)] = torch.empty(fp.master.numel(), dtype=fp.master_dtype, pin_memory=self.pin)
         return self._host_grads[id(fp)]
@@ -219,7 +245,7 @@ class HostOptimizer:
     # -- reporting and lifetime ---------------------------------------------------------------------------------
     def places(self) -> dict[int, str]:
         """Storage address -> "host" or "nvme" for every tensor this offload placed."""
-        placed = {}
+        placed = {file.view.untyped_storage().data_ptr(): "nvme" for file in self.grad_files.values()}
         for fp in self.flat_params:
             files = self.files.get(id(fp), {})
             for file in files.values():
@@ -249,15 +275,16 @@ class HostOptimizer:
                       if key != "master" and id(f.view) not in present]
         return owned
 
+    def all_files(self) -> list[SwapFile]:
+        return [file for files in self.files.values() for file in files.values()] + list(self.grad_files.values())
+
     def trim(self) -> None:
-        for files in self.files.values():
-            for file in files.values():
-                file.trim()
+        for file in self.all_files():
+            file.trim()
 
     def close(self) -> None:
         self.pool.close()
         if self.swapper is not None:
             self.swapper.close()
-        for files in self.files.values():
-            for file in files.values():
-                file.close()
+        for file in self.all_files():
+            file.close()

@@ -75,9 +75,7 @@ class RunDirectory:
         if not root.is_dir():
             raise OffloadSetupError(f"nvme_path {str(root)!r} is not a directory; {need}")
         remove_stale_directories(root)
-        free = shutil.disk_usage(root).free
-        if free < nbytes:
-            raise OffloadSetupError(f"nvme_path {str(root)!r} has {_gib(free)} free but {need}")
+        _require_free(root, nbytes, need)
         path = root / f"{PREFIX}{socket.gethostname()}-{os.getpid()}-rank{rank}-{uuid.uuid4().hex[:8]}"
         try:
             path.mkdir()
@@ -87,6 +85,10 @@ class RunDirectory:
         fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.write(lock_fd, f"pid {os.getpid()} on {socket.gethostname()}, rank {rank}, since {time.ctime()}\n".encode())
         return cls(path, lock_fd)
+
+    def require(self, rank: int, nbytes: int) -> None:
+        """Check that ``nbytes`` more fit beside what is here already; raises :class:`OffloadSetupError`."""
+        _require_free(self.path.parent, nbytes, f"rank {rank} needs {_gib(nbytes)} more of NVMe offload files there")
 
     def new_file(self, name: str, numel: int, dtype: torch.dtype) -> "SwapFile":
         """A file of ``numel`` elements with its blocks allocated now, so a full disk fails here, not mid-training."""
@@ -101,6 +103,12 @@ class RunDirectory:
     def close(self) -> None:
         """Remove the directory and everything in it, and release the lock."""
         self._finalizer()
+
+
+def _require_free(root: Path, nbytes: int, need: str) -> None:
+    free = shutil.disk_usage(root).free
+    if free < nbytes:
+        raise OffloadSetupError(f"nvme_path {str(root)!r} has {_gib(free)} free but {need}")
 
 
 def _remove_directory(path: Path, lock_fd: int) -> None:
@@ -176,9 +184,12 @@ class SwapFile:
         os.posix_fadvise(self.fd, offset, len(buffer), os.POSIX_FADV_DONTNEED)
 
     def write_converted(self, src: torch.Tensor, start: int = 0, chunk: int = 1 << 22) -> None:
-        """Store ``src`` of any dtype or device, converting ``chunk`` elements at a time."""
+        """Store ``src`` of any dtype or device, converting ``chunk`` elements at a time.
+
+        Each chunk is a copy: exporting ``src``'s own storage to numpy would make it non-resizable, and a stage-3
+        full buffer (whose shard is written here) must be freed by resizing it to zero."""
         for lo in range(0, src.numel(), chunk):
-            piece = src[lo:lo + chunk].to(device="cpu", dtype=self.dtype).contiguous()
+            piece = src[lo:lo + chunk].to(device="cpu", dtype=self.dtype, copy=True).contiguous()
             self.write(piece, start + lo)
 
     def trim(self) -> None:

@@ -32,17 +32,48 @@ def _device_copy(fp: "FlatParam", device: torch.device) -> torch.Tensor:
     return fp.shard.to(device, non_blocking=fp.shard.is_pinned())
 
 
+class ShardFiles:
+    """NVMe files for stage-3 parameter shards, written as each unit is materialised (``FlatParam.shard_store``).
+
+    A model built on the meta device is initialised one unit at a time; were its shards kept in memory until the
+    offload takes them, the whole model's shards (4 bytes per parameter / N in fp32) would be resident at once
+    at the end of construction. Stored here, each shard goes to its file as soon as it is cut, so construction
+    holds one unit's full buffer and nothing that grows with the model. The directory is created at the first
+    shard and handed to :class:`~.engine_offload.EngineOffload`, which checks the free space for the rest.
+    """
+
+    def __init__(self, root: str, rank: int):
+        self.root, self.rank = root, rank
+        self.directory: RunDirectory | None = None
+        self.files: dict[int, SwapFile] = {}
+
+    def store(self, fp: "FlatParam", values: torch.Tensor) -> torch.Tensor:
+        """Write ``values`` (``fp``'s new shard) to a file of its own; returns the file's memory map."""
+        if self.directory is None:
+            self.directory = RunDirectory.create(self.root, self.rank, values.numel() * values.element_size())
+        file = self.directory.new_file(f"shard{len(self.files)}.param", values.numel(), values.dtype)
+        file.write_converted(values)
+        self.files[id(fp)] = file
+        return file.view
+
+    def nbytes(self) -> int:
+        return sum(file.nbytes for file in self.files.values())
+
+
 class ParamOffload:
     """Moves each partitioned flat parameter's ``shard`` to ``place`` ("cpu" or "nvme") and gathers from there."""
 
     def __init__(self, engine: "ZeroEngine", place: str, directory: RunDirectory | None, pin: bool):
         self.place = place
         self.flat_params = [fp for fp in engine.flat_params if fp.policy.params]
+        stored = engine.shard_files.files if engine.shard_files is not None else {}
         self.files: dict[int, SwapFile] = {}
         for index, fp in enumerate(engine.flat_params):
             if not fp.policy.params:
                 continue
-            if place == "nvme":
+            if id(fp) in stored:  # written when its unit was materialised
+                self.files[id(fp)] = stored[id(fp)]
+            elif place == "nvme":
                 file = directory.new_file(f"flat{index}.param", fp.shard_numel, fp.compute_dtype)
                 file.write_converted(fp.shard)
                 fp.shard = file.view  # fp.master, if it was the shard, stays the in-memory tensor

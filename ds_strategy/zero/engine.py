@@ -19,14 +19,25 @@ from ..precision import GradStats, LossScaler, unscale_and_check_shards
 from .flat_param import FlatParam, ShardPolicy
 from .grad_reducer import GradReducer
 from .hpz import WeightGather, hpz_collectives
-from .memory_report import memory_report
+from .memory_report import WorkingSetPeak, memory_report, unit_bounded_sizes
 from .optimizer_retarget import param_group_index, retarget_optimizer
 from .param_gatherer import ParamGatherer
+from .placement import place_units
 from .sharded_init import materialise_sharded
 from .unit import ShardedState, Unit
 from .wrap_policy import select_unit_modules
 
 log = logging.getLogger(__name__)
+
+
+def _modules_owning(root: nn.Module, flat_params: list[FlatParam]) -> list[nn.Module]:
+    """Submodules of ``root`` that hold one of ``flat_params``' parameters directly."""
+    held = {id(p) for fp in flat_params for p in fp.params}
+    return [m for m in root.modules() if m is not root and any(id(p) in held for p in m.parameters(recurse=False))]
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _device_of(module: nn.Module) -> torch.device:
@@ -57,12 +68,18 @@ class ZeroEngine:
         self.collectives = Collectives(process_group, use_all_reduce=config.gradient_collective(backend) == "all_reduce",
                                        timeout=config.collective_timeout)
         self.rank, self.world_size = self.collectives.rank, self.collectives.world_size
+        self.shard_files = None
+        if config.offload_params == "nvme" and config.partitions_parameters:  # shards go to files as units are built
+            from ..offload.param_offload import ShardFiles
+            self.shard_files = ShardFiles(config.nvme_path, self.rank)
         self.units = self._build_units()
         self.flat_params = [fp for unit in self.units for fp in unit.flat_params]
         self._materialise()
+        self.working_set = WorkingSetPeak(self.flat_params)
+        sizes = unit_bounded_sizes(config, self.units)
         self.reducer = GradReducer(self.flat_params, self.collectives, overlap=config.overlap_comm,
-                                   bucket_numel=int(config.reduce_bucket_size),
-                                   comm_dtype=config.gradient_communication_dtype)
+                                   bucket_numel=sizes.reduce_bucket, comm_dtype=config.gradient_communication_dtype,
+                                   working_set=self.working_set)
         self.loss_scaler = LossScaler.from_config(config) if config.uses_loss_scaling else None
         self._grad_stats: GradStats | None = None
         self._master_grads: list[torch.Tensor] | None = None
@@ -70,14 +87,16 @@ class ZeroEngine:
         self._setup_communication()
         self.gatherer = None
         if config.partitions_parameters:  # without overlap_comm nothing is prefetched: units gather on demand
-            prefetch = int(config.prefetch_bucket_size) if config.overlap_comm else 0
             self.gatherer = ParamGatherer(self.units, self.units[0], config.reshard_after_forward,
-                                          prefetch, int(config.max_live_parameters))
+                                          sizes.prefetch if config.overlap_comm else 0, sizes.max_live,
+                                          self.working_set)
             self.reducer.on_launched = self._on_flat_param_launched
             self.reducer.on_backward_end = self._end_of_backward
         self._launched_per_unit: dict[int, int] = {}
         self._unit_of_fp = {id(fp): unit for unit in self.units for fp in unit.flat_params}
         self._hooks = [self.units[0].module.register_forward_pre_hook(lambda module, args: self.before_forward())]
+        self._hooks += [module.register_forward_pre_hook(self._gather_root_for)
+                        for module in _modules_owning(self.module, self.units[0].partitioned)]
         if optimizer is not None:
             retarget_optimizer(optimizer, self.flat_params)
         self.offload = None
@@ -140,7 +159,8 @@ class ZeroEngine:
         for (group, persistent), members in buckets.items():
             policy = ShardPolicy.for_stage(cfg.stage, persistent=persistent)
             fp = FlatParam(f"{unit_name}/group{group}{'/persistent' if persistent else ''}", members, group, policy,
-                           self.rank, self.world_size, device=self.device, **self._dtypes(members[0][1].dtype))
+                           self.rank, self.world_size, device=self.device, **self._dtypes(members[0][1].dtype),
+                           shard_store=self.shard_files.store if self.shard_files is not None else None)
             flat.append(fp)
         return flat
 
@@ -156,27 +176,71 @@ class ZeroEngine:
         return {"compute_dtype": compute, "grad_dtype": compute, "master_dtype": master, "grad_shard_dtype": accumulate}
 
     def _materialise(self) -> None:
-        """Move the parameters into their flat buffers, every rank starting from rank 0's values (as DDP does).
+        """Move the parameters into their flat buffers on the device one unit at a time, every rank starting from
+        rank 0's values (as DDP does); see [Unit-by-unit placement] in :mod:`.placement`.
 
-        A model built on the meta device is initialised unit by unit instead (see :mod:`.sharded_init`).
+        A model built on the meta device is initialised unit by unit instead (see :mod:`.sharded_init`), unless
+        ``sync_module_states`` says rank 0 holds the real model, whose values then stream to the others.
         """
         broadcast = (lambda t: self.collectives.broadcast(t, src=0).wait()) if self.world_size > 1 else (lambda t: None)
         with torch.no_grad():
-            for buffer in self.module.buffers():
-                if buffer.is_meta:
-                    raise ValueError("buffers built on the meta device are not supported; create buffers on a real "
-                                     "device inside configure_model (parameters may stay on meta)")
-                broadcast(buffer)
-            if any(p.is_meta for fp in self.flat_params for p in fp.params):
-                materialise_sharded(self.module, self.units, broadcast)
+            built_on_meta = any(p.is_meta for fp in self.flat_params for p in fp.params)
+            if not self.config.sync_module_states:
+                self._check_ranks_built_alike(built_on_meta)
+            if built_on_meta and not self.config.sync_module_states:
+                materialise_sharded(self.module, self.units, broadcast, self.device, self.config.param_init_fn)
                 return
-            for fp in self.flat_params:
-                fp.adopt_params()
-                broadcast(fp.full)
-                fp.finish_sharding()
-            for p in self.module.parameters():
-                if not p.requires_grad:
-                    broadcast(p.data)
+            place_units(self.module, self.units, self.device, broadcast)
+
+    def _check_ranks_built_alike(self, built_on_meta: bool) -> None:
+        """Every rank must take the same materialisation path (each issues different collectives). Setup
+        plumbing, not training traffic: it goes straight to torch.distributed, outside ``comm_stats``."""
+        if self.world_size == 1:
+            return
+        count = torch.tensor([float(built_on_meta)], device=self.device)
+        dist.all_reduce(count, group=self.process_group)
+        if 0 < count.item() < self.world_size:
+            raise ValueError(f"{int(count.item())} of {self.world_size} ranks built the model on the meta device "
+                             f"and the others did not; build it alike on every rank, or pass "
+                             f"sync_module_states=True to stream rank 0's model to ranks that built it on meta")
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Give an engine built without an optimizer (a model prepared before its optimizer) the one that trains it.
+
+        The flat buffers were laid out without param groups, so this works when each of them falls inside one
+        group of ``optimizer`` (always so for a single group) and the optimizer runs on the device (see
+        :meth:`can_attach`); otherwise the caller builds a new engine over the module (stage 0-2, whose
+        parameters are whole on every rank).
+        """
+        if self.optimizer is not None:
+            raise ValueError("this model's engine already has an optimizer; prepare each optimizer once")
+        group_of = param_group_index(optimizer)
+        for fp in self.flat_params:
+            for slot, p in zip(fp.slots, fp.params):
+                if id(p) not in group_of:
+                    raise ValueError(f"parameter {slot.name!r} requires grad but is in no param group of the "
+                                     f"optimizer; freeze it (requires_grad=False) or add it to the optimizer")
+        if len(group_of) != sum(len(fp.params) for fp in self.flat_params):
+            raise ValueError("the optimizer holds parameters that are not trainable parameters of this model")
+        if not self.can_attach(optimizer):
+            raise ValueError("the optimizer's param groups split this model's flat buffers (or its step is "
+                             "offloaded): prepare the model together with its optimizer")
+        for fp in self.flat_params:
+            fp.group_index = group_of[id(fp.params[0])]
+        self.optimizer = optimizer
+        retarget_optimizer(optimizer, self.flat_params)
+
+    def can_attach(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether :meth:`attach_optimizer` can take ``optimizer`` without laying the flat buffers out anew."""
+        group_of = param_group_index(optimizer)
+        return self.config.offload_optimizer == "none" and all(
+            len({group_of.get(id(p)) for p in fp.params}) == 1 for fp in self.flat_params)
+
+    def load_weights(self, path, prefix: str = "") -> None:
+        """Load pretrained weights (Hugging Face safetensors, one file or sharded, or our consolidated file),
+        each rank reading only its shards; see :mod:`ds_strategy.checkpoint.pretrained`."""
+        from ..checkpoint.pretrained import load_weights  # that package imports this one
+        load_weights(self, path, prefix)
 
     # -- forward ----------------------------------------------------------------------------------------------
     def before_forward(self) -> None:
@@ -186,6 +250,20 @@ class ZeroEngine:
         root.wait_gathered()
         if self.gatherer is not None:
             self.gatherer.before_root_forward()
+
+    def _gather_root_for(self, module: nn.Module, args) -> None:
+        """Note: [Root parameters outside the root's forward]
+          The root unit (parameters no single unit owns: embeddings, final norm, tied weights) is gathered by
+          the root module's forward pre-hook, or by ``before_forward`` from adapters whose step functions call
+          submodules instead (a LightningModule's ``training_step``). A step may also run a second forward after
+          a backward, which released the root (manual optimization: two backwards per step, GANs), without
+          either. So every module that holds root parameters gathers the root before it runs if it is sharded;
+          a sharded root means a forward is starting, so the prefetch position starts over too. Parameters read
+          outside any module's forward (``x @ module.weight`` in the step function) are not covered: call
+          ``before_forward`` first.
+        """
+        if self.units[0].sharded_state is ShardedState.SHARDED:
+            self.before_forward()
 
     def wait_for_params(self) -> None:
         """Block until the stage 1/2 parameter refresh is complete (``step`` does this before returning).
@@ -305,15 +383,22 @@ class ZeroEngine:
         """
         total = self.grad_norm(norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for grad in self._optimizer_grads():
+        for grad in self._gradients_to_clip():
             grad.mul_(coef.to(grad.dtype))
         return total
 
     def clip_grad_value_(self, clip_value: float) -> None:
         if self.loss_scaler is not None:
             self.unscale_gradients()
-        for grad in self._optimizer_grads():
+        for grad in self._gradients_to_clip():
             grad.clamp_(-clip_value, clip_value)
+
+    def _gradients_to_clip(self) -> list[torch.Tensor]:
+        """Each flat buffer's optimizer gradient or, where that is a slice of ``grad_full`` (stage 1 in one dtype
+        with all-reduce), the whole ``grad_full``: the parameters' ``.grad`` view it, and must stay the same
+        averaged gradient on every rank (Note: [Accumulation and reduction])."""
+        return [fp.grad_full if fp.grad_full is not None and _same_storage(grad, fp.grad_full) else grad
+                for fp, grad in zip(self.flat_params, self._optimizer_grads())]
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """Global ``norm_type``-norm of the unscaled gradients; the 2-norm comes from ``unscale_gradients``."""
@@ -366,9 +451,9 @@ class ZeroEngine:
             for fp in self.flat_params:
                 fp.master.grad = None
                 fp.copy_master_to_params()
-        self._grad_stats = self._master_grads = None
-        for fp in self.flat_params:
-            self.reducer.zero_grads(fp)
+        self.zero_grad()  # the step consumes the gradients, as DeepSpeed's does: ``.grad`` is None until backward
+        if self.gatherer is not None:  # a unit still gathered (a forward after the last backward) is now stale
+            self.gatherer.release_all()
         self._refresh_params()
         return True
 
@@ -394,8 +479,9 @@ class ZeroEngine:
                 p.grad = None
 
     # -- reporting --------------------------------------------------------------------------------------------
-    def memory_report(self) -> dict[str, dict[str, int]]:
-        return memory_report(self)
+    def memory_report(self, peak: bool = False) -> dict[str, dict[str, int]]:
+        """Model-state bytes now, or with ``peak`` at the working set's peak (see :mod:`.memory_report`)."""
+        return memory_report(self, peak)
 
     def comm_stats(self, group: str | None = None) -> dict[str, dict[str, float]]:
         """Calls, bytes and seconds waited per collective kind, summed over the groups that carry training data

@@ -8,6 +8,7 @@ parameters, gradients, optimizer state) are partitioned is a :class:`ShardPolicy
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -63,8 +64,10 @@ class FlatParam:
     def __init__(self, name: str, params: list[tuple[str, nn.Parameter]], group_index: int, policy: ShardPolicy,
                  rank: int, world_size: int, compute_dtype: torch.dtype, grad_dtype: torch.dtype,
                  device: torch.device, master_dtype: torch.dtype = torch.float32,
-                 grad_shard_dtype: torch.dtype | None = None):
+                 grad_shard_dtype: torch.dtype | None = None,
+                 shard_store: Callable[["FlatParam", torch.Tensor], torch.Tensor] | None = None):
         self.name = name
+        self.shard_store = shard_store  # (fp, values) -> where a partitioned shard lives; None: a clone in memory
         self.params = [p for _, p in params]
         self.group_index = group_index
         self.policy = policy
@@ -85,10 +88,7 @@ class FlatParam:
         self.shard_offset = rank * self.shard_numel
         self.device = device
         self.full = torch.empty(self.padded_numel, dtype=compute_dtype, device=device)
-        if any(p.is_meta for p in self.params):
-            self.free_full()  # a meta-built model gets its storage one unit at a time (sharded_init)
-        else:
-            self.full.zero_()  # the padding stays zero for ever
+        self.free_full()  # storage comes one unit at a time, when the unit is adopted (see zero.placement)
         self.shard: torch.Tensor
         self.master: torch.Tensor
         self.grad_full: torch.Tensor | None = None
@@ -98,7 +98,9 @@ class FlatParam:
     # -- construction -----------------------------------------------------------------------------------------
     def adopt_params(self) -> None:
         """Copy the parameters' current values into ``full``; the parameters become its views."""
+        self.alloc_full()
         with torch.no_grad():
+            self.full.zero_()  # the padding stays zero for ever
             for slot, p in zip(self.slots, self.params):
                 self.full.narrow(0, slot.offset, slot.numel).copy_(p.reshape(-1))
         self.point_params_at_full()
@@ -119,7 +121,7 @@ class FlatParam:
         """Cut this rank's shard out of ``full`` and set up the optimizer's master; free ``full`` at stage 3."""
         self.shard = self.full.narrow(0, self.shard_offset, self.shard_numel)
         if self.policy.params:
-            self.shard = self.shard.clone()
+            self.shard = self.shard.clone() if self.shard_store is None else self.shard_store(self, self.shard)
         self.master = self._make_master()
         if self.policy.params:
             self.point_params_at_empty()

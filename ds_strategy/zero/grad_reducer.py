@@ -2,22 +2,54 @@
 from __future__ import annotations
 
 from collections import deque
+from enum import Enum
+from typing import NamedTuple
 
 import torch
 from torch.autograd import Variable
 
 from ..comm.collectives import Collectives, PendingCollective
 from .flat_param import FlatParam
+from .memory_report import WorkingSetPeak
+
+
+class _Kind(Enum):
+    """How a reduction leaves its result (see Note: [Accumulation and reduction])."""
+
+    SCATTERED = "a scratch buffer reduce-scattered, its slice added into grad_shard (stage 2/3)"
+    SCATTERED_ONCE = "grad_full reduce-scattered, the slice's mean stored in grad_shard (stage 1)"
+    ALL_REDUCED = "the whole grad_full, or its comm-dtype copy, summed on every rank (stage 0/1)"
+
+
+class _Reduction(NamedTuple):
+    """A gradient reduction in flight: what finishing it reads (``out``) and the scratch it keeps alive."""
+
+    pending: PendingCollective
+    fp: FlatParam
+    out: torch.Tensor
+    kind: _Kind
+    scratch_numel: int
 
 
 class GradReducer:
     """Collects each parameter's gradient as autograd finishes it and reduces whole flat buffers across ranks.
 
-    Note: how accumulation interacts with reduction.
+    Note: [Accumulation and reduction]
+      Invariant: after any number of backward calls since the last step, synced or not, in any order, the
+      region the optimizer reads (``grad_shard``, or ``grad_full`` at stage 0) holds the mean over ranks of
+      everything accumulated once the last synced backward has reduced. Each synced reduction must therefore
+      leave ``grad_full`` in a state that later backwards can accumulate onto:
       Gradients not partitioned (stage 0/1): each parameter's ``.grad`` becomes a view of the flat buffer's
-      ``grad_full``, so later micro-batches accumulate in place. With ``sync`` off (the non-boundary micro-batches
-      of gradient accumulation) nothing is communicated; on the boundary micro-batch ``grad_full`` is all-reduced
-      (stage 0) or reduce-scattered into ``grad_shard`` (stage 1): one reduction per optimizer step.
+      ``grad_full``, so later micro-batches accumulate in place. With ``sync`` off (under ``no_sync``) nothing
+      is communicated. A synced backward reduces ``grad_full`` in one of two ways. All-reduce (stage 0; stage 1
+      with ``use_all_reduce``): the whole ``grad_full`` becomes the mean on every rank, and the shard is taken
+      from it; a later backward adds this rank's new gradients g onto the mean M, and the next all-reduce gives
+      mean(M + g) = M + mean(g), so accumulation stays exact. ``.grad`` is then the averaged gradient every rank
+      agrees on, as under DDP. Reduce-scatter (stage 1): the mean of this rank's slice goes into ``grad_shard``
+      and ``grad_full`` keeps this rank's own sum, which the next reduce-scatter reduces whole again; that local
+      sum is not the gradient, so the parameters' ``.grad`` are set to None (the engine's ``clip_grad_norm_``
+      and ``grad_norm`` read the reduced shards). Either way, ``no_sync`` on all but the last micro-batch keeps
+      to one reduction per optimizer step.
       Gradients partitioned (stage 2/3): a rank never keeps a full gradient buffer, so every micro-batch is
       reduced (DeepSpeed's choice as well): the gradient is copied into a scratch buffer of the flat buffer's
       size, the parameter's ``.grad`` is dropped, and once the flat buffer is complete the scratch is
@@ -51,7 +83,7 @@ class GradReducer:
     """
 
     def __init__(self, flat_params: list[FlatParam], collectives: Collectives, overlap: bool, bucket_numel: int,
-                 comm_dtype: torch.dtype | None = None):
+                 comm_dtype: torch.dtype | None = None, working_set: WorkingSetPeak | None = None):
         self.order = list(reversed(flat_params))
         self.collectives = collectives
         self.comm_dtype = comm_dtype
@@ -59,11 +91,12 @@ class GradReducer:
         self.bucket_numel = bucket_numel
         self.sync = True
         self.peak_scratch_bytes = 0
+        self.working_set = working_set or WorkingSetPeak([])  # told of every scratch allocation and free
         self._slot_of = {id(p): (fp, i) for fp in flat_params for i, p in enumerate(fp.params)}
         self._ready_count = {id(fp): 0 for fp in flat_params}
         self._scratch: dict[int, torch.Tensor] = {}
         self._next = 0
-        self._in_flight: deque[tuple[PendingCollective, object, int]] = deque()
+        self._in_flight: deque[_Reduction] = deque()
         self._callback_queued = False
         self._handles = []
         self.on_launched = lambda fp: None
@@ -128,9 +161,13 @@ class GradReducer:
         if scratch is None:
             scratch = torch.zeros(fp.padded_numel, dtype=self._comm_dtype(fp), device=fp.device)
             self._scratch[id(fp)] = scratch
-            live = sum(t.numel() * t.element_size() for t in self._scratch.values())
+            live = self._scratch_bytes()
             self.peak_scratch_bytes = max(self.peak_scratch_bytes, live)
+            self.working_set.observe(live)
         return scratch
+
+    def _scratch_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._scratch.values())
 
     def _launch_ready(self, force: bool = False) -> None:
         while self._next < len(self.order):
@@ -152,35 +189,40 @@ class GradReducer:
                 out = (scratch.narrow(0, fp.shard_offset, fp.shard_numel) if self.collectives.use_all_reduce
                        else torch.empty(fp.shard_numel, dtype=scratch.dtype, device=scratch.device))
                 pending = self.collectives.reduce_scatter(out, scratch, label=f"gradients of {fp.name}")
-            finish = (fp, out)
-            size = scratch.numel()
-        elif fp.policy.optimizer:
+            launched = _Reduction(pending, fp, out, _Kind.SCATTERED, scratch.numel())
+        elif fp.policy.optimizer and not self.collectives.use_all_reduce:
             send = fp.grad_full.to(self._comm_dtype(fp))
             out = (fp.grad_shard if fp.grad_shard.dtype == send.dtype
                    else torch.empty(fp.shard_numel, dtype=send.dtype, device=send.device))
             pending = self.collectives.reduce_scatter(out, send, label=f"gradients of {fp.name}")
-            finish, size = (fp, out), 0
+            launched = _Reduction(pending, fp, out, _Kind.SCATTERED_ONCE, 0)
         else:
             send = fp.grad_full.to(self._comm_dtype(fp))
             pending = self.collectives.all_reduce(send, label=f"gradients of {fp.name}")
-            finish, size = (fp, send), 0
-        self._in_flight.append((pending, finish, size))
+            launched = _Reduction(pending, fp, send, _Kind.ALL_REDUCED, 0)
+        self._in_flight.append(launched)
         self.on_launched(fp)
         while self._in_flight and (not self.overlap or self._scratch_in_flight() > self.bucket_numel
-                                   or self._in_flight[0][0].is_completed()):
+                                   or self._in_flight[0].pending.is_completed()):
             self._finish_oldest(world)
 
     def _scratch_in_flight(self) -> int:
-        return sum(size for _, _, size in self._in_flight)
+        return sum(reduction.scratch_numel for reduction in self._in_flight)
 
     def _finish_oldest(self, world: int) -> None:
-        pending, (fp, out), _ = self._in_flight.popleft()
-        pending.wait()
-        if fp.policy.grads:
+        reduction = self._in_flight.popleft()
+        reduction.pending.wait()
+        fp, out = reduction.fp, reduction.out
+        if reduction.kind is _Kind.SCATTERED:
             self._grad_shard(fp).add_(out, alpha=1.0 / world)
             del self._scratch[id(fp)]
+            self.working_set.observe(self._scratch_bytes())
+        elif reduction.kind is _Kind.ALL_REDUCED:
+            _store_all_reduced(fp, out, world)
         else:
-            _store_mean(fp.grad_shard if fp.policy.optimizer else fp.grad_full, out, world)
+            _store_mean(fp.grad_shard, out, world)
+            for p in fp.params:  # grad_full keeps this rank's own sum; no rank may read it as the gradient
+                p.grad = None
         self.on_reduced(fp)
 
     def _end_of_backward(self) -> None:
@@ -207,6 +249,19 @@ class GradReducer:
             fp.grad_full.zero_()
         if fp.grad_shard is not None and fp.policy.grads:
             fp.grad_shard.zero_()
+
+
+def _store_all_reduced(fp: FlatParam, summed: torch.Tensor, world: int) -> None:
+    """After an all-reduce of ``grad_full`` (``summed`` is it, or its copy in the communication dtype): the mean
+    into the optimizer's shard, taken from ``summed`` before anything is rounded, then into ``grad_full``."""
+    if fp.policy.optimizer:
+        mine = summed.narrow(0, fp.shard_offset, fp.shard_numel)
+        if fp.grad_shard.data_ptr() != mine.data_ptr():
+            if fp.grad_shard.element_size() >= mine.element_size():
+                fp.grad_shard.copy_(mine).div_(world)
+            else:
+                fp.grad_shard.copy_(mine / world)
+    _store_mean(fp.grad_full, summed, world)
 
 
 def _store_mean(target: torch.Tensor, summed: torch.Tensor, world: int) -> None:

@@ -1,14 +1,83 @@
-"""Bytes this rank holds per kind of model state and per place (device / host / nvme)."""
+"""Bytes this rank holds per kind of model state and per place (device / host / nvme), now and at the peak.
+
+Note: [The bound the peak is held to]
+Model states are the ZeRO paper's three (parameters, gradients, optimizer state) plus the transient working set:
+gathered stage-3 units and gradient scratch. With Adam in fp32 (4 bytes per parameter each for parameters and
+gradients, 8 for the two moments; Ψ parameters, N ranks) the paper's formulas are stage 0: 16Ψ, stage 1:
+4Ψ + 4Ψ + 8Ψ/N, stage 2: 4Ψ + 4Ψ/N + 8Ψ/N, stage 3: 16Ψ/N (``ds_strategy.estimate`` has the mixed-precision
+ones). The working set is bounded by units, not by elements, when the sizes are "units" (the default, see
+:func:`unit_bounded_sizes`): gradient scratch is at most the largest unit in flight plus the unit filling, and
+stage 3 gathers the unit computing plus one prefetched (and, in backward, the unit whose reductions are being
+launched). So ``memory_report(engine, peak=True)``, summed over kinds and places, stays within
+formula x 1.05 + two largest units' parameter and gradient bytes, by construction rather than by timing: the
+reducer waits for the oldest reduction before scratch passes the bound, and the gatherer never prefetches past
+it. ``tests/test_memory_bounds.py`` checks this with reductions slowed on purpose.
+"""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from ..config import UNITS
+
 if TYPE_CHECKING:
+    from ..config import ZeroConfig
     from .engine import ZeroEngine
+    from .flat_param import FlatParam
+    from .unit import Unit
 
 PLACES = ("device", "host", "nvme")
+
+
+class WorkingSetSizes(NamedTuple):
+    """Element bounds of the working set the reducer and the gatherer keep to."""
+
+    reduce_bucket: int  # gradient scratch in flight before launching waits for the oldest reduction
+    prefetch: int  # elements of upcoming units gathered ahead of use
+    max_live: int  # gathered elements alive at once, beyond which prefetching stops (gathers on demand go ahead)
+
+
+def unit_bounded_sizes(config: "ZeroConfig", units: list["Unit"]) -> WorkingSetSizes:
+    """``config``'s sizes with "units" resolved (see [The bound the peak is held to]): the largest unit's
+    gradient scratch in flight; one unit prefetched, and then at most the root and two units gathered."""
+    scratch = max((sum(fp.padded_numel for fp in u.flat_params if fp.policy.grads) for u in units), default=0)
+    gathered = max((sum(fp.padded_numel for fp in u.partitioned) for u in units[1:]), default=0)
+    root = sum(fp.padded_numel for fp in units[0].partitioned) if units else 0
+    max_live = int(config.max_live_parameters)
+    if config.prefetch_bucket_size == UNITS:
+        max_live = min(max_live, root + 2 * gathered)
+    return WorkingSetSizes(
+        max(1, scratch) if config.reduce_bucket_size == UNITS else int(config.reduce_bucket_size),
+        gathered if config.prefetch_bucket_size == UNITS else int(config.prefetch_bucket_size), max_live)
+
+
+class WorkingSetPeak:
+    """The live bytes of gathered stage-3 buffers and of gradient scratch, and the largest sum seen.
+
+    The reducer reports its scratch as it allocates and frees it, the gatherer calls :meth:`observe` after each
+    gather: the only moments the sum can grow. ``peak`` holds both parts at the moment of the largest sum.
+    """
+
+    def __init__(self, flat_params: list["FlatParam"]):
+        self.partitioned = [fp for fp in flat_params if fp.policy.params]
+        self.scratch_bytes = 0
+        self.peak = {"params": 0, "buffers": 0}
+
+    def gathered_bytes(self) -> int:
+        return sum(fp.padded_numel * fp.full.element_size() for fp in self.partitioned if fp.is_full_allocated)
+
+    def observe(self, scratch_bytes: int | None = None) -> None:
+        if scratch_bytes is not None:
+            self.scratch_bytes = scratch_bytes
+        live = {"params": self.gathered_bytes(), "buffers": self.scratch_bytes}
+        if sum(live.values()) > sum(self.peak.values()):
+            self.peak = live
+
+    def reset(self) -> None:
+        """Start a new peak from what is live now (e.g. before the step to be measured)."""
+        self.peak = {"params": 0, "buffers": 0}
+        self.observe()
 
 
 def _place(tensor: torch.Tensor, compute_device: torch.device) -> str:
@@ -16,13 +85,17 @@ def _place(tensor: torch.Tensor, compute_device: torch.device) -> str:
     return "host" if tensor.device.type == "cpu" and compute_device.type != "cpu" else "device"
 
 
-def memory_report(engine: "ZeroEngine") -> dict[str, dict[str, int]]:
+def memory_report(engine: "ZeroEngine", peak: bool = False) -> dict[str, dict[str, int]]:
     """``{"params"|"grads"|"optimizer"|"buffers": {"device"|"host"|"nvme": bytes}}`` for this rank.
 
     params: the compute-dtype parameters this rank holds (full buffers while gathered, shards otherwise, plus
     parameters ZeRO does not manage such as frozen ones). grads: gradient buffers and shards. optimizer: fp32
     master weights when separate from the parameters, plus the optimizer's state tensors. buffers: the peak
     bytes of gradient scratch (reduction buckets) seen so far.
+
+    ``peak``: the state at the working set's peak since construction or ``engine.working_set.reset()`` instead
+    of now: the persistent states as they are now, plus the gathered stage-3 buffers and the gradient scratch
+    live together at their largest (see [The bound the peak is held to]).
 
     With offload, what ``engine.offload`` placed is reported where it put it (on a CPU-only run too, where host
     and device are the same memory), plus the tensors only it holds (host gradient copies, staging buffers).
@@ -40,13 +113,14 @@ def memory_report(engine: "ZeroEngine") -> dict[str, dict[str, int]]:
     managed = set()
     for fp in engine.flat_params:
         managed.update(id(p) for p in fp.params)
-        if fp.is_full_allocated:
+        if fp.is_full_allocated and not (peak and fp.policy.params):
             add("params", fp.full)
         if fp.policy.params:
             add("params", fp.shard)
         add("grads", fp.grad_full)
-        if fp.grad_shard is not None and (fp.grad_full is None
-                                          or fp.grad_shard.untyped_storage().data_ptr() != fp.grad_full.untyped_storage().data_ptr()):
+        shared = fp.grad_full is not None and fp.grad_shard is not None and (
+            fp.grad_shard.untyped_storage().data_ptr() == fp.grad_full.untyped_storage().data_ptr())
+        if fp.grad_shard is not None and not shared:
             add("grads", fp.grad_shard)
         if fp.master.untyped_storage().data_ptr() != fp.master_region().untyped_storage().data_ptr():
             add("optimizer", fp.master)
@@ -59,7 +133,11 @@ def memory_report(engine: "ZeroEngine") -> dict[str, dict[str, int]]:
             for value in state.values():
                 if torch.is_tensor(value) and value.numel() > 1:
                     add("optimizer", value)
-    report["buffers"]["device"] += engine.reducer.peak_scratch_bytes
+    if peak:
+        report["params"]["device"] += engine.working_set.peak["params"]
+        report["buffers"]["device"] += engine.working_set.peak["buffers"]
+    else:
+        report["buffers"]["device"] += engine.reducer.peak_scratch_bytes
     if offload is not None:
         for kind, tensor in offload.own_tensors():
             add(kind, tensor)

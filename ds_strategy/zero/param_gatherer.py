@@ -7,6 +7,9 @@ Note: when a gathered buffer may be freed.
   After backward: once every parameter of the unit has produced its gradient and the reduction of its flat
   buffers has been launched (the gradients were copied to scratch by then), nothing reads the weights again.
   A unit whose gradients never all arrive (an unused parameter) is freed at the end of backward.
+  The root unit has no backward hooks of its own: it stays gathered from the step's first forward to the
+  optimizer step (``ZeroEngine.step`` frees every gathered unit, whose values the step makes stale), so that
+  several forwards before their backwards, or a forward after a backward, find it whole.
   During activation-checkpoint recomputation the unit is in BACKWARD and gathered; its forward hooks then
   neither free it nor change its state.
 
@@ -22,6 +25,7 @@ import warnings
 import torch
 from torch.utils._pytree import tree_flatten
 
+from .memory_report import WorkingSetPeak
 from .unit import ShardedState, TrainingState, Unit
 
 
@@ -29,7 +33,7 @@ class ParamGatherer:
     """Forward/backward hooks that drive the stage-3 units' gather, prefetch and release."""
 
     def __init__(self, units: list[Unit], root: Unit, reshard_after_forward: bool, prefetch_numel: int,
-                 max_live_numel: int):
+                 max_live_numel: int, working_set: WorkingSetPeak):
         self.units = [u for u in units if u.partitioned and u is not root]
         self.root = root
         self.reshard_after_forward = reshard_after_forward
@@ -41,6 +45,7 @@ class ParamGatherer:
         self._prefetch_enabled = True
         self._backward_started: set[int] = set()
         self.peak_gathered_numel = 0
+        self.working_set = working_set
         self._handles = []
         for unit in self.units:
             self._handles.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
@@ -60,6 +65,7 @@ class ParamGatherer:
         if wait:
             unit.wait_gathered()
         self.peak_gathered_numel = max(self.peak_gathered_numel, self.gathered_numel())
+        self.working_set.observe()
 
     # -- forward ---------------------------------------------------------------------------------------------
     def before_root_forward(self) -> None:
@@ -154,11 +160,13 @@ class ParamGatherer:
             unit.set_training_state(TrainingState.IDLE)
 
     def end_of_backward(self) -> None:
-        for unit in self.units + [self.root]:
+        """Free every unit but the root, which stays gathered until the optimizer step (see the module's Note)."""
+        for unit in self.units:
             if unit.training_state is TrainingState.BACKWARD or unit.sharded_state is not ShardedState.SHARDED:
                 unit.wait_gathered()
                 unit.release()
             unit.set_training_state(TrainingState.IDLE)
+        self.root.set_training_state(TrainingState.IDLE)
         self._backward_started.clear()
 
     def release_all(self) -> None:

@@ -1,0 +1,136 @@
+"""Load pretrained weights into a sharded model, each rank reading only the byte ranges of its own shards.
+
+Sources: a Hugging Face directory (``model.safetensors``, or shards listed in ``model.safetensors.index.json``, as
+``save_pretrained`` writes them), one ``.safetensors`` file (ours from ``consolidate`` included), or a ``.pt`` state
+dict (opened memory-mapped). Names in the source are the model's ``state_dict`` names without ``prefix`` (e.g.
+``prefix="model."`` when a LightningModule holds the Hugging Face model as ``self.model``). A weight tied to another
+(the LM head and the token embedding) may appear under either name.
+
+Note: [Memory while loading]
+Every check (missing, unexpected and mis-shaped names) runs on the headers before any value is read or written,
+so a failed load changes nothing. Then, for each flat buffer, the rank reads the parameter pieces inside the range
+its ``master`` covers (its shard at stage >= 1) through ``safe_open(...).get_slice``: the rows covering the piece,
+never the whole tensor, converted to the master's dtype as they are copied in. Buffers and frozen parameters,
+which every rank holds whole, are read whole, one at a time. So no rank holds more than its shards plus one
+tensor's rows being read; the compute copies are then refreshed from the masters as after a checkpoint load
+(see [Refreshing compute parameters after a load] in :mod:`.restore`).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..zero.engine import ZeroEngine
+from .rank_state import master_base
+from .restore import _refresh_compute_params
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class WeightFiles:
+    """The tensors of a pretrained checkpoint by name, opened lazily; reads row ranges of one tensor at a time."""
+
+    def __init__(self, path: str | os.PathLike, stack: ExitStack):
+        path = Path(path)
+        if path.is_dir() and (path / INDEX_FILE).is_file():
+            weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+            files = {name: path / file for name, file in weight_map.items()}
+        elif path.is_dir() and (path / SINGLE_FILE).is_file():
+            files = None
+            path = path / SINGLE_FILE
+        elif path.is_file() and path.suffix in (".safetensors", ".pt", ".bin"):
+            files = None
+        else:
+            raise FileNotFoundError(f"load_weights({str(path)!r}): expected a directory holding {INDEX_FILE} or "
+                                    f"{SINGLE_FILE}, or a .safetensors or .pt file")
+        self._tensors: dict[str, object] = {}  # name -> a safetensors slice or a memory-mapped tensor
+        self._handles: dict[str, object] = {}
+        if files is None and path.suffix != ".safetensors":
+            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+            self._tensors = dict(state.get("state_dict", state))
+        else:
+            handles = {}
+            for file in sorted(set(files.values())) if files else [path]:
+                handles[file] = stack.enter_context(safe_open(str(file), framework="pt"))
+            for file, handle in handles.items():
+                names = handle.keys()  # a safetensors handle, not a dict
+                for name in names:
+                    if files is None or files.get(name) == file:
+                        self._tensors[name] = handle.get_slice(name)
+                        self._handles[name] = handle
+        self.where = path
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(t.shape) if isinstance(t, torch.Tensor) else tuple(t.get_shape())
+                for name, t in self._tensors.items()}
+
+    def read(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of tensor ``name`` flattened, reading only the rows that cover them."""
+        source = self._tensors[name]
+        shape = tuple(source.shape) if isinstance(source, torch.Tensor) else tuple(source.get_shape())
+        if not shape:
+            whole = source if isinstance(source, torch.Tensor) else self._handles[name].get_tensor(name)
+            return whole.reshape(1)[lo:hi]
+        row = math.prod(shape[1:])
+        first, last = lo // row, -(-hi // row)
+        rows = source[first:last]
+        return rows.reshape(-1)[lo - first * row:hi - first * row]
+
+
+def load_weights(engine: ZeroEngine, path: str | os.PathLike, prefix: str = "") -> None:
+    """Fill ``engine``'s model with the weights at ``path`` (see the module docstring); every rank calls it."""
+    with ExitStack() as stack:
+        files = WeightFiles(path, stack)
+        groups = _check_fits(engine, files, prefix)
+        engine.reshard()
+        with torch.no_grad():
+            source_of = {id(tensor): name for tensor, name in groups}
+            for fp in engine.flat_params:
+                base = master_base(fp)
+                param_of = {slot.name: p for slot, p in zip(fp.slots, fp.params)}
+                for slot, start, length in fp.slot_pieces(base, base + fp.master.numel()):
+                    name = source_of[id(param_of[slot.name])]
+                    local = slot.offset + start - base
+                    fp.master.narrow(0, local, length).copy_(files.read(name, start, start + length))
+            flat = {id(p) for fp in engine.flat_params for p in fp.params}
+            for tensor, name in groups:
+                if id(tensor) not in flat:
+                    tensor.copy_(files.read(name, 0, tensor.numel()).view(tensor.shape))
+        _refresh_compute_params(engine)
+
+
+def _check_fits(engine: ZeroEngine, files: WeightFiles, prefix: str) -> list[tuple[torch.Tensor, str]]:
+    """(model tensor, name to read it from) for every tensor under ``prefix``; raises, naming every missing,
+    unexpected and mis-shaped tensor, before anything is read."""
+    slot_shape = {id(p): slot.shape for fp in engine.flat_params for p, slot in zip(fp.params, fp.slots)}
+    names_of: dict[int, list[str]] = {}
+    tensor_of: dict[int, torch.Tensor] = {}
+    for key, tensor in engine.module.state_dict(keep_vars=True).items():
+        if key.startswith(prefix):
+            names_of.setdefault(id(tensor), []).append(key[len(prefix):])
+            tensor_of[id(tensor)] = tensor
+    stored = files.shapes()
+    missing, misshaped, groups = [], [], []
+    for key, names in names_of.items():
+        present = [name for name in names if name in stored]
+        if not present:
+            missing.append(names[0])
+            continue
+        want = tuple(slot_shape.get(key, tensor_of[key].shape))
+        misshaped += [f"{name} {stored[name]} (model {want})" for name in present if stored[name] != want]
+        groups.append((tensor_of[key], present[0]))
+    known = {name for names in names_of.values() for name in names}
+    unexpected = sorted(name for name in stored if name not in known)
+    if missing or unexpected or misshaped:
+        problems = [f"{label}: {', '.join(items)}" for label, items in
+                    (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)) if items]
+        raise ValueError(f"load_weights({str(files.where)!r}, prefix={prefix!r}) does not fit the model; nothing "
+                         f"was loaded. " + "; ".join(problems))
+    return groups

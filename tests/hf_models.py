@@ -1,0 +1,82 @@
+"""Small Hugging Face causal LMs built from configs (no weights downloaded), and the two loops their tests compare:
+ZeRO on this rank, and torch DDP on a normally built copy, on the same token batches."""
+import torch
+import transformers
+from torch.nn.parallel import DistributedDataParallel
+
+transformers.logging.set_verbosity_error()
+
+VOCAB, SEQ = 128, 16
+
+
+def config(name: str, **overrides):
+    """GPT-2 (tied embeddings, Conv1D), Llama (rotary buffers, GQA) and Mixtral (a mixture of experts); no
+    dropout, so that runs drawing from the generator in different orders still compute the same losses."""
+    common = {"vocab_size": VOCAB, "bos_token_id": 0, "eos_token_id": 0}
+    if name == "gpt2":
+        shape = {"n_positions": SEQ, "n_embd": 32, "n_layer": 2, "n_head": 2, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+                 "attn_pdrop": 0.0}
+        return transformers.GPT2Config(**{**shape, **common, **overrides})
+    shape = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+             "num_key_value_heads": 1, "max_position_embeddings": SEQ, **common}
+    if name == "llama":
+        return transformers.LlamaConfig(**{**shape, **overrides})
+    return transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **{**shape, **overrides})
+
+
+MODEL_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
+
+
+def build(name: str, meta: bool = False, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
+    """``Model(config)`` under ``torch.manual_seed(seed)``, normally or on the meta device."""
+    cls = getattr(transformers, MODEL_CLASSES[name])
+    torch.manual_seed(seed)
+    if meta:
+        with torch.device("meta"):
+            return cls(config(name, **overrides))
+    return cls(config(name, **overrides))
+
+
+def batches(steps: int, world_size: int, per_rank: int = 2, vocab: int = VOCAB) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1234)
+    return [torch.randint(0, vocab, (per_rank * world_size, SEQ), generator=generator) for _ in range(steps)]
+
+
+def _mine(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    per_rank = batch.shape[0] // world_size
+    return batch[rank * per_rank:(rank + 1) * per_rank]
+
+
+def global_loss(loss: torch.Tensor, world_size: int) -> float:
+    value = loss.detach().clone()
+    torch.distributed.all_reduce(value)
+    return value.item() / world_size
+
+
+def _train(forward, step, rank: int, world_size: int, steps: list[torch.Tensor]) -> list[float]:
+    losses = []
+    for batch in steps:
+        ids = _mine(batch, rank, world_size)
+        loss = forward(input_ids=ids, labels=ids).loss
+        loss.backward()
+        step()
+        losses.append(global_loss(loss, world_size))
+    return losses
+
+
+def train_zero(model, engine, rank: int, world_size: int, steps: list[torch.Tensor]) -> list[float]:
+    return _train(model, engine.step, rank, world_size, steps)
+
+
+def train_ddp(model, rank: int, world_size: int, steps: list[torch.Tensor], lr: float = 1e-3) -> list[float]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, eps=1e-6)
+
+    def step() -> None:
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return _train(DistributedDataParallel(model), step, rank, world_size, steps)
+
+
+def adamw(model, lr: float = 1e-3) -> torch.optim.AdamW:
+    return torch.optim.AdamW(model.parameters(), lr=lr, eps=1e-6)
