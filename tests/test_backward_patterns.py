@@ -4,6 +4,8 @@ stage and with either gradient collective, and ``param.grad`` at stages 0/1 is n
 The patterns are those of tests/training_loops.py (Note: [Backward patterns]): a synced backward on every
 micro-batch, two backwards per micro-batch, the forwards first under ``no_sync`` and the backwards after. Before
 the fix, stage 1 with all-reduce counted the first micro-batch's gradient 1.5x on 2 ranks in all of them.
+Parameters are held to the parity oracle's 1e-5 in relative norm (training_loops.assert_matches explains why not
+tighter on TinyGPT: Adam turns summation-order noise into ~1e-6 differences); the adapter tests on the MLP hold 1e-6.
 """
 import pytest
 import torch
