@@ -1,6 +1,7 @@
 """What a benchmark rank counts: collective bytes, bytes of model-state tensors, and resident memory.
 
-Note: how communication is counted. ``CommCounter`` replaces the collectives of ``torch.distributed`` by thin
+Note: [How communication is counted]
+``CommCounter`` replaces the collectives of ``torch.distributed`` by thin
 wrappers that add up bytes while counting is on, then call the original. Every system under test reaches gloo
 through those Python functions: FSDP2 (``all_gather_single`` / ``reduce_scatter_single``), DeepSpeed (its
 ``deepspeed.comm`` backend calls ``torch.distributed``; the wrappers must be installed before
@@ -12,6 +13,7 @@ B-byte input, an all-gather its B-byte output, a broadcast B. A ring moves (N-1)
 A collective called from inside another (an alias that forwards) is counted once, by the outer call.
 DTensor's functional collectives (FSDP2's gradient-norm reduction of a few scalars) are not seen.
 """
+
 from __future__ import annotations
 
 import ctypes

@@ -8,6 +8,7 @@ exception" anywhere in its stderr (see ``ds_strategy/comm/process_exit.py``).
 and then, and its count is the baseline; every other entry must be clean in every run. Runs a short training of
 each example (3 optimizer steps) so that start-up, a collective-heavy step and the final checkpoint are covered.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,42 +17,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from e2e_runs import (
-    DS_STRATEGY,
-    EXAMPLES,
-    EXIT_ABORT,
-    PYTHON,
-    REPO,
-    SCRIPTS,
-    free_port,
-    run,
-    run_gloo_exit_race,
-)
-
-STEPS = "3"
-
-
-def _accelerate_yaml(out: Path) -> str:
-    path = out / "accelerate.yaml"
-    path.write_text((REPO / "configs/accelerate/zero2.yaml").read_text() + f"main_process_port: {free_port()}\n")
-    return str(path)
-
-
-ENTRY_POINTS = {
-    "lightning_hydra": lambda out: [PYTHON, EXAMPLES / "train.py", f"trainer.max_steps={STEPS}",
-                                    f"hydra.run.dir={out}"],
-    "lightning_deepspeed_json": lambda out: [PYTHON, EXAMPLES / "train_deepspeed_json.py", "--max-steps", STEPS,
-                                             "--out", out],
-    "pytorch_lightning": lambda out: [PYTHON, SCRIPTS / "lightning_by_name.py", "pytorch_lightning", "zero1", out],
-    "fabric": lambda out: [PYTHON, EXAMPLES / "train_fabric.py", "--max-steps", STEPS, "--out", out],
-    "accelerate_launch": lambda out: [PYTHON, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
-                                      "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend",
-                                      "no", "--main_process_port", free_port(), EXAMPLES / "train_accelerate.py",
-                                      "--max-steps", STEPS, "--out", out],
-    "ds_strategy_launch": lambda out: [DS_STRATEGY, "launch", "--config_file", _accelerate_yaml(out),
-                                       EXAMPLES / "train_accelerate.py", "--max-steps", STEPS, "--out", out],
-}
-ACCELERATE_ENV = {"accelerate_launch": {"DS_STRATEGY_CONFIG": '{"stage": 1}'}}
+from e2e_runs import ENTRY_POINTS, EXIT_ABORT, entry_point_env, gloo_threads_at_exit, run, run_gloo_exit_race
 
 
 def failures_of(name: str, runs: int) -> list[str]:
@@ -62,11 +28,19 @@ def failures_of(name: str, runs: int) -> list[str]:
             results = run_gloo_exit_race(name.removeprefix("gloo_race_"), pairs=1)
         else:
             with tempfile.TemporaryDirectory(prefix="clean_exit_") as out:
-                results = [run(ENTRY_POINTS[name](Path(out)), env=ACCELERATE_ENV.get(name), timeout=600,
-                               check=False)]
+                results = [
+                    run(
+                        ENTRY_POINTS[name](Path(out)),
+                        env=entry_point_env(name, probe_threads=True),
+                        timeout=600,
+                        check=False,
+                    )
+                ]
         for result in results:
             if result.returncode != 0 or EXIT_ABORT in result.stderr:
                 failed.append(f"run {i}: exit {result.returncode}: {result.stderr.strip()[-300:]!r}")
+            elif not name.startswith("gloo_race_") and gloo_threads_at_exit(result):
+                failed.append(f"run {i}: gloo threads left at exit: {gloo_threads_at_exit(result)}")
     return failed
 
 

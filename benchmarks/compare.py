@@ -13,6 +13,7 @@ precision, and the last-step loss difference from DDP; systems run with and with
 How each figure is measured: ``runner.py`` (rounds, timing, memory), ``accounting.py`` (bytes, RSS) and
 ``systems.py`` (the systems). The chart needs matplotlib: ``pip install -e '.[bench]'``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,7 +27,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from report import add_ratios, markdown_table, overlap_pairs, overlap_table, summarize, write_chart, write_json
 from runner import Settings, rank_main
 from systems import SYSTEMS, SystemSpec
@@ -68,14 +68,34 @@ def select_systems(patterns: str) -> tuple[list[SystemSpec], list[dict]]:
     if not chosen:
         raise SystemExit(f"--systems {patterns!r} matches none of: {', '.join(s.name for s in SYSTEMS)}")
     reasons = {spec.name: spec.unavailable() for spec in chosen}
-    skipped = [{"name": s.name, "family": s.family, "precision": s.precision, "options": dict(s.options),
-                "status": "unavailable", "error": reasons[s.name]} for s in chosen if reasons[s.name]]
+    skipped = [
+        {
+            "name": s.name,
+            "family": s.family,
+            "precision": s.precision,
+            "options": dict(s.options),
+            "status": "unavailable",
+            "error": reasons[s.name],
+        }
+        for s in chosen
+        if reasons[s.name]
+    ]
     return [s for s in chosen if not reasons[s.name]], skipped
 
 
 def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    cpu = (
+        next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            platform.processor(),
+        )
+        if Path("/proc/cpuinfo").exists()
+        else ""
+    )
     versions = {"python": platform.python_version(), "torch": torch.__version__}
     try:
         import deepspeed
@@ -83,8 +103,13 @@ def machine() -> dict:
         versions["deepspeed"] = deepspeed.__version__
     except Exception:  # noqa: BLE001
         pass
-    return {"platform": platform.platform(), "cpu": cpu, "cores": os.cpu_count(), "versions": versions,
-            "load_average": os.getloadavg()}
+    return {
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "versions": versions,
+        "load_average": os.getloadavg(),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,21 +117,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         for spec in SYSTEMS:
             reason = spec.unavailable()
-            print(f"{spec.name:18} {spec.family:10} {spec.precision:11} {dict(spec.options)}"
-                  + (f"  [unavailable: {reason}]" if reason else ""))
+            print(
+                f"{spec.name:18} {spec.family:10} {spec.precision:11} {dict(spec.options)}"
+                + (f"  [unavailable: {reason}]" if reason else "")
+            )
         return 0
     specs, skipped = select_systems(args.systems)
     rounds = min(args.rounds, args.steps)
-    settings = Settings(model=args.model, batch_size=args.batch_size, rounds=rounds,
-                        steps_per_round=-(-args.steps // rounds), warmup=args.warmup,
-                        collective_timeout_s=min(600.0, args.timeout))
+    settings = Settings(
+        model=args.model,
+        batch_size=args.batch_size,
+        rounds=rounds,
+        steps_per_round=-(-args.steps // rounds),
+        warmup=args.warmup,
+        collective_timeout_s=min(600.0, args.timeout),
+    )
     from ds_strategy.models import gpt_config
 
     config = gpt_config(settings.model)
     tokens_per_step = args.world_size * settings.batch_size * config.block_size
-    print(f"{len(specs)} systems x {settings.rounds} rounds x ({settings.warmup} warmup + "
-          f"{settings.steps_per_round} timed) steps, GPT {settings.model!r}, {args.world_size} gloo ranks ...",
-          flush=True)
+    print(
+        f"{len(specs)} systems x {settings.rounds} rounds x ({settings.warmup} warmup + "
+        f"{settings.steps_per_round} timed) steps, GPT {settings.model!r}, {args.world_size} gloo ranks ...",
+        flush=True,
+    )
     started = time.time()
     load_before = os.getloadavg()
     outcome = launch_ranks(rank_main, args.world_size, settings, specs, timeout=args.timeout, threads=args.threads)
@@ -117,8 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     add_ratios(rows)
     name = args.name or f"{settings.model}-ws{args.world_size}{'-quick' if args.quick else ''}"
     command = "python benchmarks/compare.py " + shlex.join(argv if argv is not None else sys.argv[1:])
-    title = (f"GPT {settings.model} ({_param_count(config) / 1e6:.2f}M params), "
-             f"{args.world_size} gloo ranks, batch {settings.batch_size}x{config.block_size} per rank")
+    title = (
+        f"GPT {settings.model} ({_param_count(config) / 1e6:.2f}M params), "
+        f"{args.world_size} gloo ranks, batch {settings.batch_size}x{config.block_size} per rank"
+    )
     table = markdown_table(rows)
     pairs = overlap_pairs(rows)
     if pairs:
@@ -127,16 +163,32 @@ def main(argv: list[str] | None = None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     chart_note = write_chart(args.out_dir / f"{name}.png", rows, title)
     host = {**machine(), "load_average_before": load_before}
-    write_json(args.out_dir / f"{name}.json", {
-        "command": command, "title": title, "machine": host, "settings": dataclasses.asdict(settings),
-        "world_size": args.world_size, "tokens_per_step": tokens_per_step, "seconds": time.time() - started,
-        "systems": rows, "overlap_pairs": pairs, "chart": None if chart_note else f"{name}.png",
-        "notes": [chart_note] if chart_note else []})
+    write_json(
+        args.out_dir / f"{name}.json",
+        {
+            "command": command,
+            "title": title,
+            "machine": host,
+            "settings": dataclasses.asdict(settings),
+            "world_size": args.world_size,
+            "tokens_per_step": tokens_per_step,
+            "seconds": time.time() - started,
+            "systems": rows,
+            "overlap_pairs": pairs,
+            "chart": None if chart_note else f"{name}.png",
+            "notes": [chart_note] if chart_note else [],
+        },
+    )
     (args.out_dir / f"{name}.md").write_text(
         f"{title}\n\n`{command}` on {host['cpu']} ({host['cores']} cores), torch {torch.__version__}, "
-        f"load average {load_before[0]:.1f} at start\n\n{table}\n")
-    print(f"\nwrote {args.out_dir}/{name}.{{md,json}}" + ("" if chart_note else ", .png") +
-          (f"; {chart_note}" if chart_note else "") + f" in {time.time() - started:.0f} s")
+        f"load average {load_before[0]:.1f} at start\n\n{table}\n"
+    )
+    print(
+        f"\nwrote {args.out_dir}/{name}.{{md,json}}"
+        + ("" if chart_note else ", .png")
+        + (f"; {chart_note}" if chart_note else "")
+        + f" in {time.time() - started:.0f} s"
+    )
     return 0
 
 

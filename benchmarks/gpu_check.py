@@ -19,6 +19,7 @@ fp32 (4 bytes):
                                                       (with --device cpu the host is the device and holds the
                                                       states too: 16 Psi/N + 4 (U + R) + slack)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -88,8 +89,14 @@ class DevicePeak:
 
 
 def llama(size: str, meta: bool = False, device: torch.device | None = None, seed: int = 0):
-    config = transformers.LlamaConfig(num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
-                                      bos_token_id=0, eos_token_id=0, **SIZES[size])
+    config = transformers.LlamaConfig(
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        bos_token_id=0,
+        eos_token_id=0,
+        **SIZES[size],
+    )
     torch.manual_seed(seed)
     with torch.device("meta" if meta else device or "cpu"):
         return transformers.LlamaForCausalLM(config)
@@ -98,9 +105,13 @@ def llama(size: str, meta: bool = False, device: torch.device | None = None, see
 def sizes(engine: ZeroEngine) -> dict[str, int]:
     """Psi, the largest unit U, the root unit R and the largest tensor T, in elements."""
     units = [sum(fp.padded_numel for fp in unit.flat_params) for unit in engine.units]
-    return {"psi": sum(fp.numel for fp in engine.flat_params), "unit": max(units[1:] or [0]), "root": units[0],
-            "tensor": max(slot.numel for fp in engine.flat_params for slot in fp.slots),
-            "ranks": engine.world_size}
+    return {
+        "psi": sum(fp.numel for fp in engine.flat_params),
+        "unit": max(units[1:] or [0]),
+        "root": units[0],
+        "tensor": max(slot.numel for fp in engine.flat_params for slot in fp.slots),
+        "ranks": engine.world_size,
+    }
 
 
 def _stage3(**fields) -> ZeroConfig:
@@ -112,8 +123,7 @@ def check_placement(size: str, device: torch.device) -> Check:
     with DevicePeak(device) as peak:
         engine = ZeroEngine(model, torch.optim.AdamW(model.parameters()), _stage3(), device=device)
     s = sizes(engine)
-    return Check("placement", peak.growth, 4 * s["psi"] // s["ranks"] + 4 * s["unit"] + SLACK,
-                 "4 Psi/N + 4 U + slack")
+    return Check("placement", peak.growth, 4 * s["psi"] // s["ranks"] + 4 * s["unit"] + SLACK, "4 Psi/N + 4 U + slack")
 
 
 def check_construction(size: str, device: torch.device) -> Check:
@@ -124,8 +134,13 @@ def check_construction(size: str, device: torch.device) -> Check:
     state = engine.full_state_dict(rank0_only=False)
     normal = llama(size, device=device).state_dict()
     equal = state.keys() == normal.keys() and all(torch.equal(state[k].cpu(), v.cpu()) for k, v in normal.items())
-    return Check("construction", peak.growth, 4 * s["psi"] // s["ranks"] + 4 * (s["unit"] + s["root"]) + SLACK,
-                 "4 Psi/N + 4 (U + R) + slack; values equal a normal build on the device", equal)
+    return Check(
+        "construction",
+        peak.growth,
+        4 * s["psi"] // s["ranks"] + 4 * (s["unit"] + s["root"]) + SLACK,
+        "4 Psi/N + 4 (U + R) + slack; values equal a normal build on the device",
+        equal,
+    )
 
 
 def check_loading(size: str, device: torch.device, scratch: Path) -> Check:
@@ -138,17 +153,27 @@ def check_loading(size: str, device: torch.device, scratch: Path) -> Check:
     ids = torch.randint(0, SIZES[size]["vocab_size"], (1, 32), generator=torch.Generator().manual_seed(0)).to(device)
     with torch.no_grad():
         engine.before_forward()
-        equal = torch.allclose(model(input_ids=ids, labels=ids).loss, reference(input_ids=ids, labels=ids).loss,
-                               rtol=1e-5, atol=0.0)
+        equal = torch.allclose(
+            model(input_ids=ids, labels=ids).loss, reference(input_ids=ids, labels=ids).loss, rtol=1e-5, atol=0.0
+        )
     engine.reshard()
-    return Check("loading", peak.growth, 4 * sizes(engine)["tensor"] + SLACK,
-                 "4 T + slack; first loss equals the saved model's", equal)
+    return Check(
+        "loading",
+        peak.growth,
+        4 * sizes(engine)["tensor"] + SLACK,
+        "4 T + slack; first loss equals the saved model's",
+        equal,
+    )
 
 
 def check_offload(size: str, device: torch.device) -> Check:
     model = llama(size, meta=True)
-    engine = ZeroEngine(model, torch.optim.AdamW(model.parameters()),
-                        _stage3(offload_optimizer="cpu", offload_params="cpu"), device=device)
+    engine = ZeroEngine(
+        model,
+        torch.optim.AdamW(model.parameters()),
+        _stage3(offload_optimizer="cpu", offload_params="cpu"),
+        device=device,
+    )
     ids = torch.randint(0, SIZES[size]["vocab_size"], (1, 32), generator=torch.Generator().manual_seed(0)).to(device)
     losses = []
     with DevicePeak(device) as peak:
@@ -158,22 +183,34 @@ def check_offload(size: str, device: torch.device) -> Check:
             engine.step()
             losses.append(loss.item())
     s = sizes(engine)
-    bound, formula = ((16 * s["psi"] // s["ranks"] + 4 * (s["unit"] + s["root"]) + SLACK,
-                       "16 Psi/N + 4 (U + R) + slack (the host is the device)")
-                      if device.type == "cpu" else (4 * s["psi"], "4 Psi (in-memory ZeRO-3: 16 Psi/N)"))
+    bound, formula = (
+        (
+            16 * s["psi"] // s["ranks"] + 4 * (s["unit"] + s["root"]) + SLACK,
+            "16 Psi/N + 4 (U + R) + slack (the host is the device)",
+        )
+        if device.type == "cpu"
+        else (4 * s["psi"], "4 Psi (in-memory ZeRO-3: 16 Psi/N)")
+    )
     return Check("offload", peak.growth, bound, formula, all(torch.isfinite(torch.tensor(losses))))
 
 
 def run_checks(size: str, device: torch.device) -> list[Check]:
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as scratch:
-        return [check_placement(size, device), check_construction(size, device),
-                check_loading(size, device, Path(scratch)), check_offload(size, device)]
+        return [
+            check_placement(size, device),
+            check_construction(size, device),
+            check_loading(size, device, Path(scratch)),
+            check_offload(size, device),
+        ]
 
 
 def table(checks: list[Check]) -> str:
     rows = [f"{'check':<13} {'peak MiB':>9} {'bound MiB':>10}  result  formula"]
-    rows += [f"{c.name:<13} {c.measured / 2**20:>9.1f} {c.bound / 2**20:>10.1f}  {'pass' if c.passed else 'FAIL':<6}  "
-             f"{c.formula}" for c in checks]
+    rows += [
+        f"{c.name:<13} {c.measured / 2**20:>9.1f} {c.bound / 2**20:>10.1f}  {'pass' if c.passed else 'FAIL':<6}  "
+        f"{c.formula}"
+        for c in checks
+    ]
     return "\n".join(rows)
 
 

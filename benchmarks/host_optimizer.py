@@ -18,6 +18,7 @@ read bandwidth measured on a file of the same 12 bytes per element (64 MiB block
 reading), and with the step time of in-memory (offload_optimizer="cpu") offload.
 Each figure is the best of ``--repeats`` after one warm-up.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -80,11 +81,17 @@ def adam_rows(numel: int, repeats: int) -> list[dict]:
         step_row("torch AdamW foreach=True", torch.optim.AdamW([param], foreach=True), repeats, 28 * numel),
         step_row("torch AdamW fused=True", torch.optim.AdamW([param], fused=True), repeats, 28 * numel),
         step_row("CpuAdam", CpuAdam([param]), repeats, 28 * numel),
-        step_row("CpuAdam + bf16 copy-out (one pass)", CpuAdam([param]), repeats, 30 * numel,
-                 param_copies={param: copy16}),
+        step_row(
+            "CpuAdam + bf16 copy-out (one pass)", CpuAdam([param]), repeats, 30 * numel, param_copies={param: copy16}
+        ),
         # tiles run inline on the caller's thread, each kernel call on ATen's intra-op threads
-        step_row("  alt: same tiles on ATen's threads + copy-out", CpuAdam([param], threads=1), repeats, 30 * numel,
-                 param_copies={param: copy16}),
+        step_row(
+            "  alt: same tiles on ATen's threads + copy-out",
+            CpuAdam([param], threads=1),
+            repeats,
+            30 * numel,
+            param_copies={param: copy16},
+        ),
         row("  alt: torch fused, then a bf16 copy pass", best_seconds(fused_then_copy, repeats), 30 * numel),
     ]
 
@@ -95,6 +102,7 @@ def disk_rows(directory: Path, nbytes: int, repeats: int) -> list[dict]:
     block = torch.randint(0, 255, (BLOCK,), dtype=torch.uint8).numpy()
     fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_TRUNC, 0o600)
     try:
+
         def write():
             for offset in range(0, nbytes, BLOCK):
                 os.pwrite(fd, memoryview(block)[: min(BLOCK, nbytes - offset)], offset)
@@ -105,8 +113,10 @@ def disk_rows(directory: Path, nbytes: int, repeats: int) -> list[dict]:
             for offset in range(0, nbytes, BLOCK):
                 os.preadv(fd, [memoryview(block)[: min(BLOCK, nbytes - offset)]], offset)
 
-        return [row("disk sequential write (+fsync)", best_seconds(write, repeats), nbytes),
-                row("disk sequential read (cache dropped)", best_seconds(read, repeats), nbytes)]
+        return [
+            row("disk sequential write (+fsync)", best_seconds(write, repeats), nbytes),
+            row("disk sequential read (cache dropped)", best_seconds(read, repeats), nbytes),
+        ]
     finally:
         os.close(fd)
         path.unlink()
@@ -120,7 +130,7 @@ class OneTensor(nn.Module):
 
 def drop_page_cache(engine: ZeroEngine) -> None:
     """Write the NVMe files back and evict them from the page cache, so the next step reads from the disk."""
-    for files in engine.offload.host.files.values():
+    for files in engine.step_runner.host.files.values():
         for file in files.values():
             os.fsync(file.fd)
             os.posix_fadvise(file.fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -168,12 +178,16 @@ def main(argv: list[str] | None = None) -> None:
             rows += nvme_rows(args.numel, args.repeats, Path(directory), args.sub_group)
     for r in rows:
         ratio = r.get("ratio")
-        figures = (" ".join(f"{x:.2f}x" for x in ratio) if isinstance(ratio, tuple)
-                   else f"{r['ms']:9.1f} ms {r['GB/s']:7.2f} GB/s")
+        figures = (
+            " ".join(f"{x:.2f}x" for x in ratio)
+            if isinstance(ratio, tuple)
+            else f"{r['ms']:9.1f} ms {r['GB/s']:7.2f} GB/s"
+        )
         print(f"{r['name']:<52} {figures}")
     if args.json is not None:
-        args.json.write_text(json.dumps({"numel": args.numel, "threads": torch.get_num_threads(), "rows": rows},
-                                        indent=2))
+        args.json.write_text(
+            json.dumps({"numel": args.numel, "threads": torch.get_num_threads(), "rows": rows}, indent=2)
+        )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """From the ranks' raw windows to one row per system, and from rows to a Markdown table, JSON and a PNG chart."""
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,9 @@ def summarize(spec: SystemSpec, per_rank: list[dict], tokens_per_step: int) -> d
     failure = next((rank["failed"][spec.name] for rank in per_rank if spec.name in rank["failed"]), None)
     if not windows[0]:
         return {**row, "status": "failed", "error": failure or "no window completed"}
-    rounds = [[max(times) for times in zip(*(w["step_seconds"] for w in rank_windows))]
-              for rank_windows in zip(*windows)]
+    rounds = [
+        [max(times) for times in zip(*(w["step_seconds"] for w in rank_windows))] for rank_windows in zip(*windows)
+    ]
     steps = [step for round_steps in rounds for step in round_steps]
     timed = sum(len(w["step_seconds"]) for w in windows[0])
     states = [w["state_bytes"] for rank_windows in windows for w in rank_windows]
@@ -42,14 +44,23 @@ def summarize(spec: SystemSpec, per_rank: list[dict], tokens_per_step: int) -> d
                 kinds[kind] = kinds.get(kind, 0) + value / sum(comm_steps)
     median = statistics.median(steps)
     return {
-        **row, "status": "ok" if failure is None else "failed after some rounds", "error": failure,
-        "timed_steps": timed, "step_seconds": steps, "step_median_s": median,
+        **row,
+        "status": "ok" if failure is None else "failed after some rounds",
+        "error": failure,
+        "timed_steps": timed,
+        "step_seconds": steps,
+        "step_median_s": median,
         "round_median_s": [statistics.median(round_steps) for round_steps in rounds],
-        "step_p25_s": _quantile(steps, 0.25), "step_p75_s": _quantile(steps, 0.75),
-        "step_min_s": min(steps), "step_max_s": max(steps),
+        "step_p25_s": _quantile(steps, 0.25),
+        "step_p75_s": _quantile(steps, 0.75),
+        "step_min_s": min(steps),
+        "step_max_s": max(steps),
         "tokens_per_s": tokens_per_step / median,
-        "state_bytes": {**{k: state.get(k, 0) for k in STATE_KINDS}, "nvme": state.get("nvme", 0),
-                        "total_in_memory": sum(state.get(k, 0) for k in STATE_KINDS)},
+        "state_bytes": {
+            **{k: state.get(k, 0) for k in STATE_KINDS},
+            "nvme": state.get("nvme", 0),
+            "total_in_memory": sum(state.get(k, 0) for k in STATE_KINDS),
+        },
         "model_state_bytes": sum(state.get(k, 0) for k in ("params", "grads", "optimizer")),
         "peak_rss_bytes": max(w["peak_rss"] for rank_windows in windows for w in rank_windows),
         "build_peak_rss_bytes": max(w["build_peak_rss"] for rank_windows in windows for w in rank_windows),
@@ -93,16 +104,29 @@ def overlap_pairs(rows: list[dict]) -> list[dict]:
         if on is None:
             continue
         ratios = [a / b for a, b in zip(on["round_median_s"], off["round_median_s"])]
-        pairs.append({"system": on["name"], "ratios": ratios, "median": statistics.median(ratios),
-                      "min": min(ratios), "max": max(ratios), "rounds_not_slower": sum(r <= 1.0 for r in ratios)})
+        pairs.append(
+            {
+                "system": on["name"],
+                "ratios": ratios,
+                "median": statistics.median(ratios),
+                "min": min(ratios),
+                "max": max(ratios),
+                "rounds_not_slower": sum(r <= 1.0 for r in ratios),
+            }
+        )
     return pairs
 
 
 def overlap_table(pairs: list[dict]) -> str:
-    lines = ["| system | step time, overlap on ÷ off: median of rounds (min–max) | rounds with on ≤ off |",
-             "|---|---:|---:|"]
-    lines += [f"| {p['system']} | {p['median']:.3f} ({p['min']:.3f}–{p['max']:.3f}) "
-              f"| {p['rounds_not_slower']} of {len(p['ratios'])} |" for p in pairs]
+    lines = [
+        "| system | step time, overlap on ÷ off: median of rounds (min–max) | rounds with on ≤ off |",
+        "|---|---:|---:|",
+    ]
+    lines += [
+        f"| {p['system']} | {p['median']:.3f} ({p['min']:.3f}–{p['max']:.3f}) "
+        f"| {p['rounds_not_slower']} of {len(p['ratios'])} |"
+        for p in pairs
+    ]
     return "\n".join(lines)
 
 
@@ -129,7 +153,8 @@ def markdown_table(rows: list[dict]) -> str:
             f"| {row['tokens_per_s']:,.0f} | {_ratio(row['step_vs_ddp'])} | {_ratio(row['step_vs_fsdp2'])} "
             f"| {row['model_state_bytes'] / MIB:,.1f} | {_ratio(row['state_vs_ddp'])} "
             f"| {row['peak_rss_bytes'] / MIB:,.0f} | {row['comm_bytes_per_step'] / 1e6:,.2f} "
-            f"| {'—' if delta is None else f'{delta:.1e}'} |")
+            f"| {'—' if delta is None else f'{delta:.1e}'} |"
+        )
         if row["error"]:
             notes.append(f"- **{row['name']}** {row['status']}: {row['error'].strip().splitlines()[0]}")
     return "\n".join(lines + [""] + LEGEND + ([""] + notes if notes else []))
@@ -140,7 +165,8 @@ LEGEND = [
     "× DDP / × FSDP2: against the baseline of the same precision. Model states: parameters + gradients + "
     "optimizer state held in memory per rank (ds_strategy: `memory_report()`; peers: the storages of their "
     "tensors, local shards only), the largest total sampled as each block starts its forward (gathered units "
-    "count), after backward and after the optimizer step; communication buckets and NVMe bytes are in the JSON. Peak RSS: the rank's resident-memory peak during training steps. "
+    "count), after backward and after the optimizer step; communication buckets and NVMe bytes are in the JSON. "
+    "Peak RSS: the rank's resident-memory peak during training steps. "
     "Comm: bytes per step per rank through `torch.distributed`, ZeRO-paper convention (all-reduce counts 2×). "
     "Loss Δ: |last-step loss − DDP's| at the same precision (same seed and batches).",
 ]
@@ -165,8 +191,10 @@ def write_chart(path: Path, rows: list[dict], title: str) -> str | None:
     fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(13, 0.42 * len(done) + 1.8), sharey=True)
     y = list(range(len(done)))
     medians = [1e3 * row["step_median_s"] for row in done]
-    errors = [[m - 1e3 * row["step_p25_s"] for m, row in zip(medians, done)],
-              [1e3 * row["step_p75_s"] - m for m, row in zip(medians, done)]]
+    errors = [
+        [m - 1e3 * row["step_p25_s"] for m, row in zip(medians, done)],
+        [1e3 * row["step_p75_s"] - m for m, row in zip(medians, done)],
+    ]
     ax_time.barh(y, medians, xerr=errors, color=[colors[row["family"]] for row in done], capsize=3)
     ax_time.set_xlabel("step time, ms (median, p25–p75)")
     left = [0.0] * len(done)

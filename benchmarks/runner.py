@@ -1,16 +1,18 @@
 """The body of one benchmark rank: every system, round-robin, inside one gloo process group.
 
-Note: why systems are rebuilt each round. A round runs each system once, in an order rotated by one position
-per round, so slow spells of a shared machine fall on every system alike and the ratios stay fair. Each time
-a system runs it is built from the seed, trained for ``warmup`` steps, timed for ``steps_per_round`` steps
-and freed: only one system's states are alive at a time, so the peak RSS of its window is its own (after the
-previous system's memory was handed back with ``malloc_trim``), and every round repeats the same experiment
-(same initial weights, same batches), so losses can be compared across systems. Model states are sampled on
-the last warmup step, when Adam's state exists: as each transformer block starts its forward (a ZeRO-3 or FSDP2
-unit is gathered then), after backward and after the optimizer step; never in a timed step. Steps are not separated by barriers: a barrier on gloo waits for in-flight collectives and would
-hide ZeRO's overlap of the parameter all-gather with the next forward; instead the last timed step ends only
-once the system's pending work is done (``finish``), and each step's time is the slowest rank's.
+Note: [Why systems are rebuilt each round]
+A round runs each system once, in an order rotated by one position per round, so slow spells of a shared machine fall on
+every system alike and the ratios stay fair. Each time a system runs it is built from the seed, trained for ``warmup``
+steps, timed for ``steps_per_round`` steps and freed: only one system's states are alive at a time, so the peak RSS of
+its window is its own (after the previous system's memory was handed back with ``malloc_trim``), and every round repeats
+the same experiment (same initial weights, same batches), so losses can be compared across systems. Model states are
+sampled on the last warmup step, when Adam's state exists: as each transformer block starts its forward (a ZeRO-3 or
+FSDP2 unit is gathered then), after backward and after the optimizer step; never in a timed step. Steps are not
+separated by barriers: a barrier on gloo waits for in-flight collectives and would hide ZeRO's overlap of the parameter
+all-gather with the next forward; instead the last timed step ends only once the system's pending work is done
+(``finish``), and each step's time is the slowest rank's.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,7 +24,6 @@ import traceback
 
 import torch
 import torch.distributed as dist
-
 from accounting import CommCounter, peak_rss_bytes, release_free_memory, reset_peak_rss, rss_bytes
 from systems import STATE_KINDS, Recipe, SystemSpec, build
 
@@ -41,8 +42,10 @@ class Settings:
 
     def __post_init__(self) -> None:
         if self.warmup < 2:
-            raise ValueError(f"warmup={self.warmup} must be >= 2: model states are sampled on a warmup step "
-                             f"after the first, once the optimizer state exists")
+            raise ValueError(
+                f"warmup={self.warmup} must be >= 2: model states are sampled on a warmup step "
+                f"after the first, once the optimizer state exists"
+            )
         if self.rounds < 1 or self.steps_per_round < 1:
             raise ValueError(f"rounds={self.rounds} and steps_per_round={self.steps_per_round} must be >= 1")
 
@@ -60,8 +63,8 @@ class BatchSource:
         for step in range(count):
             generator = torch.Generator().manual_seed(seed * 100_003 + step)
             starts = torch.randint(len(tokens) - span, (world_size * recipe.batch_size,), generator=generator)
-            mine = starts[rank * recipe.batch_size:(rank + 1) * recipe.batch_size]
-            windows = torch.stack([tokens[s:s + span] for s in mine.tolist()])
+            mine = starts[rank * recipe.batch_size : (rank + 1) * recipe.batch_size]
+            windows = torch.stack([tokens[s : s + span] for s in mine.tolist()])
             self.batches.append((windows[:, :-1].contiguous(), windows[:, 1:].contiguous()))
 
 
@@ -99,8 +102,9 @@ def rank_main(rank: int, world_size: int, settings: Settings, specs: list[System
     return {"windows": windows, "failed": failed}
 
 
-def measure_window(spec: SystemSpec, recipe: Recipe, batches: BatchSource, counter: CommCounter,
-                   settings: Settings, world_size: int) -> dict:
+def measure_window(
+    spec: SystemSpec, recipe: Recipe, batches: BatchSource, counter: CommCounter, settings: Settings, world_size: int
+) -> dict:
     """Build ``spec``, warm it up, time ``steps_per_round`` steps, and free it."""
     gc.collect()
     release_free_memory()
@@ -113,7 +117,7 @@ def measure_window(spec: SystemSpec, recipe: Recipe, batches: BatchSource, count
         losses, states = [], []
         for i in range(settings.warmup):
             last = i == settings.warmup - 1
-            sample = lambda *_: states.append(system.state_bytes())  # noqa: E731
+            sample = lambda *_: states.append(system.state_bytes())  # noqa: F821 (ruff misreads the del below)
             hooks = [block.register_forward_pre_hook(sample) for block in system.blocks()] if last else []
             losses.append(system.forward_backward(*batches.batches[i]))
             for hook in hooks:
@@ -145,7 +149,11 @@ def measure_window(spec: SystemSpec, recipe: Recipe, batches: BatchSource, count
     return {
         "step_seconds": [b - a for a, b in zip(stamps, stamps[1:])],
         "state_bytes": max(states, key=lambda s: sum(s.get(k, 0) for k in STATE_KINDS)),
-        "comm_bytes": dict(counter.bytes), "comm_calls": dict(counter.calls), "own_comm_bytes": own_comm,
-        "peak_rss": peak, "build_peak_rss": build_peak, "rss_before": rss_before,
+        "comm_bytes": dict(counter.bytes),
+        "comm_calls": dict(counter.calls),
+        "own_comm_bytes": own_comm,
+        "peak_rss": peak,
+        "build_peak_rss": build_peak,
+        "rss_before": rss_before,
         "losses": (mean_losses / world_size).tolist(),
     }

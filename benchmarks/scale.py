@@ -16,6 +16,7 @@ machine's memory, all ranks together) follows from it, and for NVMe also from th
 ``--run-largest`` the predicted limit of each of our systems (at 90%) is then trained for real and reported with
 its seconds per step and the disk bandwidth its step used. Writes ``results/scale.{md,json,png}``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,11 @@ from ds_strategy.autotune.launcher import launch_ranks
 from ds_strategy.host_memory import PeakRssAnon
 
 RESULTS = Path(__file__).resolve().parent / "results"
-OURS = {"zero3": {}, "zero3-cpu": {"offload_optimizer": "cpu", "offload_params": "cpu"},
-        "zero3-nvme": {"offload_optimizer": "nvme", "offload_params": "nvme", "buffer_size": 1 << 22}}
+OURS = {
+    "zero3": {},
+    "zero3-cpu": {"offload_optimizer": "cpu", "offload_params": "cpu"},
+    "zero3-nvme": {"offload_optimizer": "nvme", "offload_params": "nvme", "buffer_size": 1 << 22},
+}
 SYSTEMS = ("ddp", "fsdp2", "ds-zero3", *OURS)
 WIDTH, TOKENS, VOCAB = 1024, 64, 1024
 NVME_DISK_BYTES_PER_PARAM = 20
@@ -48,13 +52,18 @@ def build_model(family: str, depth: int, meta: bool):
         if family == "gpt":
             from ds_strategy.models import GPT, GPTConfig
 
-            model = GPT(GPTConfig(vocab_size=VOCAB, block_size=TOKENS, n_layer=depth, n_head=WIDTH // 64,
-                                  n_embd=WIDTH))
+            model = GPT(GPTConfig(vocab_size=VOCAB, block_size=TOKENS, n_layer=depth, n_head=WIDTH // 64, n_embd=WIDTH))
             return model, lambda x: model(x, x)[1]
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        config = LlamaConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=int(WIDTH * 2.75),
-                             num_hidden_layers=depth, num_attention_heads=WIDTH // 64, max_position_embeddings=TOKENS)
+        config = LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=WIDTH,
+            intermediate_size=int(WIDTH * 2.75),
+            num_hidden_layers=depth,
+            num_attention_heads=WIDTH // 64,
+            max_position_embeddings=TOKENS,
+        )
         model = LlamaForCausalLM(config)
         return model, lambda x: model(input_ids=x, labels=x).loss
 
@@ -78,6 +87,7 @@ def build_system(system: str, family: str, depth: int, nvme_path: str):
             engine.clip_grad_norm_(1.0)
             engine.step()
             return loss.item()
+
         return step, sum(fp.numel for fp in engine.flat_params), engine.remove_hooks
     model, loss_of = build_model(family, depth, meta=False)
     psi = sum(p.numel() for p in model.parameters())
@@ -85,16 +95,23 @@ def build_system(system: str, family: str, depth: int, nvme_path: str):
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import deepspeed
 
-        config = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 1.0, "zero_allow_untested_optimizer": True,
-                  "steps_per_print": 10**9, "zero_optimization": {"stage": 3}}
-        engine, *_ = deepspeed.initialize(model=model, config=config, optimizer=torch.optim.AdamW(
-            weight_decay_groups(model, 0.1), lr=1e-3))
+        config = {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_clipping": 1.0,
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10**9,
+            "zero_optimization": {"stage": 3},
+        }
+        engine, *_ = deepspeed.initialize(
+            model=model, config=config, optimizer=torch.optim.AdamW(weight_decay_groups(model, 0.1), lr=1e-3)
+        )
 
         def step(x):
             loss = engine(input_ids=x, labels=x).loss if family == "llama" else engine(x, x)[1]
             engine.backward(loss)
             engine.step()
             return loss.item()
+
         return step, psi, engine.destroy
     if system == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -104,7 +121,7 @@ def build_system(system: str, family: str, depth: int, nvme_path: str):
     else:
         from torch.distributed.fsdp import fully_shard
 
-        for block in (model.model.layers if family == "llama" else model.blocks):
+        for block in model.model.layers if family == "llama" else model.blocks:
             fully_shard(block)
         fully_shard(model)
         loss_fn = loss_of
@@ -117,6 +134,7 @@ def build_system(system: str, family: str, depth: int, nvme_path: str):
         optimizer.step()
         optimizer.zero_grad()
         return loss.item()
+
     return step, psi, lambda: None
 
 
@@ -139,8 +157,14 @@ def measure_rank(rank: int, world_size: int, system: str, family: str, depth: in
     peak = sampler.stop()
     close()
     dist.destroy_process_group()
-    return {"peak": peak, "psi": psi, "losses": losses, "build_s": built - started, "step_s": times[-1],
-            "disk_bytes": io[-1]}
+    return {
+        "peak": peak,
+        "psi": psi,
+        "losses": losses,
+        "build_s": built - started,
+        "step_s": times[-1],
+        "disk_bytes": io[-1],
+    }
 
 
 def _disk_bytes() -> int:
@@ -156,10 +180,16 @@ def measure(system: str, family: str, depth: int, world_size: int, nvme_path: st
         return {**row, "error": str(outcome.error).strip().splitlines()[-1][:200]}
     ranks = outcome.values
     losses = ranks[0]["losses"]
-    return {**row, "params": ranks[0]["psi"], "peak_per_rank": max(r["peak"] for r in ranks),
-            "trains": all(math.isfinite(v) for v in losses) and losses[1] < losses[0], "losses": losses,
-            "build_s": max(r["build_s"] for r in ranks), "step_s": max(r["step_s"] for r in ranks),
-            "disk_mb_per_s": sum(r["disk_bytes"] for r in ranks) / max(r["step_s"] for r in ranks) / 1e6}
+    return {
+        **row,
+        "params": ranks[0]["psi"],
+        "peak_per_rank": max(r["peak"] for r in ranks),
+        "trains": all(math.isfinite(v) for v in losses) and losses[1] < losses[0],
+        "losses": losses,
+        "build_s": max(r["build_s"] for r in ranks),
+        "step_s": max(r["step_s"] for r in ranks),
+        "disk_mb_per_s": sum(r["disk_bytes"] for r in ranks) / max(r["step_s"] for r in ranks) / 1e6,
+    }
 
 
 def fit(rows: list[dict]) -> tuple[float, float] | None:
@@ -177,9 +207,14 @@ def predict(line: tuple[float, float], budget: int, world_size: int, system: str
     fixed, slope = line
     by_memory = (budget / world_size - fixed) / slope if slope > 0 else math.inf
     by_disk = free_disk / NVME_DISK_BYTES_PER_PARAM if "nvme" in system else math.inf
-    return {"bytes_per_param_per_rank": slope, "fixed_bytes_per_rank": fixed, "limit_by_memory": by_memory,
-            "limit_by_disk": by_disk, "limit": min(by_memory, by_disk),
-            "bound": "disk" if by_disk < by_memory else "memory"}
+    return {
+        "bytes_per_param_per_rank": slope,
+        "fixed_bytes_per_rank": fixed,
+        "limit_by_memory": by_memory,
+        "limit_by_disk": by_disk,
+        "limit": min(by_memory, by_disk),
+        "bound": "disk" if by_disk < by_memory else "memory",
+    }
 
 
 def depth_for(family: str, params: float) -> int:
@@ -228,30 +263,46 @@ def main(argv=None) -> int:
     return 0
 
 
-def write_results(name: str, command: str, rows: list[dict], fits: dict, budget: int, free_disk: int,
-                  world_size: int) -> None:
+def write_results(
+    name: str, command: str, rows: list[dict], fits: dict, budget: int, free_disk: int, world_size: int
+) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    lines = [f"`{command}`: {world_size} gloo ranks, {os.cpu_count()} cores, budget {budget / 2**30:.1f} GiB, "
-             f"free disk {free_disk / 1e9:.0f} GB, batch 1x{TOKENS} tokens per rank, width {WIDTH}", "",
-             "| system | model | params | peak RssAnon / rank | trains | s/step | disk MB/s |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"`{command}`: {world_size} gloo ranks, {os.cpu_count()} cores, budget {budget / 2**30:.1f} GiB, "
+        f"free disk {free_disk / 1e9:.0f} GB, batch 1x{TOKENS} tokens per rank, width {WIDTH}",
+        "",
+        "| system | model | params | peak RssAnon / rank | trains | s/step | disk MB/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['system']} | {r['model']} | depth {r['depth']} | failed: {r['error']} | | | |")
             continue
-        lines.append(f"| {r['system']}{' (predicted largest)' if r.get('predicted_largest') else ''} | {r['model']} | "
-                     f"{r['params'] / 1e6:,.0f}M | {r['peak_per_rank'] / 2**30:.2f} GiB | "
-                     f"{'yes' if r['trains'] else 'no'} "
-                     f"| {r['step_s']:.1f} | {r['disk_mb_per_s']:.0f} |")
-    lines += ["", "| system/model | B/param/rank | fixed / rank | largest by memory | by disk | limit |",
-              "|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {r['system']}{' (predicted largest)' if r.get('predicted_largest') else ''} | {r['model']} | "
+            f"{r['params'] / 1e6:,.0f}M | {r['peak_per_rank'] / 2**30:.2f} GiB | "
+            f"{'yes' if r['trains'] else 'no'} "
+            f"| {r['step_s']:.1f} | {r['disk_mb_per_s']:.0f} |"
+        )
+    lines += [
+        "",
+        "| system/model | B/param/rank | fixed / rank | largest by memory | by disk | limit |",
+        "|---|---|---|---|---|---|",
+    ]
     for key, f in fits.items():
-        lines.append(f"| {key} | {f['bytes_per_param_per_rank']:.2f} | {f['fixed_bytes_per_rank'] / 2**30:.2f} GiB | "
-                     f"{_billions(f['limit_by_memory'])} | {_billions(f['limit_by_disk'])} | {_billions(f['limit'])} "
-                     f"({f['bound']}) |")
+        lines.append(
+            f"| {key} | {f['bytes_per_param_per_rank']:.2f} | {f['fixed_bytes_per_rank'] / 2**30:.2f} GiB | "
+            f"{_billions(f['limit_by_memory'])} | {_billions(f['limit_by_disk'])} | {_billions(f['limit'])} "
+            f"({f['bound']}) |"
+        )
     (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
-    (RESULTS / f"{name}.json").write_text(json.dumps({"command": command, "rows": rows, "fits": fits, "budget": budget,
-                                                      "free_disk": free_disk}, indent=1, default=str))
+    (RESULTS / f"{name}.json").write_text(
+        json.dumps(
+            {"command": command, "rows": rows, "fits": fits, "budget": budget, "free_disk": free_disk},
+            indent=1,
+            default=str,
+        )
+    )
     _plot(RESULTS / f"{name}.png", rows)
     print("\n".join(lines))
 
@@ -268,8 +319,9 @@ def _plot(path: Path, rows: list[dict]) -> None:
 
     figure, axes = plt.subplots(figsize=(7, 4.5))
     for key in dict.fromkeys((r["system"], r["model"]) for r in rows if "error" not in r):
-        points = sorted((r["params"], r["peak_per_rank"]) for r in rows
-                        if "error" not in r and (r["system"], r["model"]) == key)
+        points = sorted(
+            (r["params"], r["peak_per_rank"]) for r in rows if "error" not in r and (r["system"], r["model"]) == key
+        )
         axes.plot([p / 1e6 for p, _ in points], [m / 2**30 for _, m in points], marker="o", label="/".join(key))
     axes.set_xlabel("parameters (M)")
     axes.set_ylabel("peak RssAnon per rank (GiB)")

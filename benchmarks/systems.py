@@ -20,6 +20,7 @@ Families:
 DeepSpeed's offload lines use its ``DeepSpeedCPUAdam`` (a C++ op DeepSpeed compiles on first use), as DeepSpeed
 requires for ``offload_optimizer``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,9 +33,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from accounting import optimizer_state_tensors, reachable_tensors, storage_bytes
 from torch import nn
 
-from accounting import optimizer_state_tensors, reachable_tensors, storage_bytes
 from ds_strategy.models import GPT, GPTConfig, weight_decay_groups
 
 FAMILIES = ("ddp", "fsdp2", "deepspeed", "ours")
@@ -87,27 +88,50 @@ SYSTEMS: tuple[SystemSpec, ...] = (
     # none, and one GPT-small block (3.15M elements).
     SystemSpec("zero3-noprefetch", "ours", options={"stage": 3, "prefetch_bucket_size": 0}),
     SystemSpec("zero3-prefetch1", "ours", options={"stage": 3, "prefetch_bucket_size": 3_200_000}),
-    SystemSpec("zero2-qgz", "ours", options={"stage": 2, "zero_quantized_gradients": True},
-               requires="ds_strategy.comm.quantized"),
-    SystemSpec("zero3-qwz", "ours", options={"stage": 3, "zero_quantized_weights": True},
-               requires="ds_strategy.comm.quantized"),
+    SystemSpec(
+        "zero2-qgz",
+        "ours",
+        options={"stage": 2, "zero_quantized_gradients": True},
+        requires="ds_strategy.comm.quantized",
+    ),
+    SystemSpec(
+        "zero3-qwz", "ours", options={"stage": 3, "zero_quantized_weights": True}, requires="ds_strategy.comm.quantized"
+    ),
     # The sharded collectives themselves (reduce-scatter, all-gather) rather than gloo's faster stand-ins:
     # the plain stage 3 that ZeRO++'s byte counts compare with.
     SystemSpec("zero3-rs", "ours", options={"stage": 3, "gradient_reduction": "reduce_scatter"}),
     SystemSpec("zero3-qgz", "ours", options={"stage": 3, "zero_quantized_gradients": True}),
-    SystemSpec("zero3-qwz-qgz", "ours", options={"stage": 3, "zero_quantized_weights": True,
-                                                 "zero_quantized_gradients": True}),
+    SystemSpec(
+        "zero3-qwz-qgz", "ours", options={"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True}
+    ),
     # hpZ in groups of 2 ranks (run with --world-size 4: with 2 ranks the group is everyone).
     SystemSpec("zero3-hpz", "ours", options={"stage": 3, "zero_hpz_partition_size": 2}),
-    SystemSpec("zero3-zeropp", "ours", options={"stage": 3, "zero_quantized_weights": True,
-                                                "zero_quantized_gradients": True, "zero_hpz_partition_size": 2}),
-    SystemSpec("zero2-offload", "ours", options={"stage": 2, "offload_optimizer": "cpu"}, requires="ds_strategy.offload"),
-    SystemSpec("zero3-offload", "ours", options={"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"},
-               requires="ds_strategy.offload"),
-    SystemSpec("zero3-nvme", "ours", options={"stage": 3, "offload_optimizer": "nvme", **_NVME},
-               requires="ds_strategy.offload"),
+    SystemSpec(
+        "zero3-zeropp",
+        "ours",
+        options={
+            "stage": 3,
+            "zero_quantized_weights": True,
+            "zero_quantized_gradients": True,
+            "zero_hpz_partition_size": 2,
+        },
+    ),
+    SystemSpec(
+        "zero2-offload", "ours", options={"stage": 2, "offload_optimizer": "cpu"}, requires="ds_strategy.offload"
+    ),
+    SystemSpec(
+        "zero3-offload",
+        "ours",
+        options={"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"},
+        requires="ds_strategy.offload",
+    ),
+    SystemSpec(
+        "zero3-nvme", "ours", options={"stage": 3, "offload_optimizer": "nvme", **_NVME}, requires="ds_strategy.offload"
+    ),
     SystemSpec("ds-zero2-offload", "deepspeed", options={"stage": 2, "offload_optimizer": "cpu"}),
-    SystemSpec("ds-zero3-offload", "deepspeed", options={"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"}),
+    SystemSpec(
+        "ds-zero3-offload", "deepspeed", options={"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"}
+    ),
     SystemSpec("ddp-bf16", "ddp", "bf16-mixed"),
     SystemSpec("fsdp2-bf16", "fsdp2", "bf16-mixed", {"reshard_after_forward": True}),
     SystemSpec("ds-zero2-bf16", "deepspeed", "bf16-mixed", {"stage": 2}),
@@ -175,7 +199,8 @@ def _model_and_optimizer(recipe: Recipe) -> tuple[GPT, callable]:
     torch.manual_seed(recipe.seed)
     model = GPT(recipe.model)
     make_optimizer = lambda module: torch.optim.AdamW(  # noqa: E731 - built after any parameter rewrite
-        weight_decay_groups(module, recipe.weight_decay), lr=recipe.lr, betas=(0.9, 0.95), eps=1e-8)
+        weight_decay_groups(module, recipe.weight_decay), lr=recipe.lr, betas=(0.9, 0.95), eps=1e-8
+    )
     return model, make_optimizer
 
 
@@ -208,8 +233,12 @@ class _TorchOptimized(BuiltSystem):
     def state_bytes(self):
         seen: set[int] = set()
         params = list(self.model.parameters())
-        return {"params": storage_bytes(params, seen), "grads": storage_bytes((p.grad for p in params), seen),
-                "optimizer": storage_bytes(optimizer_state_tensors(self.optimizer), seen), "buffers": 0}
+        return {
+            "params": storage_bytes(params, seen),
+            "grads": storage_bytes((p.grad for p in params), seen),
+            "optimizer": storage_bytes(optimizer_state_tensors(self.optimizer), seen),
+            "buffers": 0,
+        }
 
 
 def build_ddp(spec: SystemSpec, recipe: Recipe) -> BuiltSystem:
@@ -226,7 +255,9 @@ def build_fsdp2(spec: SystemSpec, recipe: Recipe) -> BuiltSystem:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model, make_optimizer = _model_and_optimizer(recipe)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if spec.precision == "bf16-mixed" else MixedPrecisionPolicy()
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16) if spec.precision == "bf16-mixed" else MixedPrecisionPolicy()
+    )
     reshard = spec.options.get("reshard_after_forward", True)
     for block in model.blocks:
         fully_shard(block, reshard_after_forward=reshard, mp_policy=policy)
@@ -255,8 +286,12 @@ class _DeepSpeedSystem(BuiltSystem):
         state as optimizer, anything else (buckets, flat 16-bit copies not already counted) as buffers."""
         seen: set[int] = set()
         params = list(self.engine.module.parameters())
-        out = {"params": storage_bytes(params + [p.ds_tensor for p in params if hasattr(p, "ds_tensor")], seen),
-               "grads": storage_bytes((p.grad for p in params), seen), "optimizer": 0, "buffers": 0}
+        out = {
+            "params": storage_bytes(params + [p.ds_tensor for p in params if hasattr(p, "ds_tensor")], seen),
+            "grads": storage_bytes((p.grad for p in params), seen),
+            "optimizer": 0,
+            "buffers": 0,
+        }
         zero = self.engine.optimizer
         inner = getattr(zero, "optimizer", zero)
         out["optimizer"] += storage_bytes(optimizer_state_tensors(inner), seen)
@@ -274,23 +309,31 @@ _DEEPSPEED_OFFLOAD = {"offload_optimizer": "offload_optimizer", "offload_params"
 
 def build_deepspeed(spec: SystemSpec, recipe: Recipe) -> BuiltSystem:
     import deepspeed
+
     from ds_strategy.config import ZeroConfig
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     model, make_optimizer = _model_and_optimizer(recipe)
     numel = sum(p.numel() for p in model.parameters())
     defaults = ZeroConfig()
-    offload = {deepspeed_key: {"device": spec.options[field]} for field, deepspeed_key in _DEEPSPEED_OFFLOAD.items()
-               if field in spec.options}
+    offload = {
+        deepspeed_key: {"device": spec.options[field]}
+        for field, deepspeed_key in _DEEPSPEED_OFFLOAD.items()
+        if field in spec.options
+    }
     if offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         make_optimizer = lambda module: DeepSpeedCPUAdam(  # noqa: E731
-            weight_decay_groups(module, recipe.weight_decay), lr=recipe.lr, betas=(0.9, 0.95), eps=1e-8,
-            adamw_mode=True)
+            weight_decay_groups(module, recipe.weight_decay), lr=recipe.lr, betas=(0.9, 0.95), eps=1e-8, adamw_mode=True
+        )
     config = {
-        "train_micro_batch_size_per_gpu": recipe.batch_size, "gradient_accumulation_steps": 1, "gradient_clipping": recipe.clip,
-        "zero_allow_untested_optimizer": True, "steps_per_print": 10**9, "wall_clock_breakdown": False,
+        "train_micro_batch_size_per_gpu": recipe.batch_size,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": recipe.clip,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
         "zero_optimization": {
             "stage": spec.options["stage"],
             "reduce_bucket_size": min(_elements(defaults.reduce_bucket_size, model), numel),
@@ -369,8 +412,10 @@ def build_ours(spec: SystemSpec, recipe: Recipe) -> BuiltSystem:
     engine = ZeroEngine(model, make_optimizer(model), config)
     if config.precision != "32-true" and all(fp.compute_dtype == torch.float32 for fp in engine.flat_params):
         engine.remove_hooks()
-        raise NotImplementedError(f"ZeroEngine ignores ZeroConfig.precision={config.precision!r} here "
-                                  f"(its flat buffers stayed fp32); mixed precision has not landed")
+        raise NotImplementedError(
+            f"ZeroEngine ignores ZeroConfig.precision={config.precision!r} here "
+            f"(its flat buffers stayed fp32); mixed precision has not landed"
+        )
     return _OurSystem(engine, model, config.precision, recipe)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import numbers
 import os
@@ -17,22 +18,31 @@ from typing import Any
 import torch
 
 from ds_strategy.auto_values import deepspeed_auto_values
+from ds_strategy.zero.plan import ZeroPlan
 
 AUTO = "auto"
 UNITS = "units"  # a bucket or prefetch size bounded by the model's largest unit rather than by an element count
 
 _PRECISIONS = {
-    "32-true": "32-true", "bf16-mixed": "bf16-mixed", "16-mixed": "16-mixed",
-    "bf16-true": "bf16-true", "16-true": "16-true",
-    32: "32-true", "32": "32-true", "bf16": "bf16-mixed", 16: "16-mixed", "16": "16-mixed",
+    "32-true": "32-true",
+    "bf16-mixed": "bf16-mixed",
+    "16-mixed": "16-mixed",
+    "bf16-true": "bf16-true",
+    "16-true": "16-true",
+    32: "32-true",
+    "32": "32-true",
+    "bf16": "bf16-mixed",
+    16: "16-mixed",
+    "16": "16-mixed",
 }
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-_COMPUTE_DTYPES = {"32": torch.float32, "bf16": torch.bfloat16, "16": torch.float16}  # by precision prefix
 _COMMUNICATION_DTYPES = {
     None: None,
     **{short: short for short in _DTYPES},
     **{dtype: short for short, dtype in _DTYPES.items()},
-    "float32": "fp32", "float16": "fp16", "bfloat16": "bf16",
+    "float32": "fp32",
+    "float16": "fp16",
+    "bfloat16": "bf16",
 }
 _GRADIENT_REDUCTIONS = {name: name for name in ("auto", "reduce_scatter", "all_reduce")}
 _OFFLOAD_PLACES = {name: name for name in ("none", "cpu", "nvme")}
@@ -88,7 +98,7 @@ class ZeroConfig:
             DeepSpeed's ``data_types.grad_accum_dtype``.
         gradient_reduction (default "auto"): the collective that reduces gradients. "reduce_scatter" sends
             (N-1)/N of the bucket and leaves each rank its shard; "all_reduce" sends twice that and each rank
-            slices its shard, yet is faster on gloo; "auto" picks per backend (``gradient_collective``).
+            slices its shard, yet is faster on gloo; "auto" picks per backend (``plan.gradient_collective``).
 
     Stage 3 parameter gathering:
         prefetch_bucket_size (default "units", or an element count, or "auto"): elements of upcoming units
@@ -186,6 +196,8 @@ class ZeroConfig:
         initial_scale_power (default 16): dynamic scaling starts at 2**initial_scale_power.
         loss_scale_window (default 1000): overflow-free steps before the scale doubles.
         hysteresis (default 2): overflows tolerated before the scale halves.
+        consecutive_hysteresis (default False): refill the hysteresis on every overflow-free step, so only
+            ``hysteresis`` overflows in a row halve the scale; False refills it only when the scale grows.
         min_loss_scale (default 1.0): the scale never drops below this.
         max_consecutive_min_scale_skips (default 10): consecutive overflowing steps at the minimum scale
             after which training raises instead of silently skipping every step.
@@ -234,6 +246,7 @@ class ZeroConfig:
     initial_scale_power: int = 16
     loss_scale_window: int = 1000
     hysteresis: int = 2
+    consecutive_hysteresis: bool = False
     min_loss_scale: float = 1.0
     max_consecutive_min_scale_skips: int = 10
 
@@ -243,17 +256,22 @@ class ZeroConfig:
             "reduce_bucket_size": _integer("reduce_bucket_size", self.reduce_bucket_size, 1, auto=True, units=True),
             "allgather_bucket_size": _integer("allgather_bucket_size", self.allgather_bucket_size, 1),
             "overlap_comm": _flag("overlap_comm", self.overlap_comm),
-            "contiguous_gradients": _only_true("contiguous_gradients", self.contiguous_gradients,
-                                               "gradients always live in flat contiguous buffers"),
-            "grad_accum_dtype": _choice("grad_accum_dtype", self.grad_accum_dtype, _COMMUNICATION_DTYPES,
-                                        "None, 'fp32', 'fp16' or 'bf16'"),
+            "contiguous_gradients": _only_true(
+                "contiguous_gradients", self.contiguous_gradients, "gradients always live in flat contiguous buffers"
+            ),
+            "grad_accum_dtype": _choice(
+                "grad_accum_dtype", self.grad_accum_dtype, _COMMUNICATION_DTYPES, "None, 'fp32', 'fp16' or 'bf16'"
+            ),
             "communication_dtype": _choice(
-                "communication_dtype", self.communication_dtype, _COMMUNICATION_DTYPES,
+                "communication_dtype",
+                self.communication_dtype,
+                _COMMUNICATION_DTYPES,
                 "None (auto), 'fp32', 'fp16', 'bf16', 'float32', 'float16', 'bfloat16' or that torch dtype",
             ),
             "gradient_reduction": _choice("gradient_reduction", self.gradient_reduction, _GRADIENT_REDUCTIONS),
-            "prefetch_bucket_size": _integer("prefetch_bucket_size", self.prefetch_bucket_size, 0, auto=True,
-                                             units=True),
+            "prefetch_bucket_size": _integer(
+                "prefetch_bucket_size", self.prefetch_bucket_size, 0, auto=True, units=True
+            ),
             "param_persistence_threshold": _integer(
                 "param_persistence_threshold", self.param_persistence_threshold, 0, auto=True
             ),
@@ -265,22 +283,39 @@ class ZeroConfig:
             "param_init_fn": _callable_or_none("param_init_fn", self.param_init_fn),
             "sync_module_states": _flag("sync_module_states", self.sync_module_states),
             "zero_quantized_weights": _needs_stage(
-                "zero_quantized_weights", _flag("zero_quantized_weights", self.zero_quantized_weights), self.stage, 3),
+                "zero_quantized_weights", _flag("zero_quantized_weights", self.zero_quantized_weights), self.stage, 3
+            ),
             "zero_quantized_gradients": _needs_stage(
-                "zero_quantized_gradients", _flag("zero_quantized_gradients", self.zero_quantized_gradients),
-                self.stage, 2),
+                "zero_quantized_gradients",
+                _flag("zero_quantized_gradients", self.zero_quantized_gradients),
+                self.stage,
+                2,
+            ),
             "zero_quantized_gradients_bits": _choice(
-                "zero_quantized_gradients_bits", self.zero_quantized_gradients_bits, {4: 4, 8: 8}),
+                "zero_quantized_gradients_bits", self.zero_quantized_gradients_bits, {4: 4, 8: 8}
+            ),
             "zero_hpz_partition_size": _needs_stage(
-                "zero_hpz_partition_size", _integer("zero_hpz_partition_size", self.zero_hpz_partition_size, 1),
-                self.stage, 3, off=1),
+                "zero_hpz_partition_size",
+                _integer("zero_hpz_partition_size", self.zero_hpz_partition_size, 1),
+                self.stage,
+                3,
+                off=1,
+            ),
             "log_comm_stats": _flag("log_comm_stats", self.log_comm_stats),
             "offload_optimizer": _needs_stage(
-                "offload_optimizer", _choice("offload_optimizer", self.offload_optimizer, _OFFLOAD_PLACES), self.stage,
-                1, off="none"),
+                "offload_optimizer",
+                _choice("offload_optimizer", self.offload_optimizer, _OFFLOAD_PLACES),
+                self.stage,
+                1,
+                off="none",
+            ),
             "offload_params": _needs_stage(
-                "offload_params", _choice("offload_params", self.offload_params, _OFFLOAD_PLACES), self.stage, 3,
-                off="none"),
+                "offload_params",
+                _choice("offload_params", self.offload_params, _OFFLOAD_PLACES),
+                self.stage,
+                3,
+                off="none",
+            ),
             "nvme_path": _nvme_path(self.nvme_path, self.offload_optimizer, self.offload_params),
             "pin_memory": _flag("pin_memory", self.pin_memory),
             "offload_ratio": _offload_ratio(self.offload_ratio, self.offload_optimizer),
@@ -288,21 +323,22 @@ class ZeroConfig:
             "buffer_size": _integer("buffer_size", self.buffer_size, 1),
             "sub_group_size": _integer("sub_group_size", self.sub_group_size, 1),
             "gradient_clipping": _real("gradient_clipping", self.gradient_clipping, 0.0),
-            "gradient_accumulation_steps": _integer(
-                "gradient_accumulation_steps", self.gradient_accumulation_steps, 1
-            ),
+            "gradient_accumulation_steps": _integer("gradient_accumulation_steps", self.gradient_accumulation_steps, 1),
             "train_micro_batch_size_per_gpu": _integer(
                 "train_micro_batch_size_per_gpu", self.train_micro_batch_size_per_gpu, 1, none=True
             ),
             "train_batch_size": _integer("train_batch_size", self.train_batch_size, 1, none=True),
             "precision": _choice(
-                "precision", self.precision, _PRECISIONS,
+                "precision",
+                self.precision,
+                _PRECISIONS,
                 "one of '32-true', 'bf16-mixed', '16-mixed', 'bf16-true', '16-true' (or 32, '32', 'bf16', 16, '16')",
             ),
             "loss_scale": _real("loss_scale", self.loss_scale, 0.0),
             "initial_scale_power": _integer("initial_scale_power", self.initial_scale_power, 0, maximum=64),
             "loss_scale_window": _integer("loss_scale_window", self.loss_scale_window, 1),
             "hysteresis": _integer("hysteresis", self.hysteresis, 1),
+            "consecutive_hysteresis": _flag("consecutive_hysteresis", self.consecutive_hysteresis),
             "min_loss_scale": _real("min_loss_scale", self.min_loss_scale, 0.0, exclusive=True),
             "max_consecutive_min_scale_skips": _integer(
                 "max_consecutive_min_scale_skips", self.max_consecutive_min_scale_skips, 1
@@ -339,16 +375,23 @@ class ZeroConfig:
         Raises, naming the three numbers, when train_batch_size != micro-batch x accumulation x world size."""
         if self.train_batch_size is None:
             return self
-        total, accumulation, micro = self.train_batch_size, self.gradient_accumulation_steps, \
-            self.train_micro_batch_size_per_gpu
+        total, accumulation, micro = (
+            self.train_batch_size,
+            self.gradient_accumulation_steps,
+            self.train_micro_batch_size_per_gpu,
+        )
         if micro is None and total % (accumulation * world_size) == 0:
             micro = total // (accumulation * world_size)
         elif micro is not None and accumulation == 1 and total % (micro * world_size) == 0:
             accumulation = total // (micro * world_size)
         if micro is None or total != micro * accumulation * world_size:
-            raise ZeroConfigError("train_batch_size", (
-                f"ZeroConfig.train_batch_size={total} is not train_micro_batch_size_per_gpu={micro} x "
-                f"gradient_accumulation_steps={accumulation} x world size {world_size}; change one of the three"))
+            raise ZeroConfigError(
+                "train_batch_size",
+                (
+                    f"ZeroConfig.train_batch_size={total} is not train_micro_batch_size_per_gpu={micro} x "
+                    f"gradient_accumulation_steps={accumulation} x world size {world_size}; change one of the three"
+                ),
+            )
         return self.replace(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accumulation)
 
     def resolve_auto(self, hidden_size: int) -> ZeroConfig:
@@ -363,59 +406,10 @@ class ZeroConfig:
         """Whether some size is still "auto" and ``resolve_auto`` must run before the engine reads it."""
         return AUTO in (self.reduce_bucket_size, self.prefetch_bucket_size, self.param_persistence_threshold)
 
-    @property
-    def partitions_optimizer(self) -> bool:
-        """Each rank holds optimizer state (and fp32 master weights) for its shard only (stage >= 1)."""
-        return self.stage >= 1
-
-    @property
-    def partitions_gradients(self) -> bool:
-        """Each rank keeps only its shard of the reduced gradients (stage >= 2)."""
-        return self.stage >= 2
-
-    @property
-    def partitions_parameters(self) -> bool:
-        """Each rank holds only its parameter shard between uses (stage >= 3)."""
-        return self.stage >= 3
-
-    @property
-    def offloads(self) -> bool:
-        """Some model state lives off the device: ``offload_optimizer`` or ``offload_params`` is set."""
-        return self.offload_optimizer != "none" or self.offload_params != "none"
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        """Dtype of the parameters the forward pass sees."""
-        return _COMPUTE_DTYPES[self.precision.split("-")[0]]
-
-    @property
-    def master_weights_separate(self) -> bool:
-        """Mixed precision: the optimizer updates an fp32 copy distinct from the compute weights."""
-        return self.precision.endswith("-mixed")
-
-    @property
-    def uses_loss_scaling(self) -> bool:
-        """fp16 compute: gradients need loss scaling to stay representable."""
-        return self.precision.startswith("16-")
-
-    @property
-    def gradient_communication_dtype(self) -> torch.dtype:
-        """``communication_dtype`` with auto resolved: bf16 for bf16 training, fp32 otherwise."""
-        if self.communication_dtype is not None:
-            return _DTYPES[self.communication_dtype]
-        return torch.bfloat16 if self.precision.startswith("bf16") else torch.float32
-
-    @property
-    def gradient_accumulation_dtype(self) -> torch.dtype:
-        """``grad_accum_dtype`` resolved: the compute dtype unless set."""
-        return _DTYPES[self.grad_accum_dtype] if self.grad_accum_dtype is not None else self.compute_dtype
-
-    def gradient_collective(self, backend: str) -> str:
-        """``gradient_reduction`` with auto resolved for a process-group backend: all_reduce on gloo
-        (measured faster there than its reduce_scatter), reduce_scatter elsewhere."""
-        if self.gradient_reduction != AUTO:
-            return self.gradient_reduction
-        return "all_reduce" if backend == "gloo" else "reduce_scatter"
+    @functools.cached_property
+    def plan(self) -> ZeroPlan:
+        """What these settings mean for sharding, dtypes and communication, derived once (see ``ZeroPlan``)."""
+        return ZeroPlan.of(self)
 
 
 def _check_field_names(options: Mapping[str, Any]) -> None:
@@ -448,7 +442,13 @@ def _only_true(name: str, value: Any, why: str) -> bool:
 
 
 def _integer(
-    name: str, value: Any, minimum: int, *, maximum: int | None = None, auto: bool = False, none: bool = False,
+    name: str,
+    value: Any,
+    minimum: int,
+    *,
+    maximum: int | None = None,
+    auto: bool = False,
+    none: bool = False,
     units: bool = False,
 ) -> int | str:
     words = (AUTO,) * auto + (UNITS,) * units
@@ -474,8 +474,11 @@ def _real(name: str, value: Any, minimum: float, *, exclusive: bool = False) -> 
 def _needs_stage(name: str, value: Any, stage: Any, minimum: int, off: Any = False) -> Any:
     """``value`` unless it turns on a feature that ``stage`` (already validated or not) does not have."""
     if value != off and (not isinstance(stage, int) or stage < minimum):
-        raise ZeroConfigError(name, f"ZeroConfig.{name}={value!r} is not allowed with stage={stage!r}; "
-                                    f"it needs stage >= {minimum} (or {name}={off!r})")
+        raise ZeroConfigError(
+            name,
+            f"ZeroConfig.{name}={value!r} is not allowed with stage={stage!r}; "
+            f"it needs stage >= {minimum} (or {name}={off!r})",
+        )
     return value
 
 
@@ -484,9 +487,12 @@ def _nvme_path(value: Any, offload_optimizer: Any, offload_params: Any) -> str |
     if value is not None and not (isinstance(value, (str, os.PathLike)) and str(value)):
         raise _reject("nvme_path", value, "a directory path or None")
     if value is None and "nvme" in (offload_optimizer, offload_params):
-        raise ZeroConfigError("nvme_path", f"ZeroConfig.nvme_path=None is not allowed with offload_optimizer="
-                                           f"{offload_optimizer!r}, offload_params={offload_params!r}; NVMe offload "
-                                           f"needs a directory for its files")
+        raise ZeroConfigError(
+            "nvme_path",
+            f"ZeroConfig.nvme_path=None is not allowed with offload_optimizer="
+            f"{offload_optimizer!r}, offload_params={offload_params!r}; NVMe offload "
+            f"needs a directory for its files",
+        )
     return None if value is None else os.fspath(value)
 
 
@@ -495,8 +501,11 @@ def _offload_ratio(value: Any, offload_optimizer: Any) -> float:
     if ratio > 1.0:
         raise _reject("offload_ratio", value, "a number between 0 and 1")
     if ratio != 1.0 and offload_optimizer == "none":
-        raise ZeroConfigError("offload_ratio", f"ZeroConfig.offload_ratio={value!r} is not allowed with "
-                                               f"offload_optimizer='none'; it needs offload_optimizer 'cpu' or 'nvme'")
+        raise ZeroConfigError(
+            "offload_ratio",
+            f"ZeroConfig.offload_ratio={value!r} is not allowed with "
+            f"offload_optimizer='none'; it needs offload_optimizer 'cpu' or 'nvme'",
+        )
     return ratio
 
 

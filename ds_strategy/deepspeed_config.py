@@ -17,6 +17,7 @@ Note: [What an absent key means in a DeepSpeed config]
     - ``train_batch_size`` is kept and checked against micro-batch x accumulation x world size at setup
       (``ZeroConfig.resolve_batch_sizes``), where the world size is known.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,12 +37,25 @@ from ds_strategy.deepspeed.optimizer_section import (
 from ds_strategy.deepspeed.rule_kinds import Kind, Rule, Table
 
 # ZeroConfig fields whose default differs from (or may drift from) DeepSpeed's -> the rule holding DeepSpeed's.
-_DEEPSPEED_DEFAULTS = {"gradient_clipping": DEEPSPEED["gradient_clipping"],
-                       **{name: ZERO_OPTIMIZATION[name] for name in (
-                           "stage", "reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size",
-                           "param_persistence_threshold", "max_live_parameters", "sub_group_size")}}
-_OFFLOAD_MIN_STAGE = {"offload_optimizer": ("zero_optimization.offload_optimizer", 1),
-                      "offload_params": ("zero_optimization.offload_param", 3)}
+_DEEPSPEED_DEFAULTS = {
+    "gradient_clipping": DEEPSPEED["gradient_clipping"],
+    **{
+        name: ZERO_OPTIMIZATION[name]
+        for name in (
+            "stage",
+            "reduce_bucket_size",
+            "allgather_bucket_size",
+            "prefetch_bucket_size",
+            "param_persistence_threshold",
+            "max_live_parameters",
+            "sub_group_size",
+        )
+    },
+}
+_OFFLOAD_MIN_STAGE = {
+    "offload_optimizer": ("zero_optimization.offload_optimizer", 1),
+    "offload_params": ("zero_optimization.offload_param", 3),
+}
 
 
 class DeepSpeedConfigWarning(UserWarning):
@@ -82,8 +96,10 @@ def read_deepspeed_config(ds: Mapping[str, Any] | str | os.PathLike) -> DeepSpee
             continue
         for name, field_value in rule.translate(key, value).items():
             if name in fields and fields[name] != field_value:
-                raise ValueError(f"DeepSpeed {key}={value!r} conflicts with {origins[name]}: both set "
-                                 f"ZeroConfig.{name}; keep only one")
+                raise ValueError(
+                    f"DeepSpeed {key}={value!r} conflicts with {origins[name]}: both set "
+                    f"ZeroConfig.{name}; keep only one"
+                )
             fields[name], origins[name] = field_value, f"{key}={value!r}"
     ignored = _apply_deepspeed_defaults(fields, origins)
     if unknown:

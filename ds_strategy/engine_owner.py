@@ -1,9 +1,16 @@
-"""What every framework adapter that owns a ZeroEngine shares: the strategy names and the engine's reports."""
+"""What every framework adapter that owns a ZeroEngine shares: how it builds one, the strategy names, the reports."""
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
+
+from .auto_values import hidden_size_of
+from .config import ZeroConfig
+from .zero.engine import ZeroEngine
 
 # Strategy names every adapter registers (Lightning, pytorch_lightning, Fabric, Hydra's ``strategy`` group), and
 # the ZeroConfig fields each one sets.
@@ -15,6 +22,24 @@ PRESETS: dict[str, dict[str, Any]] = {
     "zero2_offload": {"stage": 2, "offload_optimizer": "cpu", "pin_memory": True},
     "zero3_offload": {"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu", "pin_memory": True},
 }
+
+
+def build_engine(
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    config: ZeroConfig,
+    *,
+    device: torch.device,
+    log: Callable[[str], Any],
+) -> ZeroEngine:
+    """The one way the adapters build an engine: ``config``'s "auto" sizes resolved from ``module``'s hidden size
+    (before stage 3 shards it, when its parameters still have their shapes), the engine built on ``device``, and
+    its summary handed to ``log`` (the framework's rank-zero logger)."""
+    if config.has_auto_values:
+        config = config.resolve_auto(hidden_size_of(module))
+    engine = ZeroEngine(module, optimizer, config, device=device)
+    log(engine.summary())
+    return engine
 
 
 class EngineOwnerMixin:
@@ -35,8 +60,9 @@ class EngineOwnerMixin:
         """Load pretrained weights into the set-up model, each rank reading only its shards (after
         ``fabric.setup``; in Lightning from a hook such as ``on_fit_start``); see ``ZeroEngine.load_weights``."""
         if self.engine is None:
-            raise RuntimeError("load_pretrained needs the model set up first (fabric.setup, or a Lightning hook "
-                               "from on_fit_start on)")
+            raise RuntimeError(
+                "load_pretrained needs the model set up first (fabric.setup, or a Lightning hook from on_fit_start on)"
+            )
         self.engine.load_weights(path, prefix)
 
     def teardown(self) -> None:

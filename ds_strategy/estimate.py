@@ -13,7 +13,8 @@ three terms by N:
 ``estimate_memory(7.5e9, 64)`` reproduces that table exactly. Other precisions change the bytes per parameter
 (fp32: 4 + 4 + 8; "-true" half precision: 2 + 2 + 4, no master copy, half-precision moments).
 
-Note: what a real model adds. Given a module or a ``config`` (or ``largest_layer`` / ``reduce_bucket_size``), the
+Note: [What a real model adds]
+Given a module or a ``config`` (or ``largest_layer`` / ``reduce_bucket_size``), the
 estimate adds what the engine really allocates beyond the paper's terms, as peaks within a step:
   * stage 3 gathers a unit in full while it computes, plus up to ``prefetch_bucket_size`` elements of the units
     that follow, the whole bounded by ``max_live_parameters`` (never below one unit) and by the model; the
@@ -24,12 +25,13 @@ estimate adds what the engine really allocates beyond the paper's terms, as peak
     ``memory_report()`` does.
 Activations are not model state and are not estimated.
 
-Note: offload (DeepSpeed's ZeRO-Offload and ZeRO-Infinity semantics). ``offload_optimizer="cpu"`` (stage >= 1)
-moves the optimizer state to host memory, together with the fp32 gradient partition the host optimizer reads;
-``"nvme"`` (stage >= 1, as the engine allows) moves the optimizer state to NVMe. ``offload_params="cpu"|"nvme"`` (stage 3) keeps each
-rank's parameter partition there; the gathered working set stays on the device. Staging buffers of the
-NVMe path are not counted.
+Note: [Offload (DeepSpeed's ZeRO-Offload and ZeRO-Infinity semantics)]
+``offload_optimizer="cpu"`` (stage >= 1) moves the optimizer state to host memory, together with the fp32 gradient
+partition the host optimizer reads; ``"nvme"`` (stage >= 1, as the engine allows) moves the optimizer state to NVMe.
+``offload_params="cpu"|"nvme"`` (stage 3) keeps each rank's parameter partition there; the gathered working set stays on
+the device. Staging buffers of the NVMe path are not counted.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -71,7 +73,9 @@ class ModelSize:
         """
         config = config or ZeroConfig()
         threshold = config.param_persistence_threshold
-        threshold = ZeroConfig.__dataclass_fields__["param_persistence_threshold"].default if threshold == "auto" else threshold
+        threshold = (
+            ZeroConfig.__dataclass_fields__["param_persistence_threshold"].default if threshold == "auto" else threshold
+        )
         unique = {id(p): p for p in module.parameters()}
         trainable = {k: p for k, p in unique.items() if p.requires_grad}
         units = select_unit_modules(module, config.unit_modules, config.unit_min_params)
@@ -170,8 +174,11 @@ def estimate_memory(
     per_param = BytesPerParam.of(precision, optimizer_states)
     precision = ZeroConfig(precision=precision).precision
     if stage is None:
-        return {s: _estimate(size, world_size, s, offload_optimizer, offload_params, precision, per_param, buckets)
-                for s in STAGES if _offload_error(s, offload_optimizer, offload_params) is None}
+        return {
+            s: _estimate(size, world_size, s, offload_optimizer, offload_params, precision, per_param, buckets)
+            for s in STAGES
+            if _offload_error(s, offload_optimizer, offload_params) is None
+        }
     return _estimate(size, world_size, stage, offload_optimizer, offload_params, precision, per_param, buckets)
 
 
@@ -198,8 +205,10 @@ def _model_size(model, largest_layer, reduce_bucket_size, config) -> tuple[Model
     elif isinstance(model, (int, float)) and not isinstance(model, bool) and model >= 1:
         size = ModelSize(params=int(model))
     else:
-        raise ValueError(f"estimate_memory model_or_param_count={model!r} is not allowed; expected an nn.Module, "
-                         f"a ModelSize or a parameter count >= 1")
+        raise ValueError(
+            f"estimate_memory model_or_param_count={model!r} is not allowed; expected an nn.Module, "
+            f"a ModelSize or a parameter count >= 1"
+        )
     if largest_layer is not None:
         if largest_layer < 0:
             raise ValueError(f"estimate_memory largest_layer={largest_layer!r} is not allowed; expected >= 0")
@@ -214,8 +223,12 @@ def _model_size(model, largest_layer, reduce_bucket_size, config) -> tuple[Model
         """The size in elements: "auto" estimated at the default, "units" as the largest unit (the engine's rule)."""
         value = getattr(config if getattr(config, name) != "auto" else defaults, name)
         return size.largest_unit if value == UNITS else int(value)
-    return size, _Buckets(reduce=reduce_bucket_size if reduce_bucket_size is not None else known("reduce_bucket_size"),
-                          prefetch=known("prefetch_bucket_size"), max_live=config.max_live_parameters)
+
+    return size, _Buckets(
+        reduce=reduce_bucket_size if reduce_bucket_size is not None else known("reduce_bucket_size"),
+        prefetch=known("prefetch_bucket_size"),
+        max_live=config.max_live_parameters,
+    )
 
 
 def _offload_error(stage: int, offload_optimizer: str, offload_params: str) -> str | None:
@@ -231,8 +244,16 @@ def _offload_error(stage: int, offload_optimizer: str, offload_params: str) -> s
     return None
 
 
-def _estimate(size: ModelSize, n: int, stage: int, offload_optimizer: str, offload_params: str, precision: str,
-              per_param: BytesPerParam, buckets: _Buckets) -> MemoryEstimate:
+def _estimate(
+    size: ModelSize,
+    n: int,
+    stage: int,
+    offload_optimizer: str,
+    offload_params: str,
+    precision: str,
+    per_param: BytesPerParam,
+    buckets: _Buckets,
+) -> MemoryEstimate:
     error = _offload_error(stage, offload_optimizer, offload_params)
     if error is not None:
         raise ValueError(f"estimate_memory {error}")

@@ -3,6 +3,7 @@
 ``RssAnon`` counts heap and anonymous mappings only, not file-backed pages (a memory-mapped checkpoint being read),
 which ``ru_maxrss`` and ``VmHWM`` include; so it measures what a rank holds, not what the page cache lends it.
 """
+
 from __future__ import annotations
 
 import threading

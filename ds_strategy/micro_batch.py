@@ -1,4 +1,5 @@
 """The micro-batch a config promises, checked against the first batch the data loader actually yields."""
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -27,5 +28,7 @@ def check_micro_batch(config: ZeroConfig, batch: Any) -> None:
     expected = config.train_micro_batch_size_per_gpu
     actual = leading_batch_size(batch)
     if expected is not None and actual is not None and actual != expected:
-        raise ValueError(f"ZeroConfig.train_micro_batch_size_per_gpu={expected} but the data loader's first batch "
-                         f"holds {actual} samples; make the loader's batch_size {expected} or change the config")
+        raise ValueError(
+            f"ZeroConfig.train_micro_batch_size_per_gpu={expected} but the data loader's first batch "
+            f"holds {actual} samples; make the loader's batch_size {expected} or change the config"
+        )

@@ -6,6 +6,7 @@ so the adapters hand the framework a plain full-precision plugin and fold the fl
 full precision defers to the config, a config left at its default defers to the flag, and two different explicit
 choices are an error naming both.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,5 +29,7 @@ def reconcile_precision(config: ZeroConfig, flag: object, source: str) -> ZeroCo
         return config
     if config.precision == _DEFAULT:
         return wanted
-    raise ValueError(f"{source}={flag!r} conflicts with ZeroConfig.precision={config.precision!r}; "
-                     f"set the precision in one place only")
+    raise ValueError(
+        f"{source}={flag!r} conflicts with ZeroConfig.precision={config.precision!r}; "
+        f"set the precision in one place only"
+    )

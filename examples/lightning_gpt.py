@@ -1,11 +1,12 @@
 """The LightningModule, data loader and summary callback that ``train.py`` and ``train_deepspeed_json.py`` share."""
+
 import lightning as L
 import torch
+from run_summary import RunSummary
 from torch.utils.data import DataLoader
 
 from ds_strategy.data import CharDataset, stdlib_tokens
 from ds_strategy.models import GPT, GPTConfig
-from run_summary import RunSummary
 
 
 def char_loader(config: GPTConfig, corpus_bytes: int, batch_size: int, num_workers: int = 0) -> DataLoader:

@@ -4,6 +4,7 @@ Each example records one globally averaged loss per optimizer step and, at the e
 ``memory_report()``. Rank 0 prints a short summary and writes ``summary.json``, which the end-to-end tests read to
 check that the loss went down and that each rank held 1/N of the optimizer state.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,9 +41,14 @@ class RunSummary:
             reports = [None] * world_size
             dist.all_gather_object(reports, memory_report)
         summary = {
-            "entry_point": self.entry_point, "stage": stage, "world_size": world_size,
-            "trainable_params": trainable_params, "steps": len(self.losses),
-            "first_loss": self.losses[0], "final_loss": self.losses[-1], "losses": self.losses,
+            "entry_point": self.entry_point,
+            "stage": stage,
+            "world_size": world_size,
+            "trainable_params": trainable_params,
+            "steps": len(self.losses),
+            "first_loss": self.losses[0],
+            "final_loss": self.losses[-1],
+            "losses": self.losses,
             "tokens_per_s": self.tokens_per_second(),
             "bytes_per_rank": [{kind: sum(places.values()) for kind, places in r.items()} for r in reports],
             "memory_reports": reports,
@@ -51,9 +57,12 @@ class RunSummary:
             Path(out_dir).mkdir(parents=True, exist_ok=True)
             Path(out_dir, "summary.json").write_text(json.dumps(summary, indent=1))
             per_rank = summary["bytes_per_rank"][0]
-            print(f"\n{self.entry_point}: ZeRO stage {stage} on {world_size} ranks, {len(self.losses)} steps, "
-                  f"final loss {self.losses[-1]:.3f} (first {self.losses[0]:.3f}), "
-                  f"{summary['tokens_per_s']:,.0f} tokens/s\n"
-                  f"bytes per rank: " + ", ".join(f"{k} {v / MIB:.2f} MiB" for k, v in per_rank.items())
-                  + f"\nsummary and checkpoint in {Path(out_dir).resolve()}")
+            print(
+                f"\n{self.entry_point}: ZeRO stage {stage} on {world_size} ranks, {len(self.losses)} steps, "
+                f"final loss {self.losses[-1]:.3f} (first {self.losses[0]:.3f}), "
+                f"{summary['tokens_per_s']:,.0f} tokens/s\n"
+                f"bytes per rank: "
+                + ", ".join(f"{k} {v / MIB:.2f} MiB" for k, v in per_rank.items())
+                + f"\nsummary and checkpoint in {Path(out_dir).resolve()}"
+            )
         return summary

@@ -11,17 +11,18 @@ defaults are ``configs/train.yaml`` (installed as ``pkg://ds_strategy.configs``)
 setup and loss and tokens/s in the progress bar, and ends by writing a checkpoint and ``summary.json`` (final
 loss, tokens/s, bytes per rank) to Hydra's output directory.
 """
+
 from pathlib import Path
 
 import hydra
 import lightning as L
 from hydra.core.hydra_config import HydraConfig
+from lightning_gpt import CharGPT, SummaryCallback, char_loader
 from omegaconf import DictConfig
 
 from ds_strategy import ZeroStrategy
 from ds_strategy.hydra import zero_config
 from ds_strategy.models import GPTConfig
-from lightning_gpt import CharGPT, SummaryCallback, char_loader
 
 
 @hydra.main(config_path="pkg://ds_strategy.configs", config_name="train", version_base="1.3")
@@ -33,8 +34,13 @@ def main(cfg: DictConfig) -> None:
     out_dir = Path(HydraConfig.get().runtime.output_dir)
 
     callback = SummaryCallback("lightning", cfg.data.batch_size, model_config.block_size)
-    trainer = L.Trainer(strategy=ZeroStrategy(zero), precision=zero.precision, callbacks=[callback],
-                        default_root_dir=out_dir, **cfg.trainer)
+    trainer = L.Trainer(
+        strategy=ZeroStrategy(zero),
+        precision=zero.precision,
+        callbacks=[callback],
+        default_root_dir=out_dir,
+        **cfg.trainer,
+    )
     module = CharGPT(model_config, cfg.lr, cfg.weight_decay)
     trainer.fit(module, loader)
 

@@ -8,17 +8,19 @@ section to ``ZeroAccelerator`` through ``$DS_STRATEGY_CONFIG``; with plain ``acc
 yourself (inline JSON or a file path). On a machine without GPUs the processes train on CPU. Ends by saving the
 state with ``accelerator.save_state`` and printing the run summary (final loss, tokens/s, bytes per rank).
 """
+
 import argparse
 from pathlib import Path
 
 import torch
+from accelerate.utils import DummyOptim, DummyScheduler
+from run_summary import RunSummary
 from torch.utils.data import DataLoader
+from training_args import training_parser
 
 from ds_strategy.accelerate import ZeroAccelerator
 from ds_strategy.data import CharDataset, stdlib_tokens
 from ds_strategy.models import GPT, gpt_config
-from run_summary import RunSummary
-from training_args import training_parser
 
 
 def parse_args() -> argparse.Namespace:
@@ -32,10 +34,20 @@ def main() -> None:
 
     config = gpt_config(args.model)
     model = GPT(config)
-    optimizer = torch.optim.AdamW(model.optimizer_param_groups(weight_decay=0.1), lr=args.lr)
     dataset = CharDataset(stdlib_tokens(config.vocab_size, args.corpus_bytes), config.block_size)
     loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    # A DeepSpeed config's optimizer/scheduler sections build the real ones: pass placeholders, as with accelerate's
+    # own DeepSpeed back-end (the sections' "auto" values come from them).
+    sections = accelerator.deepspeed_sections
+    optimizer_cls = DummyOptim if "optimizer" in sections else torch.optim.AdamW
+    optimizer = optimizer_cls(model.optimizer_param_groups(weight_decay=0.1), lr=args.lr)
+    if "scheduler" in sections:
+        steps = args.max_steps or len(loader) // args.accumulate
+        scheduler = DummyScheduler(optimizer, total_num_steps=steps, warmup_num_steps=steps // 10)
+        model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    else:
+        scheduler = None
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 
     tokens_per_step = args.batch_size * config.block_size * args.accumulate * accelerator.num_processes
     summary = RunSummary("accelerate", tokens_per_step)
@@ -48,6 +60,8 @@ def main() -> None:
             if accelerator.sync_gradients:
                 accelerator.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
             optimizer.zero_grad()
         if accelerator.sync_gradients:
             tokens_per_s = summary.record(accelerator.reduce(step_loss, reduction="mean").item())
@@ -59,8 +73,12 @@ def main() -> None:
                 break
 
     accelerator.save_state(Path(args.out, "checkpoint"))
-    summary.finish(accelerator.memory_report(), accelerator.zero_config.stage,
-                   sum(p.numel() for p in model.parameters() if p.requires_grad), args.out)
+    summary.finish(
+        accelerator.memory_report(),
+        accelerator.zero_config.stage,
+        sum(p.numel() for p in model.parameters() if p.requires_grad),
+        args.out,
+    )
 
 
 if __name__ == "__main__":

@@ -3,19 +3,21 @@
     python examples/train_deepspeed_json.py                        # examples/ds_config.json, 2 CPU processes
     python examples/train_deepspeed_json.py --ds-config my_config.json --max-steps 200
 
-``ZeroStrategy.from_deepspeed_config`` reads the config with DeepSpeed's meaning (every key DeepSpeed accepts has
-a rule: mapped onto a ZeroConfig, accepted with no effect, or rejected naming the key; see the README's DeepSpeed
-table), and builds the config's ``optimizer``/``scheduler`` sections when ``configure_optimizers`` returns None. The Trainer runs accumulation and clipping, so this script passes the
-config's accumulation steps and micro-batch size to it (the strategy checks they agree).
+``ZeroStrategy.from_deepspeed_config`` reads the config with DeepSpeed's meaning (every key DeepSpeed accepts has a
+rule: mapped onto a ZeroConfig, accepted with no effect, or rejected naming the key; see the README's DeepSpeed table),
+and builds the config's ``optimizer``/``scheduler`` sections when ``configure_optimizers`` returns None. The Trainer
+runs accumulation and clipping, so this script passes the config's accumulation steps and micro-batch size to it (the
+strategy checks they agree).
 """
+
 import argparse
 from pathlib import Path
 
 import lightning as L
+from lightning_gpt import CharGPT, SummaryCallback, char_loader
 
 from ds_strategy import ZeroStrategy
 from ds_strategy.models import gpt_config
-from lightning_gpt import CharGPT, SummaryCallback, char_loader
 
 
 def main() -> None:
@@ -32,9 +34,17 @@ def main() -> None:
     model_config = gpt_config("tiny")
     batch_size = zero.train_micro_batch_size_per_gpu or 16
     callback = SummaryCallback("deepspeed-json", batch_size, model_config.block_size)
-    trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.max_steps,
-                        accumulate_grad_batches=zero.gradient_accumulation_steps, callbacks=[callback],
-                        default_root_dir=args.out, log_every_n_steps=10, enable_checkpointing=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=strategy,
+        max_steps=args.max_steps,
+        accumulate_grad_batches=zero.gradient_accumulation_steps,
+        callbacks=[callback],
+        default_root_dir=args.out,
+        log_every_n_steps=10,
+        enable_checkpointing=False,
+    )
     module = CharGPT(model_config, lr=3e-3, weight_decay=0.1)
     trainer.fit(module, char_loader(model_config, 1_000_000, batch_size))
 

@@ -7,18 +7,19 @@
 optimizer state (and, from zero2, the gradients) across the processes. Ends by saving a checkpoint with
 ``fabric.save`` and printing the run summary (final loss, tokens/s, bytes per rank).
 """
+
 import argparse
 from pathlib import Path
 
 import lightning as L
 import torch
+from run_summary import RunSummary
 from torch.utils.data import DataLoader
+from training_args import training_parser
 
 import ds_strategy  # noqa: F401  (registers the zero* strategy names with Fabric)
 from ds_strategy.data import CharDataset, stdlib_tokens
 from ds_strategy.models import GPT, gpt_config
-from run_summary import RunSummary
-from training_args import training_parser
 
 
 def parse_args() -> argparse.Namespace:
@@ -32,8 +33,9 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    fabric = L.Fabric(accelerator=args.accelerator, devices=args.devices, strategy=args.strategy,
-                      precision=args.precision)
+    fabric = L.Fabric(
+        accelerator=args.accelerator, devices=args.devices, strategy=args.strategy, precision=args.precision
+    )
     fabric.launch()
     fabric.seed_everything(0)
 
@@ -63,8 +65,12 @@ def main() -> None:
             fabric.print(f"step {step:4d}  loss {summary.losses[-1]:.3f}  {tokens_per_s:,.0f} tokens/s")
 
     fabric.save(Path(args.out, "checkpoint.ckpt"), {"model": model, "optimizer": optimizer, "step": step})
-    summary.finish(fabric.strategy.memory_report(), fabric.strategy.config.stage,
-                   sum(p.numel() for p in model.parameters() if p.requires_grad), args.out)
+    summary.finish(
+        fabric.strategy.memory_report(),
+        fabric.strategy.config.stage,
+        sum(p.numel() for p in model.parameters() if p.requires_grad),
+        args.out,
+    )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """The command-line options every example's training loop shares (model, steps, batches, data, output)."""
+
 import argparse
 
 

@@ -6,7 +6,8 @@ the reference for everything else, every CPU tensor included. A caller may force
 on CPU tensors, which Triton then runs through its interpreter. The Triton modules are imported on first use,
 so a machine without Triton never needs it.
 
-Note: Triton's interpreter on CPU tensors. Triton fixes interpret-or-compile when each ``@triton.jit``
+Note: [Triton's interpreter on CPU tensors]
+Triton fixes interpret-or-compile when each ``@triton.jit``
 function is defined, its own ``triton.language`` helpers included, so ``TRITON_INTERPRET=1`` only takes effect
 if it is in the environment before ``triton.language`` is first imported (Lightning and ``torch._dynamo`` may
 import it early; ``tests/conftest.py`` sets it before anything else). The interpreter is slow, about 2-10 us
@@ -64,13 +65,14 @@ def select_backend(tensor: Tensor, backend: Backend | str | None = None) -> Back
         if not triton_available():
             raise RuntimeError("backend='triton' was forced but triton is not installed")
         if tensor.device.type == "cpu" and not interpreter_requested():
-            raise RuntimeError("backend='triton' was forced on a CPU tensor, which needs Triton's interpreter: set "
-                               "TRITON_INTERPRET=1 in the environment before triton is first imported")
+            raise RuntimeError(
+                "backend='triton' was forced on a CPU tensor, which needs Triton's interpreter: set "
+                "TRITON_INTERPRET=1 in the environment before triton is first imported"
+            )
     return chosen
 
 
-def unscale_and_check(grad: Tensor, inv_scale: float,
-                      backend: Backend | str | None = None) -> tuple[Tensor, Tensor]:
+def unscale_and_check(grad: Tensor, inv_scale: float, backend: Backend | str | None = None) -> tuple[Tensor, Tensor]:
     """Unscale a flat gradient shard in place; return fp32 scalars ``(sq_norm, found_inf)``.
 
     ``sq_norm`` is the sum of squares of the unscaled gradient and is meaningless when ``found_inf`` is 1
@@ -85,8 +87,9 @@ def unscale_and_check(grad: Tensor, inv_scale: float,
     return unscale_and_check_reference(grad, inv_scale)
 
 
-def quantize_blockwise(x: Tensor, block_size: int = 256, bits: int = 8,
-                       backend: Backend | str | None = None) -> tuple[Tensor, Tensor]:
+def quantize_blockwise(
+    x: Tensor, block_size: int = 256, bits: int = 8, backend: Backend | str | None = None
+) -> tuple[Tensor, Tensor]:
     """Quantise flat ``x`` to ``(q int8 [n_blocks * block_size * bits / 8], scales fp32 [n_blocks])``.
 
     Symmetric, one scale ``max|x| / QMAX`` per block (QMAX 127 for ``bits=8``, 7 for ``bits=4``, two values
@@ -103,15 +106,18 @@ def quantize_blockwise(x: Tensor, block_size: int = 256, bits: int = 8,
     return quantize_blockwise_reference(x, block_size, bits)
 
 
-def dequantize_blockwise(q: Tensor, scales: Tensor, numel: int, dtype: torch.dtype, bits: int = 8,
-                         backend: Backend | str | None = None) -> Tensor:
+def dequantize_blockwise(
+    q: Tensor, scales: Tensor, numel: int, dtype: torch.dtype, bits: int = 8, backend: Backend | str | None = None
+) -> Tensor:
     """Invert ``quantize_blockwise``: a flat ``dtype`` tensor of the first ``numel`` dequantised values."""
     _require_flat(q, "q", (torch.int8,))
     _require_flat(scales, "scales", (torch.float32,))
     _require_bits(bits)
     if not _is_quantized_shape(q.numel() * 8 // bits, scales.numel(), numel):
-        raise ValueError(f"q ({q.numel()} bytes of {bits}-bit values) and scales ({scales.numel()} blocks) "
-                         f"are not what quantize_blockwise makes of numel={numel} values")
+        raise ValueError(
+            f"q ({q.numel()} bytes of {bits}-bit values) and scales ({scales.numel()} blocks) "
+            f"are not what quantize_blockwise makes of numel={numel} values"
+        )
     if select_backend(q, backend) is Backend.TRITON:
         from .quantize import dequantize_blockwise_triton
 

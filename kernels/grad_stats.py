@@ -2,7 +2,7 @@
 
 The plain-PyTorch statement of the same function is ``grad_stats_reference.unscale_and_check_reference``.
 
-[Note: one pass over the gradient shard]
+Note: [One pass over the gradient shard]
 Before an fp16/bf16 optimizer step the engine needs three things from every gradient shard: the gradients
 divided by the loss scale, whether any of them is inf/nan (then the step is skipped on every rank), and their
 squared norm (for clipping). Done separately that is three reads and one write of the shard; here each
@@ -25,8 +25,9 @@ BLOCK_SIZE = 1024
 
 
 @triton.jit
-def _unscale_and_check_kernel(grad_ptr, sq_partial_ptr, inf_partial_ptr, numel, inv_scale,
-                              UNSCALE: tl.constexpr, BLOCK: tl.constexpr):
+def _unscale_and_check_kernel(
+    grad_ptr, sq_partial_ptr, inf_partial_ptr, numel, inv_scale, UNSCALE: tl.constexpr, BLOCK: tl.constexpr
+):
     """Unscale one block of the gradient in place; store its sum of squares and its inf/nan flag."""
     block = tl.program_id(0)
     offsets = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -48,6 +49,7 @@ def unscale_and_check_triton(grad: Tensor, inv_scale: float) -> tuple[Tensor, Te
     sq_partial = torch.empty(n_blocks, dtype=torch.float32, device=grad.device)
     inf_partial = torch.empty(n_blocks, dtype=torch.float32, device=grad.device)
     if n_blocks > 0:
-        _unscale_and_check_kernel[(n_blocks,)](grad, sq_partial, inf_partial, numel, float(inv_scale),
-                                               UNSCALE=inv_scale != 1.0, BLOCK=BLOCK_SIZE)
+        _unscale_and_check_kernel[(n_blocks,)](
+            grad, sq_partial, inf_partial, numel, float(inv_scale), UNSCALE=inv_scale != 1.0, BLOCK=BLOCK_SIZE
+        )
     return sq_partial.sum(), inf_partial.any().float()

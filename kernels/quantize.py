@@ -3,7 +3,7 @@
 The plain-PyTorch statement of the same functions, and the scheme itself, is in ``quantize_reference.py``.
 One program handles one block, so the block's ``max|x|`` is a single in-register reduction.
 
-[Note: matching the reference bit for bit]
+Note: [Matching the reference bit for bit]
 Triton's ``/`` on fp32 may compile to an approximate division, and libdevice's ``rint`` does not exist under
 the interpreter (``TRITON_INTERPRET=1``), so the kernel spells out both operations that must be exactly
 rounded: ``tl.math.div_rn`` for ``x / scale``, and ``_round_half_to_even`` for ``torch.round``. The latter

@@ -12,7 +12,8 @@ The scale is a product with the fp32 constant ``1/QMAX`` rather than a division 
 division by a Python scalar into that same product: written this way the reference gives the kernel's bits on
 either device.
 
-Note: int4 packing. Two 4-bit values share a byte: element ``2i`` in the low nibble (two's complement, 0..15),
+Note: [Int4 packing]
+Two 4-bit values share a byte: element ``2i`` in the low nibble (two's complement, 0..15),
 element ``2i + 1`` in the high one, i.e. ``byte = q_odd * 16 + (q_even & 15)``. With both in [-7, 7] that sum
 lies in [-112, 127], so it is an ordinary int8 with no wrap-around, and ``byte >> 4`` (arithmetic) gives
 ``q_odd`` back on any backend. A block of ``block_size`` values is ``block_size / 2`` bytes.
@@ -46,8 +47,7 @@ def quantize_blockwise_reference(x: Tensor, block_size: int = 256, bits: int = 8
     return q.flatten(), scales
 
 
-def dequantize_blockwise_reference(q: Tensor, scales: Tensor, numel: int, dtype: torch.dtype,
-                                   bits: int = 8) -> Tensor:
+def dequantize_blockwise_reference(q: Tensor, scales: Tensor, numel: int, dtype: torch.dtype, bits: int = 8) -> Tensor:
     """Undo ``quantize_blockwise_reference``: the first ``numel`` values of ``q * scale``, as ``dtype``."""
     if scales.numel() == 0:
         return torch.empty(0, dtype=dtype, device=q.device)

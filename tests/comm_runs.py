@@ -5,23 +5,30 @@ launches, the losses and final parameters; and a Lightning fit with its logged m
 ``two_rank_runs()`` and ``four_rank_runs()`` run everything once per pytest session; the test modules read
 the results.
 """
+
 import functools
 import os
+import time
 from dataclasses import dataclass
 
 import lightning as L
+import models
 import torch
 from distributed import run_ranks
 from lightning.pytorch.loggers.logger import Logger
 from torch.utils.data import DataLoader, TensorDataset
 
-import models
 from ds_strategy.config import ZeroConfig
 from ds_strategy.data import stdlib_tokens
 from ds_strategy.zero.engine import ZeroEngine
 
 NATIVE = {"gradient_reduction": "reduce_scatter"}  # the sharded collectives themselves, not their all-reduce stand-ins
 PARTITION_ALL = {"param_persistence_threshold": 0}
+# In the recorded step rank 1 pauses at its first gradient, before it launches any reduction, so rank 0's first
+# reduction cannot have completed when rank 0 checks it right after launching it. Without the pause, whether a
+# reduction is still in flight at that check is a race gloo often wins on an idle machine (the engine retires
+# completed reductions at once), and "a reduction overlaps backward" could not be observed reliably.
+PEER_DELAY_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,8 @@ def train(rank: int, world_size: int, run: Run) -> dict:
 
     def note(what: str, name: str) -> None:
         if recording[0]:
+            if what == "grad" and rank == 1 and not any(event[0] == "grad" for event in events):
+                time.sleep(PEER_DELAY_S)  # see PEER_DELAY_S
             events.append((what, name))
 
     engine.collectives.observers.append(on_collective)
@@ -63,7 +72,7 @@ def train(rank: int, world_size: int, run: Run) -> dict:
     steps, losses = [], []
     for step in range(run.steps):
         batch = (_text_batch if run.text else model.make_batch)(generator, run.per_rank_batch * world_size)
-        mine = tuple(t[rank * run.per_rank_batch:(rank + 1) * run.per_rank_batch] for t in batch)
+        mine = tuple(t[rank * run.per_rank_batch : (rank + 1) * run.per_rank_batch] for t in batch)
         recording[0] = step == run.record_step
         loss = model(mine)
         loss.backward()
@@ -73,13 +82,20 @@ def train(rank: int, world_size: int, run: Run) -> dict:
         engine.step()
         losses.append(loss.item())
         now = {group: engine.comm_stats(group) for group in engine.comm_groups}
-        steps.append({group: {kind: now[group][kind]["bytes"] - last[group][kind]["bytes"] for kind in now[group]}
-                      for group in now})
+        steps.append(
+            {
+                group: {kind: now[group][kind]["bytes"] - last[group][kind]["bytes"] for kind in now[group]}
+                for group in now
+            }
+        )
         last = now
-    return {"steps": steps, "events": events, "losses": losses,
-            "params": engine.full_state_dict(rank0_only=False),
-            "units": [[(fp.numel, fp.padded_numel, fp.shard_numel) for fp in unit.flat_params]
-                      for unit in engine.units]}
+    return {
+        "steps": steps,
+        "events": events,
+        "losses": losses,
+        "params": engine.full_state_dict(rank0_only=False),
+        "units": [[(fp.numel, fp.padded_numel, fp.shard_numel) for fp in unit.flat_params] for unit in engine.units],
+    }
 
 
 @functools.cache
@@ -91,14 +107,16 @@ def _text_batch(generator: torch.Generator, batch_size: int) -> tuple[torch.Tens
     """Random windows of the tiny GPT's block size from the standard library's source."""
     tokens, block = _text_tokens(), models.TinyGPT().config.block_size
     starts = torch.randint(len(tokens) - block - 1, (batch_size,), generator=generator)
-    windows = torch.stack([tokens[s:s + block + 1] for s in starts.tolist()])
+    windows = torch.stack([tokens[s : s + block + 1] for s in starts.tolist()])
     return windows[:, :-1], windows[:, 1:]
 
 
 def train_all(rank: int, world_size: int, runs: dict) -> dict:
     torch.set_num_threads(1)
-    return {name: train(rank, world_size, run) if isinstance(run, Run) else run(rank, world_size)
-            for name, run in runs.items()}
+    return {
+        name: train(rank, world_size, run) if isinstance(run, Run) else run(rank, world_size)
+        for name, run in runs.items()
+    }
 
 
 # -- Lightning ---------------------------------------------------------------------------------------------------
@@ -140,12 +158,24 @@ def fit_logging(rank: int, world_size: int, log_comm_stats: bool = True, steps: 
     idx, targets = models.TinyGPT.make_batch(torch.Generator().manual_seed(rank), 4 * steps)
     logger = MetricsLogger()
     strategy = ds_strategy.ZeroStrategy(stage=2, log_comm_stats=log_comm_stats, **NATIVE)
-    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps, logger=logger,
-                        log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, use_distributed_sampler=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=strategy,
+        max_steps=steps,
+        logger=logger,
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
     trainer.fit(GPTModule(), DataLoader(TensorDataset(idx, targets), batch_size=4))
-    return {"metrics": logger.metrics, "comm_stats": trainer.strategy.comm_stats(),
-            "padded": sum(fp.padded_numel for fp in trainer.strategy.engine.flat_params)}
+    return {
+        "metrics": logger.metrics,
+        "comm_stats": trainer.strategy.comm_stats(),
+        "padded": sum(fp.padded_numel for fp in trainer.strategy.engine.flat_params),
+    }
 
 
 def lightning_runs(rank: int, world_size: int) -> dict:
@@ -158,12 +188,16 @@ def _two_rank_plan() -> dict:
     plan["accounting stage 2, all-reduce"] = Run({"stage": 2, "gradient_reduction": "all_reduce"})
     for stage in (1, 2, 3):
         for overlap in (True, False):
-            plan[f"overlap stage {stage} {overlap}"] = Run({"stage": stage, "overlap_comm": overlap, **PARTITION_ALL},
-                                                           steps=4, record_step=2)
-    for name, options in {"plain": {}, "qwZ": {"zero_quantized_weights": True},
-                          "qgZ": {"zero_quantized_gradients": True},
-                          "qgZ int8": {"zero_quantized_gradients": True, "zero_quantized_gradients_bits": 8},
-                          "qwZ+qgZ": {"zero_quantized_weights": True, "zero_quantized_gradients": True}}.items():
+            plan[f"overlap stage {stage} {overlap}"] = Run(
+                {"stage": stage, "overlap_comm": overlap, **PARTITION_ALL}, steps=4, record_step=2
+            )
+    for name, options in {
+        "plain": {},
+        "qwZ": {"zero_quantized_weights": True},
+        "qgZ": {"zero_quantized_gradients": True},
+        "qgZ int8": {"zero_quantized_gradients": True, "zero_quantized_gradients_bits": 8},
+        "qwZ+qgZ": {"zero_quantized_weights": True, "zero_quantized_gradients": True},
+    }.items():
         plan[f"zero++ {name}"] = Run({"stage": 3, **NATIVE, **PARTITION_ALL, **options}, steps=50, text=True)
     plan["zero++ plain bf16"] = Run({"stage": 3, "precision": "bf16-mixed", **NATIVE, **PARTITION_ALL})
     plan["lightning"] = lightning_runs
@@ -171,11 +205,13 @@ def _two_rank_plan() -> dict:
 
 
 def _four_rank_plan() -> dict:
-    plan = {f"accounting stage {s}": Run({"stage": s, **NATIVE, **PARTITION_ALL}, per_rank_batch=2)
-            for s in (1, 2, 3)}
-    for name, options in {"plain": {}, "hpZ": {"zero_hpz_partition_size": 2},
-                          "qwZ": {"zero_quantized_weights": True},
-                          "qwZ+hpZ": {"zero_quantized_weights": True, "zero_hpz_partition_size": 2}}.items():
+    plan = {f"accounting stage {s}": Run({"stage": s, **NATIVE, **PARTITION_ALL}, per_rank_batch=2) for s in (1, 2, 3)}
+    for name, options in {
+        "plain": {},
+        "hpZ": {"zero_hpz_partition_size": 2},
+        "qwZ": {"zero_quantized_weights": True},
+        "qwZ+hpZ": {"zero_quantized_weights": True, "zero_hpz_partition_size": 2},
+    }.items():
         plan[f"zero3 {name}"] = Run({"stage": 3, **NATIVE, **PARTITION_ALL, **options}, steps=4, per_rank_batch=2)
     return plan
 

@@ -7,6 +7,7 @@ tensors by forcing ``backend="triton"``; every other test keeps the fast referen
 dispatch never sends CPU tensors to Triton whatever the environment says. Spawned ranks inherit the variable,
 harmlessly for the same reason. With a GPU the kernels are compiled and tested on CUDA tensors instead.
 """
+
 import os
 
 import torch

@@ -6,8 +6,10 @@ torchrun, so end-to-end tests run scripts with ``subprocess``, never in the pyte
 intra-op thread (two ranks share this machine's cores) and, for accelerate, its own free rendezvous port, because
 other test runs may share the machine.
 """
+
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -26,12 +28,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run(cmd: list, *, cwd: Path = REPO, env: dict | None = None, timeout: float = 150,
-        check: bool = True) -> subprocess.CompletedProcess:
+def run(
+    cmd: list, *, cwd: Path = REPO, env: dict | None = None, timeout: float = 150, check: bool = True
+) -> subprocess.CompletedProcess:
     """Run ``cmd``; with ``check``, a non-zero exit fails the test showing the end of the output."""
     environment = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    result = subprocess.run([str(c) for c in cmd], cwd=cwd, env=environment, capture_output=True, text=True,
-                            timeout=timeout)
+    result = subprocess.run(
+        [str(c) for c in cmd], cwd=cwd, env=environment, capture_output=True, text=True, timeout=timeout
+    )
     if check:
         assert_clean_exit(cmd, result)
     return result
@@ -43,8 +47,9 @@ EXIT_ABORT = "terminate called without an active exception"
 def assert_clean_exit(cmd: list, result: subprocess.CompletedProcess) -> None:
     """The run exited 0 and no process of it aborted (the abort message anywhere in stderr fails it, also when
     a launcher still exited 0): see ``ds_strategy/comm/process_exit.py``."""
-    assert result.returncode == 0 and EXIT_ABORT not in result.stderr, \
+    assert result.returncode == 0 and EXIT_ABORT not in result.stderr, (
         f"{cmd} exited {result.returncode}:\n{output(result)[-4000:]}"
+    )
 
 
 def run_gloo_exit_race(mode: str, pairs: int, timeout: float = 120) -> list[subprocess.CompletedProcess]:
@@ -53,9 +58,17 @@ def run_gloo_exit_race(mode: str, pairs: int, timeout: float = 120) -> list[subp
     ranks = []
     for _ in range(pairs):
         port = free_port()
-        ranks += [subprocess.Popen([PYTHON, SCRIPTS / "gloo_exit_race.py", str(rank), str(port), mode], cwd=REPO,
-                                   env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, text=True) for rank in range(2)]
+        ranks += [
+            subprocess.Popen(
+                [PYTHON, SCRIPTS / "gloo_exit_race.py", str(rank), str(port), mode],
+                cwd=REPO,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for rank in range(2)
+        ]
     results = []
     for proc in ranks:
         stdout, stderr = proc.communicate(timeout=timeout)
@@ -93,3 +106,76 @@ def assert_sharded_checkpoint(path: Path, summary: dict, world_size: int = 2) ->
     full = torch.load(consolidate(path, Path(path).parent / "consolidated.pt", weights_only=False), weights_only=True)
     trainable = full["optimizer"]["state"].keys()
     assert sum(full["state_dict"][name].numel() for name in trainable) == summary["trainable_params"]
+
+
+# Note: [Entry points, as a user runs them]
+# One short training (3 optimizer steps) per entry point, covering start-up, a collective-heavy step and the final
+# checkpoint: benchmarks/clean_exit.py repeats each, tests/test_clean_exit.py runs some once with the thread probe.
+ENTRY_STEPS = "3"
+
+
+def accelerate_launch(*script_args) -> list:
+    """``accelerate launch`` of ``examples/train_accelerate.py`` on 2 CPU processes of one machine, its own port."""
+    launch = ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
+    options = ["--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", free_port()]
+    return [PYTHON, *launch, *options, EXAMPLES / "train_accelerate.py", *script_args]
+
+
+def _accelerate_yaml(out: Path) -> str:
+    path = out / "accelerate.yaml"
+    path.write_text((REPO / "configs/accelerate/zero2.yaml").read_text() + f"main_process_port: {free_port()}\n")
+    return str(path)
+
+
+ENTRY_POINTS = {
+    "lightning_hydra": lambda out: [
+        PYTHON,
+        EXAMPLES / "train.py",
+        f"trainer.max_steps={ENTRY_STEPS}",
+        f"hydra.run.dir={out}",
+    ],
+    "lightning_deepspeed_json": lambda out: [
+        PYTHON,
+        EXAMPLES / "train_deepspeed_json.py",
+        "--max-steps",
+        ENTRY_STEPS,
+        "--out",
+        out,
+    ],
+    "pytorch_lightning": lambda out: [PYTHON, SCRIPTS / "lightning_by_name.py", "pytorch_lightning", "zero1", out],
+    "fabric": lambda out: [PYTHON, EXAMPLES / "train_fabric.py", "--max-steps", ENTRY_STEPS, "--out", out],
+    "accelerate_launch": lambda out: accelerate_launch("--max-steps", ENTRY_STEPS, "--out", out),
+    "ds_strategy_launch": lambda out: [
+        DS_STRATEGY,
+        "launch",
+        "--config_file",
+        _accelerate_yaml(out),
+        EXAMPLES / "train_accelerate.py",
+        "--max-steps",
+        ENTRY_STEPS,
+        "--out",
+        out,
+    ],
+}
+_ENTRY_ENV = {"accelerate_launch": {"DS_STRATEGY_CONFIG": '{"stage": 1}'}}
+THREAD_PROBE = SCRIPTS / "threads_at_exit"  # its sitecustomize lists each process's threads at its last atexit
+GLOO_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop")
+
+
+def entry_point_env(name: str, probe_threads: bool = False) -> dict:
+    """The environment entry point ``name`` runs with; ``probe_threads`` puts the thread probe on PYTHONPATH, for
+    every process of the run (the launched ranks inherit it)."""
+    env = dict(_ENTRY_ENV.get(name, {}))
+    if probe_threads:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(THREAD_PROBE), os.environ.get("PYTHONPATH")]))
+    return env
+
+
+def thread_listings(result: subprocess.CompletedProcess) -> list[str]:
+    """What the thread probe printed, one listing per process of the run."""
+    return re.findall(r"threads at exit of pid \d+: (\[.*\])", result.stderr)
+
+
+def gloo_threads_at_exit(result: subprocess.CompletedProcess) -> list[str]:
+    """The listings that still show a gloo thread: some object kept a process group alive past our teardown."""
+    return [listing for listing in thread_listings(result) if any(name in listing for name in GLOO_THREADS)]

@@ -1,5 +1,6 @@
 """Small Hugging Face causal LMs built from configs (no weights downloaded), and the two loops their tests compare:
 ZeRO on this rank, and torch DDP on a normally built copy, on the same token batches."""
+
 import torch
 import transformers
 from torch.nn.parallel import DistributedDataParallel
@@ -14,11 +15,25 @@ def config(name: str, **overrides):
     dropout, so that runs drawing from the generator in different orders still compute the same losses."""
     common = {"vocab_size": VOCAB, "bos_token_id": 0, "eos_token_id": 0}
     if name == "gpt2":
-        shape = {"n_positions": SEQ, "n_embd": 32, "n_layer": 2, "n_head": 2, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
-                 "attn_pdrop": 0.0}
+        shape = {
+            "n_positions": SEQ,
+            "n_embd": 32,
+            "n_layer": 2,
+            "n_head": 2,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+        }
         return transformers.GPT2Config(**{**shape, **common, **overrides})
-    shape = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-             "num_key_value_heads": 1, "max_position_embeddings": SEQ, **common}
+    shape = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": SEQ,
+        **common,
+    }
     if name == "llama":
         return transformers.LlamaConfig(**{**shape, **overrides})
     return transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **{**shape, **overrides})
@@ -44,7 +59,7 @@ def batches(steps: int, world_size: int, per_rank: int = 2, vocab: int = VOCAB) 
 
 def _mine(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     per_rank = batch.shape[0] // world_size
-    return batch[rank * per_rank:(rank + 1) * per_rank]
+    return batch[rank * per_rank : (rank + 1) * per_rank]
 
 
 def global_loss(loss: torch.Tensor, world_size: int) -> float:

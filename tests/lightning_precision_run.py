@@ -9,6 +9,7 @@ external launcher, so both fits run in one process group without Lightning relau
 
 Each rank writes what it saw to ``<out>/<fit>-rank<r>.json``.
 """
+
 import json
 import sys
 from pathlib import Path
@@ -29,8 +30,9 @@ def _text_windows(count: int) -> TensorDataset:
     block = gpt_config("tiny").block_size
     ids = (torch.tensor(list(Path(__file__).read_bytes()), dtype=torch.long) - 32).clamp(0, 95)
     starts = torch.arange(count) * 7 % (len(ids) - block - 1)
-    return TensorDataset(torch.stack([ids[s:s + block] for s in starts]),
-                         torch.stack([ids[s + 1:s + block + 1] for s in starts]))
+    return TensorDataset(
+        torch.stack([ids[s : s + block] for s in starts]), torch.stack([ids[s + 1 : s + block + 1] for s in starts])
+    )
 
 
 class TinyGPTModule(pl.LightningModule):
@@ -84,8 +86,17 @@ class TinyGPTModule(pl.LightningModule):
 
 
 def _trainer(strategy, **kwargs) -> pl.Trainer:
-    return pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=STEPS, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kwargs)
+    return pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
 
 
 def fit_bf16_mixed() -> dict:
@@ -93,10 +104,14 @@ def fit_bf16_mixed() -> dict:
     trainer = _trainer("zero2", precision="bf16-mixed")
     trainer.fit(module)
     engine = trainer.strategy.engine
-    return {"losses": module.losses, "precision": trainer.precision_plugin.precision,
-            "param_dtypes": sorted({str(p.dtype) for p in module.parameters()}),
-            "master_dtypes": sorted({str(fp.master.dtype) for fp in engine.flat_params}),
-            "memory": engine.memory_report(), "global_step": trainer.global_step}
+    return {
+        "losses": module.losses,
+        "precision": trainer.precision_plugin.precision,
+        "param_dtypes": sorted({str(p.dtype) for p in module.parameters()}),
+        "master_dtypes": sorted({str(fp.master.dtype) for fp in engine.flat_params}),
+        "memory": engine.memory_report(),
+        "global_step": trainer.global_step,
+    }
 
 
 def fit_fp16_with_injected_overflow() -> dict:
@@ -106,14 +121,18 @@ def fit_fp16_with_injected_overflow() -> dict:
     trainer.fit(module)
     scheduler = trainer.lr_scheduler_configs[0].scheduler
     around = module.params_around_injection
-    return {"losses": module.losses, "global_step": trainer.global_step,
-            "scheduler_last_epoch": scheduler.last_epoch, "lr": scheduler.get_last_lr()[0],
-            "unchanged_at_injection": bool(torch.equal(around["before"], around["after"])),
-            "logged": {k: float(v) for k, v in trainer.logged_metrics.items()},
-            "plugin_state": trainer.precision_plugin.state_dict(),
-            "checkpoint_state": trainer._checkpoint_connector.dump_checkpoint().get("ZeroPrecision"),
-            "param_dtypes": sorted({str(p.dtype) for p in module.parameters()}),
-            "gate_removed": "lr_scheduler_step" not in vars(module)}
+    return {
+        "losses": module.losses,
+        "global_step": trainer.global_step,
+        "scheduler_last_epoch": scheduler.last_epoch,
+        "lr": scheduler.get_last_lr()[0],
+        "unchanged_at_injection": bool(torch.equal(around["before"], around["after"])),
+        "logged": {k: float(v) for k, v in trainer.logged_metrics.items()},
+        "plugin_state": trainer.precision_plugin.state_dict(),
+        "checkpoint_state": trainer._checkpoint_connector.dump_checkpoint().get("ZeroPrecision"),
+        "param_dtypes": sorted({str(p.dtype) for p in module.parameters()}),
+        "gate_removed": "lr_scheduler_step" not in vars(module),
+    }
 
 
 if __name__ == "__main__":

@@ -7,19 +7,20 @@ reduced wrongly moves every later parameter. Accelerate also runs ``accumulate()
 on a model prepared before its optimizer, and a stage-3 teacher prepared without an optimizer. Parameters must
 equal the one-process reference to 1e-6 in relative norm (fp32).
 """
+
 import os
 import sys
 from pathlib import Path
 
 import lightning as L
+import models
 import pytest
 import torch
-from distributed import run_ranks
+from distributed import run_ranks, set_torchrun_environment
 from test_lightning_strategy import ACCUMULATE, BATCH, STEPS, WORLD, MLPModule, _dataset, _reference
 from torch.utils.data import DataLoader, Subset
 from training_loops import drive_micro_batch
 
-import models
 from ds_strategy.config import ZeroConfig
 
 SCHEDULE = ("every", "twice", "forwards_first", "no_sync")
@@ -52,8 +53,7 @@ def _train_schedule(model, batches, backward, no_sync, clip, step) -> None:
     for index, batch in enumerate(batches):
         step_index, micro = divmod(index, ACCUMULATE)
         boundary = micro == ACCUMULATE - 1
-        drive_micro_batch(SCHEDULE[step_index], boundary, lambda: model(batch) / ACCUMULATE, backward, no_sync,
-                          pending)
+        drive_micro_batch(SCHEDULE[step_index], boundary, lambda: model(batch) / ACCUMULATE, backward, no_sync, pending)
         if boundary:
             clip(1.0)
             step()
@@ -75,8 +75,14 @@ class PatternModule(MLPModule):
     def training_step(self, batch, batch_idx):
         step_index, micro = divmod(batch_idx, ACCUMULATE)
         boundary = micro == ACCUMULATE - 1
-        drive_micro_batch(SCHEDULE[step_index], boundary, lambda: self.net(batch) / ACCUMULATE, self.manual_backward,
-                          self.trainer.strategy.block_backward_sync, self._pending)
+        drive_micro_batch(
+            SCHEDULE[step_index],
+            boundary,
+            lambda: self.net(batch) / ACCUMULATE,
+            self.manual_backward,
+            self.trainer.strategy.block_backward_sync,
+            self._pending,
+        )
         if boundary:
             opt = self.optimizers()
             self.clip_gradients(opt, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
@@ -86,14 +92,22 @@ class PatternModule(MLPModule):
 
 def _lightning_runs(rank: int, world_size: int) -> dict:
     import ds_strategy
+
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")  # processes already exist: Lightning must not launch
     results = {}
     for stage, reduction in CONFIGS:
         module = PatternModule()
-        trainer = L.Trainer(accelerator="cpu", devices=world_size, max_steps=STEPS, logger=False,
-                            strategy=ds_strategy.ZeroStrategy(_config(stage, reduction)),
-                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                            use_distributed_sampler=False)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=world_size,
+            max_steps=STEPS,
+            logger=False,
+            strategy=ds_strategy.ZeroStrategy(_config(stage, reduction)),
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            use_distributed_sampler=False,
+        )
         trainer.fit(module, DataLoader(Subset(_dataset(), range(rank, len(_dataset()), WORLD)), batch_size=BATCH))
         results[stage, reduction] = _state(trainer.strategy.engine)
     return results
@@ -102,15 +116,21 @@ def _lightning_runs(rank: int, world_size: int) -> dict:
 # -- Fabric ------------------------------------------------------------------------------------------------------
 def _fabric_runs(rank: int, world_size: int) -> dict:
     from ds_strategy import ZeroFabricStrategy
+
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")
     results = {}
     for stage, reduction in CONFIGS:
         fabric = L.Fabric(accelerator="cpu", devices=world_size, strategy=ZeroFabricStrategy(_config(stage, reduction)))
         fabric.launch()
         model, optimizer = fabric.setup(*_model_and_optimizer())
-        _train_schedule(model, _rank_batches(rank), fabric.backward, lambda: fabric.no_backward_sync(model),
-                        lambda norm: fabric.clip_gradients(model, optimizer, max_norm=norm),
-                        lambda: (optimizer.step(), optimizer.zero_grad()))
+        _train_schedule(
+            model,
+            _rank_batches(rank),
+            fabric.backward,
+            lambda: fabric.no_backward_sync(model),
+            lambda norm: fabric.clip_gradients(model, optimizer, max_norm=norm),
+            lambda: (optimizer.step(), optimizer.zero_grad()),
+        )
         results[stage, reduction] = _state(fabric.strategy.engine)
     return results
 
@@ -121,8 +141,8 @@ def _accelerate_runs(rank: int, world_size: int) -> dict:
     from accelerate.utils import GradientAccumulationPlugin
 
     from ds_strategy.accelerate import ZeroAccelerator
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+
+    set_torchrun_environment(rank, world_size)
     torch.manual_seed(1)
     plain_teacher = models.MLP()
     results = {}
@@ -134,14 +154,21 @@ def _accelerate_runs(rank: int, world_size: int) -> dict:
         teacher.load_state_dict(plain_teacher.state_dict())
         model, optimizer, teacher = accelerator.prepare(model, optimizer, teacher)
         batches = _rank_batches(rank)
-        _train_schedule(model, batches, accelerator.backward, lambda: accelerator.no_sync(model),
-                        lambda norm: accelerator.clip_grad_norm_(model.parameters(), norm),
-                        lambda: (optimizer.step(), optimizer.zero_grad()))
+        _train_schedule(
+            model,
+            batches,
+            accelerator.backward,
+            lambda: accelerator.no_sync(model),
+            lambda norm: accelerator.clip_grad_norm_(model.parameters(), norm),
+            lambda: (optimizer.step(), optimizer.zero_grad()),
+        )
         with torch.no_grad():
             teacher_gap = max((teacher(b) - plain_teacher(b)).abs().item() for b in batches)
-        results["schedule", stage, reduction] = {"state": _state(accelerator.engine_of(model)),
-                                                 "teacher_gap": teacher_gap,
-                                                 "engines": len(accelerator.engines)}
+        results["schedule", stage, reduction] = {
+            "state": _state(accelerator.engine_of(model)),
+            "teacher_gap": teacher_gap,
+            "engines": len(accelerator.engines),
+        }
         GradientState._reset_state()
 
         # accumulate(sync_each_batch=True) on a model whose optimizer is prepared after it: at stage 0-2 the
@@ -171,8 +198,11 @@ def _prepare_errors(accelerator_class) -> list[str]:
     accelerator = accelerator_class(_config(3, "all_reduce"), cpu=True)
     model, optimizer = _model_and_optimizer()
     model = accelerator.prepare(model)
-    for attempt in (lambda: accelerator.prepare(optimizer), lambda: accelerator.prepare(model),
-                    lambda: accelerator.prepare(models.MLP(), *_model_and_optimizer()[1:])):
+    for attempt in (
+        lambda: accelerator.prepare(optimizer),
+        lambda: accelerator.prepare(model),
+        lambda: accelerator.prepare(models.MLP(), *_model_and_optimizer()[1:]),
+    ):
         try:
             attempt()
             errors.append("accepted")
@@ -217,8 +247,9 @@ def accelerate_runs():
 
 
 @pytest.mark.parametrize("stage, reduction", CONFIGS)
-def test_accelerate_backward_patterns_match_single_process_beside_a_teacher(accelerate_runs, references, stage,
-                                                                              reduction):
+def test_accelerate_backward_patterns_match_single_process_beside_a_teacher(
+    accelerate_runs, references, stage, reduction
+):
     for rank in accelerate_runs:
         run = rank["schedule", stage, reduction]
         _assert_state_matches(_net_state(run["state"]), references["two groups"])
@@ -228,7 +259,8 @@ def test_accelerate_backward_patterns_match_single_process_beside_a_teacher(acce
 
 @pytest.mark.parametrize("stage, reduction", CONFIGS)
 def test_accelerate_sync_each_batch_with_optimizer_prepared_later_matches_single_process(
-        accelerate_runs, references, stage, reduction):
+    accelerate_runs, references, stage, reduction
+):
     expected = references["one group" if stage == 3 else "two groups"]
     for rank in accelerate_runs:
         _assert_state_matches(_net_state(rank["sync_each_batch", stage, reduction]["state"]), expected)

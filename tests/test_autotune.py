@@ -1,5 +1,6 @@
 """The autotuner rejects what the estimator says cannot fit, times the rest in fresh processes, survives trials that
 crash, picks the fastest measured configuration, and writes it in forms Hydra and DeepSpeed configs read back."""
+
 import json
 import os
 
@@ -44,9 +45,18 @@ def tuned(tmp_path_factory):
     budget = 15 * psi
     assert estimate_memory(GPTTask("tiny"), 2, 2, precision="32-true").device < budget
     assert estimate_memory(GPTTask("tiny"), 2, 0, precision="32-true").device > budget
-    tuner = Autotuner(crashing_tiny_gpt, tiny_stdlib_data, world_size=2, memory_budget=budget, time_budget=600,
-                      dimensions={"stage": (0, 2)}, micro_batch_sizes=(8, 4, 1), warmup=1, steps=2,
-                      log_dir=tmp_path_factory.mktemp("trials"))
+    tuner = Autotuner(
+        crashing_tiny_gpt,
+        tiny_stdlib_data,
+        world_size=2,
+        memory_budget=budget,
+        time_budget=600,
+        dimensions={"stage": (0, 2)},
+        micro_batch_sizes=(8, 4, 1),
+        warmup=1,
+        steps=2,
+        log_dir=tmp_path_factory.mktemp("trials"),
+    )
     return tuner, tuner.run()
 
 
@@ -88,8 +98,9 @@ def test_the_winner_is_written_as_hydra_yaml_and_deepspeed_json(tuned, tmp_path)
 
 # -- without processes ------------------------------------------------------------------------------------------
 def test_candidates_that_behave_the_same_are_tried_once():
-    found = candidates({"stage": (1, 2), "reduce_bucket_size": (10, 20, 10**9, 2 * 10**9)}, [2], ZeroConfig(),
-                       model_numel=1000)
+    found = candidates(
+        {"stage": (1, 2), "reduce_bucket_size": (10, 20, 10**9, 2 * 10**9)}, [2], ZeroConfig(), model_numel=1000
+    )
     labels = [(c.config(ZeroConfig()).stage, c.config(ZeroConfig()).reduce_bucket_size) for c in found]
     # stage 1 does not use the gradient bucket; buckets above the model size are all "the whole model"
     assert labels == [(1, 10), (2, 10), (2, 20), (2, 10**9)]
@@ -101,17 +112,27 @@ def test_a_bad_dimension_raises_naming_the_field():
 
 
 def test_out_of_time_candidates_are_skipped_not_run():
-    tuner = Autotuner(crashing_tiny_gpt, tiny_stdlib_data, world_size=2, memory_budget=2**30, time_budget=0.5,
-                      dimensions={"stage": (1,)}, micro_batch_sizes=(2,))
+    tuner = Autotuner(
+        crashing_tiny_gpt,
+        tiny_stdlib_data,
+        world_size=2,
+        memory_budget=2**30,
+        time_budget=0.5,
+        dimensions={"stage": (1,)},
+        micro_batch_sizes=(2,),
+    )
     result = tuner.run()
     assert [t.status for t in result.trials] == ["skipped"] and result.best is None
 
 
-@pytest.mark.parametrize("fields", [
-    {"stage": 3, "precision": "bf16-mixed", "gradient_reduction": "reduce_scatter"},
-    {"stage": 2, "offload_optimizer": "cpu", "zero_quantized_gradients": True},
-    {"stage": 3, "offload_optimizer": "nvme", "offload_params": "cpu", "nvme_path": "/tmp"},
-])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"stage": 3, "precision": "bf16-mixed", "gradient_reduction": "reduce_scatter"},
+        {"stage": 2, "offload_optimizer": "cpu", "zero_quantized_gradients": True},
+        {"stage": 3, "offload_optimizer": "nvme", "offload_params": "cpu", "nvme_path": "/tmp"},
+    ],
+)
 def test_deepspeed_json_reads_back_to_the_same_config(fields):
     config = ZeroConfig(reduce_bucket_size=5_000_000, train_micro_batch_size_per_gpu=4, **fields)
     assert config_from_deepspeed(json.loads(json.dumps(deepspeed_dict(config)))) == config
@@ -130,7 +151,8 @@ def test_hydra_yaml_composes_into_the_tuned_config(tmp_path):
     assert zero_config(composed.strategy) == config
 
 
-@pytest.mark.parametrize("text, value", [("2GiB", 2 * 2**30), ("512MiB", 512 * 2**20), ("1.5e9", 1_500_000_000),
-                                         ("3GB", 3_000_000_000)])
+@pytest.mark.parametrize(
+    "text, value", [("2GiB", 2 * 2**30), ("512MiB", 512 * 2**20), ("1.5e9", 1_500_000_000), ("3GB", 3_000_000_000)]
+)
 def test_memory_budgets_parse_with_units(text, value):
     assert parse_bytes(text) == value

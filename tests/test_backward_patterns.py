@@ -7,13 +7,14 @@ the fix, stage 1 with all-reduce counted the first micro-batch's gradient 1.5x o
 Parameters are held to the parity oracle's 1e-5 in relative norm (training_loops.assert_matches explains why not
 tighter on TinyGPT: Adam turns summation-order noise into ~1e-6 differences); the adapter tests on the MLP hold 1e-6.
 """
+
+import models
 import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_ranks
 from training_loops import PATTERNS, Recipe, _rank_slice, assert_matches, build, check_jobs
 
-import models
 from ds_strategy.config import ZeroConfig
 from ds_strategy.zero.engine import ZeroEngine
 
@@ -28,8 +29,12 @@ def _recipe(pattern: str, reduction: str) -> Recipe:
 
 @pytest.fixture(scope="module")
 def pattern_runs():
-    jobs = {(pattern, stage, reduction): (_recipe(pattern, reduction), stage)
-            for pattern in SYNCED for stage in STAGES for reduction in REDUCTIONS}
+    jobs = {
+        (pattern, stage, reduction): (_recipe(pattern, reduction), stage)
+        for pattern in SYNCED
+        for stage in STAGES
+        for reduction in REDUCTIONS
+    }
     return check_jobs(jobs)
 
 
@@ -73,8 +78,13 @@ def test_param_grad_at_stages_0_and_1_is_the_average_every_rank_agrees_on_or_non
         for rank in ranks:
             got = rank[stage, reduction]
             for name, grad in expected.items():
-                torch.testing.assert_close(got["grads"][name], grad, rtol=1e-5, atol=1e-7,
-                                           msg=lambda m: f"stage {stage} {reduction} {name}: {m}")
+                torch.testing.assert_close(
+                    got["grads"][name],
+                    grad,
+                    rtol=1e-5,
+                    atol=1e-7,
+                    msg=lambda m: f"stage {stage} {reduction} {name}: {m}",
+                )
             torch.testing.assert_close(got["torch_norm"], expected_norm, rtol=1e-5, atol=0.0)
     for rank in ranks:  # stage 1 with reduce-scatter: grad_full is this rank's own sum, so no .grad is exposed
         got = rank[1, "reduce_scatter"]

@@ -1,5 +1,6 @@
 """benchmarks/compare.py's machinery, on the tiny GPT for one timed step: every system trains the same model, and the
 bytes it counts agree with each algorithm's known volume and with the engine's own accounting."""
+
 import json
 import sys
 from pathlib import Path
@@ -12,8 +13,21 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 @pytest.fixture(scope="module")
 def document(tmp_path_factory):
     out = tmp_path_factory.mktemp("results")
-    argv = ["--quick", "--systems", "ddp,fsdp2,zero2,zero2-nooverlap", "--steps", "1", "--rounds", "1",
-            "--out-dir", str(out), "--name", "smoke", "--timeout", "300"]
+    argv = [
+        "--quick",
+        "--systems",
+        "ddp,fsdp2,zero2,zero2-nooverlap",
+        "--steps",
+        "1",
+        "--rounds",
+        "1",
+        "--out-dir",
+        str(out),
+        "--name",
+        "smoke",
+        "--timeout",
+        "300",
+    ]
     sys.path.insert(0, str(BENCHMARKS))  # the benchmark's modules, for this process and the ranks it spawns
     try:
         import compare

@@ -7,16 +7,17 @@ SAVE_AT steps without disturbing the run; that one run is both the uninterrupted
 Resumed runs start from other initial weights, load the checkpoint and train the remaining steps. The Fabric and
 Accelerate objects are built inside ``run_ranks`` workers from the environment variables their launchers set.
 """
+
 import os
 import shutil
 
+import models
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_ranks
+from distributed import run_ranks, set_torchrun_environment
 from torch.optim.lr_scheduler import StepLR
 
-import models
 from ds_strategy.checkpoint import CheckpointError
 from ds_strategy.config import ZeroConfig
 
@@ -31,6 +32,7 @@ class FabricRun:
         import lightning as L
 
         from ds_strategy import ZeroFabricStrategy
+
         os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")  # processes already exist: Fabric must not launch
         self.fabric = L.Fabric(accelerator="cpu", devices=world_size, strategy=ZeroFabricStrategy(CONFIG))
         self.fabric.launch()
@@ -63,8 +65,8 @@ class AccelerateRun:
 
     def __init__(self, rank: int, world_size: int, seed: int):
         from ds_strategy.accelerate import ZeroAccelerator
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                          LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+
+        set_torchrun_environment(rank, world_size)
         # One scheduler step per optimizer step whatever the world size (accelerate's default steps it N times).
         self.accelerator = ZeroAccelerator(CONFIG, cpu=True, step_scheduler_with_optimizer=False)
         model, optimizer, scheduler = _model_optimizer_scheduler(seed)
@@ -109,13 +111,16 @@ def _train(rank: int, world_size: int, adapter: str, path: str, resume: bool) ->
     rows = GLOBAL_BATCH // world_size
     losses = []
     for step in range(start + 1, STEPS + 1):
-        loss = run.step(tuple(t[rank * rows:(rank + 1) * rows] for t in _global_batch(step)))
+        loss = run.step(tuple(t[rank * rows : (rank + 1) * rows] for t in _global_batch(step)))
         dist.all_reduce(loss)
         losses.append(loss / world_size)
         if step == SAVE_AT and not resume:
             run.save(path, step)
-    return {"start": start, "losses": torch.stack(losses[SAVE_AT - start:]),
-            "final": run.engine.full_state_dict(rank0_only=False)}
+    return {
+        "start": start,
+        "losses": torch.stack(losses[SAVE_AT - start :]),
+        "final": run.engine.full_state_dict(rank0_only=False),
+    }
 
 
 def _saved(adapter: str, tmp_path_factory) -> tuple[str, str, dict]:
@@ -204,8 +209,11 @@ def _accelerate_load_missing_shard(rank: int, world_size: int, path: str) -> dic
     except CheckpointError as raised:
         error = str(raised)
     after = run.engine.full_state_dict()
-    return {"error": error, "scheduler_steps": run.scheduler.scheduler.last_epoch,
-            "unchanged": all(torch.equal(after[name], value) for name, value in before.items())}
+    return {
+        "error": error,
+        "scheduler_steps": run.scheduler.scheduler.last_epoch,
+        "unchanged": all(torch.equal(after[name], value) for name, value in before.items()),
+    }
 
 
 def test_accelerate_load_state_with_a_missing_shard_names_it_and_changes_nothing(accelerate_saved, tmp_path):

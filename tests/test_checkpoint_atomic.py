@@ -1,5 +1,6 @@
 """A checkpoint appears whole or not at all: a rank SIGKILLed mid-save, or a save interrupted while replacing an
 older checkpoint, leaves the previous checkpoint loadable, and nothing half-written is ever loaded."""
+
 import os
 import shutil
 import signal
@@ -11,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
-from test_checkpoint_sharded import build, global_batches, saved_after_one_step, train
+from checkpoint_runs import build, global_batches, saved_after_one_step, train
 from training_loops import full_state
 
 from ds_strategy.checkpoint import CheckpointError, load, remove, save
@@ -66,9 +67,14 @@ def _kill_victim_once_it_has_written(procs: list, victim: int, flag: Path) -> No
 
 def test_rank_killed_mid_save_leaves_previous_checkpoint_loadable_and_resumable(tmp_path):
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank_main, daemon=True,
-                         args=(rank, 2, tmp_path / "store", save_twice_victim_stalls_in_second, (tmp_path, 1)))
-             for rank in range(2)]
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            daemon=True,
+            args=(rank, 2, tmp_path / "store", save_twice_victim_stalls_in_second, (tmp_path, 1)),
+        )
+        for rank in range(2)
+    ]
     try:
         for proc in procs:
             proc.start()

@@ -1,18 +1,19 @@
 """``ds-strategy consolidate``: one state dict that loads strictly into the plain module, in the asked dtype and
 format, optionally with the optimizer state by parameter name, reading one tensor at a time."""
+
 import json
 import os
 import subprocess
 import sys
 
+import models
 import pytest
 import torch
+from checkpoint_runs import saved_after_one_step
 from safetensors import safe_open
 from safetensors.torch import load_file
-from test_checkpoint_sharded import saved_after_one_step
 from torch import nn
 
-import models
 from ds_strategy.checkpoint import save
 from ds_strategy.cli import main
 from ds_strategy.config import ZeroConfig
@@ -81,7 +82,8 @@ def test_consolidation_peak_memory_is_output_plus_a_few_tensors_not_the_checkpoi
     """24 fp32 tensors of 4 MiB (96 MiB) consolidated to bf16 (48 MiB): the process grows by the output plus a
     few copies of one tensor (read buffer, fp32 tensor, its cast), far below a whole-checkpoint load.
 
-    Note: measuring peak memory. The peak is the high-water mark of the subprocess's own image (``VmHWM``);
+    Note: [Measuring peak memory]
+    The peak is the high-water mark of the subprocess's own image (``VmHWM``);
     ``ru_maxrss`` would carry over the forking pytest process's size across ``exec``. glibc's dynamic mmap
     threshold lets freed tensor-sized temporaries stay in a fragmenting heap, adding tens of MiB of run-to-run
     noise; a fixed threshold makes the figure the algorithm's working set.
@@ -89,7 +91,13 @@ def test_consolidation_peak_memory_is_output_plus_a_few_tensors_not_the_checkpoi
     torch.manual_seed(0)
     save(tmp_path / "ckpt", nn.Sequential(*[nn.Linear(1024, 1024, bias=False) for _ in range(24)]))
     tensor, output, checkpoint = 4 * 2**20, 48 * 2**20, 96 * 2**20
-    growth = int(subprocess.run(
-        [sys.executable, "-c", _MEASURE, str(tmp_path / "ckpt"), str(tmp_path / "out.pt")], check=True,
-        capture_output=True, text=True, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}).stdout.split()[-1])
+    growth = int(
+        subprocess.run(
+            [sys.executable, "-c", _MEASURE, str(tmp_path / "ckpt"), str(tmp_path / "out.pt")],
+            check=True,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"},
+        ).stdout.split()[-1]
+    )
     assert growth < output + 4 * tensor + 8 * 2**20 < checkpoint

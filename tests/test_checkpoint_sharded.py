@@ -6,66 +6,19 @@ across however many ranks there are) and saves after SAVE_AT steps without distu
 both the uninterrupted reference and the checkpoint. Resumed runs load it in a fresh process group and train the
 remaining steps. Spawning ranks is the slow part, so the fixtures run every scenario of a world size in one group.
 """
+
+import models
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from checkpoint_runs import CONFIGS, build, global_batches, train
 from distributed import run_ranks
 from training_loops import assert_matches, full_state
 
-import models
 from ds_strategy.checkpoint import consolidate, load, save
-from ds_strategy.config import ZeroConfig
 from ds_strategy.zero.engine import ZeroEngine
 
-STEPS, SAVE_AT, GLOBAL_BATCH = 4, 2, 8
-CONFIGS = {
-    "zero1": {"stage": 1},
-    "zero2": {"stage": 2},
-    "zero3": {"stage": 3, "param_persistence_threshold": 0},
-    "zero3_offload": {"stage": 3, "param_persistence_threshold": 0, "offload_optimizer": "cpu",
-                      "offload_params": "cpu"},
-    "zero2_bf16": {"stage": 2, "precision": "bf16-mixed"},
-    # A loss scale of 2**17 overflows the first two steps, which are skipped: the scaler's state at the
-    # checkpoint is not its initial state, so resuming exactly needs it restored.
-    "zero2_fp16": {"stage": 2, "precision": "16-mixed", "initial_scale_power": 17, "hysteresis": 1},
-}
-
-
-def build(config: str):
-    torch.manual_seed(0)
-    model = models.TinyGPT()
-    optimizer = torch.optim.AdamW(models.param_groups(model), lr=1e-2, betas=(0.9, 0.99), eps=1e-6)
-    return model, ZeroEngine(model, optimizer, ZeroConfig(**CONFIGS[config]))
-
-
-def global_batches() -> list:
-    generator = torch.Generator().manual_seed(1234)
-    return [models.TinyGPT.make_batch(generator, GLOBAL_BATCH) for _ in range(STEPS)]
-
-
-def train(model, engine: ZeroEngine, batches: list) -> list[float]:
-    """One optimizer step per global batch (clipped); returns the global mean loss of each step."""
-    rows = GLOBAL_BATCH // engine.world_size
-    losses = []
-    for batch in batches:
-        loss = model(tuple(t[engine.rank * rows:(engine.rank + 1) * rows] for t in batch))
-        engine.backward(loss)
-        engine.clip_grad_norm_(1.0)
-        engine.step()
-        total = loss.detach().float()
-        if dist.is_initialized():
-            dist.all_reduce(total)
-        losses.append(total.item() / engine.world_size)
-    return losses
-
-
-def saved_after_one_step(path):
-    """A one-rank zero2 TinyGPT after one step, saved at ``path``; returns ``(path, model, engine)``."""
-    model, engine = build("zero2")
-    train(model, engine, global_batches()[:1])
-    save(path, model, engine)
-    return path, model, engine
+SAVE_AT = 2
 
 
 def fit_saving_midway(rank: int, world_size: int, root, runs: dict[str, str]) -> dict:
@@ -79,8 +32,12 @@ def fit_saving_midway(rank: int, world_size: int, root, runs: dict[str, str]) ->
         save(root / name, model, engine)
         at_save = full_state(engine, model)
         losses += train(model, engine, batches[SAVE_AT:])
-        results[name] = {"losses": losses, "at_save": at_save, "final": full_state(engine, model),
-                         "scaler": _scaler_state(engine)}
+        results[name] = {
+            "losses": losses,
+            "at_save": at_save,
+            "final": full_state(engine, model),
+            "scaler": _scaler_state(engine),
+        }
         engine.remove_hooks()
     return results
 
@@ -94,8 +51,12 @@ def resume(rank: int, world_size: int, root, plan: dict[str, tuple[str, str]]) -
         load(root / name, model, engine)
         loaded = full_state(engine, model)
         losses = train(model, engine, global_batches()[SAVE_AT:])
-        results[label] = {"loaded": loaded, "losses": losses, "final": full_state(engine, model),
-                          "scaler": _scaler_state(engine)}
+        results[label] = {
+            "loaded": loaded,
+            "losses": losses,
+            "final": full_state(engine, model),
+            "scaler": _scaler_state(engine),
+        }
         engine.remove_hooks()
     return results
 
@@ -116,8 +77,12 @@ def saved(tmp_path_factory):
 @pytest.fixture(scope="module")
 def resumed_on_two(saved):
     root, _ = saved
-    plan = {**{name: (name, name) for name in CONFIGS},
-            "zero2->zero1": ("zero2", "zero1"), "zero3->zero2": ("zero3", "zero2"), "1->2": ("zero2_w1", "zero2")}
+    plan = {
+        **{name: (name, name) for name in CONFIGS},
+        "zero2->zero1": ("zero2", "zero1"),
+        "zero3->zero2": ("zero3", "zero2"),
+        "1->2": ("zero2_w1", "zero2"),
+    }
     return run_ranks(resume, 2, root, plan)[0]
 
 
@@ -137,30 +102,37 @@ def test_resumed_run_equals_uninterrupted_run_bitwise(saved, resumed_on_two, con
     assert resumed["scaler"] == runs[config]["scaler"]
 
 
-@pytest.mark.parametrize("label, saved_as", [("zero2->zero1", "zero2"), ("zero3->zero2", "zero3"),
-                                             ("1->2", "zero2_w1")])
+@pytest.mark.parametrize(
+    "label, saved_as", [("zero2->zero1", "zero2"), ("zero3->zero2", "zero3"), ("1->2", "zero2_w1")]
+)
 def test_checkpoint_loads_under_another_stage_or_world_size_and_trains_on(saved, resumed_on_two, label, saved_as):
     _, runs = saved
     resumed = resumed_on_two[label]
     _assert_bitwise(resumed["loaded"], runs[saved_as]["at_save"])
-    assert_matches({"losses": resumed["losses"], "params": resumed["final"]},
-                   {"losses": runs[saved_as]["losses"][SAVE_AT:], "params": runs[saved_as]["final"]})
+    assert_matches(
+        {"losses": resumed["losses"], "params": resumed["final"]},
+        {"losses": runs[saved_as]["losses"][SAVE_AT:], "params": runs[saved_as]["final"]},
+    )
 
 
 def test_two_rank_checkpoint_resumes_on_one_rank(saved):
     root, runs = saved
     resumed = resume(0, 1, root, {"2->1": ("zero2", "zero2")})["2->1"]
     _assert_bitwise(resumed["loaded"], runs["zero2"]["at_save"])
-    assert_matches({"losses": resumed["losses"], "params": resumed["final"]},
-                   {"losses": runs["zero2"]["losses"][SAVE_AT:], "params": runs["zero2"]["final"]})
+    assert_matches(
+        {"losses": resumed["losses"], "params": resumed["final"]},
+        {"losses": runs["zero2"]["losses"][SAVE_AT:], "params": runs["zero2"]["final"]},
+    )
 
 
 def test_two_rank_checkpoint_resumes_on_four_ranks(saved):
     root, runs = saved
     resumed = run_ranks(resume, 4, root, {"2->4": ("zero2", "zero2")})[0]["2->4"]
     _assert_bitwise(resumed["loaded"], runs["zero2"]["at_save"])
-    assert_matches({"losses": resumed["losses"], "params": resumed["final"]},
-                   {"losses": runs["zero2"]["losses"][SAVE_AT:], "params": runs["zero2"]["final"]})
+    assert_matches(
+        {"losses": resumed["losses"], "params": resumed["final"]},
+        {"losses": runs["zero2"]["losses"][SAVE_AT:], "params": runs["zero2"]["final"]},
+    )
 
 
 def test_each_rank_writes_only_its_own_shard(saved):

@@ -7,6 +7,7 @@ communication dtype's bytes are 4 per element, and ``gradient_reduction="reduce_
 sharded collectives themselves run. Ψ is counted from the model; each flat buffer (one per unit and optimizer
 param group) is padded to a multiple of N, which is the "plus padding" in the tolerances.
 """
+
 import pytest
 from comm_runs import four_rank_runs, model_numels, two_rank_runs
 

@@ -5,6 +5,7 @@ Both give identical results.
 The runs record, for one step, the order of gradient hooks, block forwards and collective launches and
 completions (an observer on ``Collectives`` and hooks registered after the engine's; see ``comm_runs``).
 """
+
 import pytest
 import torch
 from comm_runs import two_rank_runs
@@ -27,7 +28,7 @@ def spans(recorded: list[tuple], prefix: str) -> list[tuple[int, int]]:
 
 
 def work_between(recorded: list[tuple], span: tuple[int, int], what: str) -> bool:
-    return any(event[0] == what for event in recorded[span[0] + 1:span[1]])
+    return any(event[0] == what for event in recorded[span[0] + 1 : span[1]])
 
 
 @pytest.mark.parametrize("stage", STAGES)

@@ -176,8 +176,8 @@ def test_hidden_size_of_breaks_ties_toward_the_larger_width():
     [(0, False, False, False), (1, True, False, False), (2, True, True, False), (3, True, True, True)],
 )
 def test_partition_properties_follow_stage(stage, optimizer, gradients, parameters):
-    config = ZeroConfig(stage=stage)
-    assert (config.partitions_optimizer, config.partitions_gradients, config.partitions_parameters) == (
+    plan = ZeroConfig(stage=stage).plan
+    assert (plan.partitions_optimizer, plan.partitions_gradients, plan.partitions_parameters) == (
         optimizer,
         gradients,
         parameters,
@@ -195,8 +195,8 @@ def test_partition_properties_follow_stage(stage, optimizer, gradients, paramete
     ],
 )
 def test_precision_properties_follow_precision(precision, dtype, separate_master, scaled):
-    config = ZeroConfig(precision=precision)
-    assert (config.compute_dtype, config.master_weights_separate, config.uses_loss_scaling) == (
+    plan = ZeroConfig(precision=precision).plan
+    assert (plan.compute_dtype, plan.separate_master, plan.loss_scaling) == (
         dtype,
         separate_master,
         scaled,
@@ -207,20 +207,20 @@ def test_precision_properties_follow_precision(precision, dtype, separate_master
     ("precision", "dtype"), [("32-true", torch.float32), ("16-mixed", torch.float32), ("bf16-mixed", torch.bfloat16)]
 )
 def test_auto_communication_dtype_is_fp32_except_for_bf16_training(precision, dtype):
-    assert ZeroConfig(precision=precision).gradient_communication_dtype == dtype
+    assert ZeroConfig(precision=precision).plan.comm_dtype == dtype
 
 
 def test_explicit_communication_dtype_overrides_auto():
-    assert ZeroConfig(precision="bf16-mixed", communication_dtype="fp32").gradient_communication_dtype == torch.float32
+    assert ZeroConfig(precision="bf16-mixed", communication_dtype="fp32").plan.comm_dtype == torch.float32
 
 
 @pytest.mark.parametrize(("backend", "collective"), [("gloo", "all_reduce"), ("nccl", "reduce_scatter")])
 def test_auto_gradient_reduction_picks_the_collective_per_backend(backend, collective):
-    assert ZeroConfig().gradient_collective(backend) == collective
+    assert ZeroConfig().plan.gradient_collective(backend) == collective
 
 
 def test_explicit_gradient_reduction_ignores_the_backend():
-    assert ZeroConfig(gradient_reduction="reduce_scatter").gradient_collective("gloo") == "reduce_scatter"
+    assert ZeroConfig(gradient_reduction="reduce_scatter").plan.gradient_collective("gloo") == "reduce_scatter"
 
 
 # DeepSpeed JSON front-end
@@ -319,8 +319,11 @@ def test_deepspeed_auto_values_become_defaults_or_stay_auto_for_resolution():
 
 
 def test_rejected_top_level_deepspeed_key_fails_naming_it_and_why():
-    with pytest.raises(ValueError, match=r"DeepSpeed sparse_gradients=True is not supported: ds_strategy does not "
-                                         r"implement sparse gradients"):
+    with pytest.raises(
+        ValueError,
+        match=r"DeepSpeed sparse_gradients=True is not supported: ds_strategy does not "
+        r"implement sparse gradients",
+    ):
         config_from_deepspeed({"sparse_gradients": True})
 
 
@@ -334,27 +337,50 @@ def test_unsupported_nested_deepspeed_key_is_rejected_with_dotted_name_and_sugge
 
 
 def test_deepspeed_offload_sections_map_to_offload_fields():
-    config = config_from_deepspeed({
-        "zero_optimization": {
-            "stage": 3,
-            "sub_group_size": 1e6,
-            "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True, "ratio": 0.5,
-                                  "buffer_count": 6, "fast_init": False, "pipeline_read": True},
-            "offload_param": {"device": "cpu", "nvme_path": "/local_nvme", "pin_memory": True, "buffer_count": 5,
-                              "buffer_size": 1e7, "max_in_cpu": 1e9},
-        },
-        "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 1},
-    })
+    config = config_from_deepspeed(
+        {
+            "zero_optimization": {
+                "stage": 3,
+                "sub_group_size": 1e6,
+                "offload_optimizer": {
+                    "device": "nvme",
+                    "nvme_path": "/local_nvme",
+                    "pin_memory": True,
+                    "ratio": 0.5,
+                    "buffer_count": 6,
+                    "fast_init": False,
+                    "pipeline_read": True,
+                },
+                "offload_param": {
+                    "device": "cpu",
+                    "nvme_path": "/local_nvme",
+                    "pin_memory": True,
+                    "buffer_count": 5,
+                    "buffer_size": 1e7,
+                    "max_in_cpu": 1e9,
+                },
+            },
+            "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 1},
+        }
+    )
     assert (config.offload_optimizer, config.offload_params, config.nvme_path) == ("nvme", "cpu", "/local_nvme")
     assert (config.pin_memory, config.offload_ratio, config.buffer_count) == (True, 0.5, 6)
     assert (config.buffer_size, config.sub_group_size) == (10_000_000, 1_000_000)
 
 
 def test_deepspeed_offload_sections_with_different_nvme_paths_conflict():
-    with pytest.raises(ValueError, match=r"offload_param\.nvme_path='/b' conflicts with .*offload_optimizer\.nvme_path"):
-        config_from_deepspeed({"zero_optimization": {
-            "stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/a"},
-            "offload_param": {"device": "nvme", "nvme_path": "/b"}}})
+    with pytest.raises(
+        ValueError, match=r"offload_param\.nvme_path='/b' conflicts with .*offload_optimizer\.nvme_path"
+    ):
+        config_from_deepspeed(
+            {
+                "zero_optimization": {
+                    "stage": 3,
+                    "offload_optimizer": {"device": "nvme", "nvme_path": "/a"},
+                    "offload_param": {"device": "nvme", "nvme_path": "/b"},
+                }
+            }
+        )
 
 
 def test_deepspeed_param_offload_below_stage3_is_ignored_with_a_warning_as_deepspeed_does():
@@ -377,9 +403,9 @@ def test_deepspeed_optimizer_we_do_not_implement_points_to_configure_optimizers(
         config_from_deepspeed({"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}}})
 
 
-def test_deepspeed_consecutive_hysteresis_true_is_rejected():
-    with pytest.raises(ValueError, match=r"fp16\.consecutive_hysteresis=True is not supported"):
-        config_from_deepspeed({"fp16": {"enabled": True, "consecutive_hysteresis": True}})
+def test_deepspeed_consecutive_hysteresis_sets_the_field():
+    config = config_from_deepspeed({"fp16": {"enabled": True, "consecutive_hysteresis": True}})
+    assert config.consecutive_hysteresis is True
 
 
 def test_deepspeed_fp16_and_bf16_both_enabled_is_rejected():
@@ -401,8 +427,8 @@ def test_deepspeed_section_that_is_not_an_object_is_rejected():
 
 
 def test_grad_accum_dtype_defaults_to_the_compute_dtype_and_accepts_fp32():
-    assert ZeroConfig(precision="bf16-mixed").gradient_accumulation_dtype == torch.bfloat16
-    assert ZeroConfig(precision="bf16-mixed", grad_accum_dtype="float32").gradient_accumulation_dtype == torch.float32
+    assert ZeroConfig(precision="bf16-mixed").plan.accumulation_dtype == torch.bfloat16
+    assert ZeroConfig(precision="bf16-mixed", grad_accum_dtype="float32").plan.accumulation_dtype == torch.float32
     assert config_from_deepspeed({"data_types": {"grad_accum_dtype": "fp32"}}).grad_accum_dtype == "fp32"
 
 

@@ -5,11 +5,11 @@ the updated parameters in the same pass.
 Compared to 1e-6 relative in norm (and 1e-6 absolute per element): torch's default CPU path and the fused kernel
 CpuAdam runs differ in rounding by an ulp or so per step.
 """
+
 import pytest
 import torch
 
-from ds_strategy.offload import CpuAdagrad, CpuAdam, CpuSGD
-from ds_strategy.offload import cpu_adam
+from ds_strategy.offload import CpuAdagrad, CpuAdam, CpuSGD, cpu_adam
 
 SIZES = [1, 7, 1001, 3 * 64 + 5]  # with TILE shrunk to 64 below: one tile, a partial tile, many tiles
 STEPS = 10
@@ -26,7 +26,7 @@ def _train(optimizer_cls, size: int, copies: dict | None = None, seed: int = 0, 
     optimizer = optimizer_cls([param], **hyper)
     generator = torch.Generator().manual_seed(seed + 1)
     copy = None
-    for step in range(STEPS):
+    for _ in range(STEPS):
         param.grad = torch.randn(size, generator=generator)
         if copies is not None:
             copy = torch.empty(size, dtype=copies["dtype"])

@@ -1,5 +1,6 @@
 """Ranks that issue different collectives end with a CollectiveMismatchError naming the unit, on every rank,
 within ``collective_timeout``, instead of hanging or training on mispaired buffers."""
+
 import datetime
 import time
 
@@ -40,18 +41,28 @@ def _short_lived_group():
 
 
 def _outcome(error: Exception | None, started: float, step: int | None = None) -> dict:
-    return {"type": type(error).__name__ if error else None, "message": str(error) if error else "",
-            "seconds": time.perf_counter() - started, "step": step}
+    return {
+        "type": type(error).__name__ if error else None,
+        "message": str(error) if error else "",
+        "seconds": time.perf_counter() - started,
+        "step": step,
+    }
 
 
 def _skip_a_unit(rank: int, overlap: bool) -> dict:
     """Rank 1 runs every unit but layers.1 at BAD_STEP."""
     torch.manual_seed(0)
     model = EqualLayers()
-    config = ZeroConfig(stage=3, param_persistence_threshold=0, overlap_comm=overlap, unit_modules=(nn.Linear,),
-                        collective_timeout=TIMEOUT)
-    engine = ZeroEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config,
-                        process_group=_short_lived_group())
+    config = ZeroConfig(
+        stage=3,
+        param_persistence_threshold=0,
+        overlap_comm=overlap,
+        unit_modules=(nn.Linear,),
+        collective_timeout=TIMEOUT,
+    )
+    engine = ZeroEngine(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-3), config, process_group=_short_lived_group()
+    )
     started, step = time.perf_counter(), None
     try:
         for step in range(BAD_STEP + 2):
@@ -100,11 +111,13 @@ def _peer_leaves(rank: int) -> dict:
 
 
 def _scenarios(rank: int, world_size: int) -> dict:
-    return {"skip, overlap": _skip_a_unit(rank, overlap=True),
-            "skip, no overlap": _skip_a_unit(rank, overlap=False),
-            "silent": _mislabelled_collectives(rank, trailing_extra=False),
-            "trailing": _mislabelled_collectives(rank, trailing_extra=True),
-            "peer leaves": _peer_leaves(rank)}
+    return {
+        "skip, overlap": _skip_a_unit(rank, overlap=True),
+        "skip, no overlap": _skip_a_unit(rank, overlap=False),
+        "silent": _mislabelled_collectives(rank, trailing_extra=False),
+        "trailing": _mislabelled_collectives(rank, trailing_extra=True),
+        "peer leaves": _peer_leaves(rank),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -133,8 +146,10 @@ def test_a_silent_mismatch_is_named_by_the_per_step_check_on_both_ranks(outcomes
         assert error["type"] == "CollectiveMismatchError", error
         assert error["seconds"] < TIMEOUT + SLACK
         assert error["message"].startswith(f"rank {rank}: the ranks issued different collectives")
-        assert ("First difference at collective #2: rank 0 issued all_reduce of 512 B for unit blocks.1; "
-                "rank 1 issued all_reduce of 512 B for unit blocks.2") in error["message"]
+        assert (
+            "First difference at collective #2: rank 0 issued all_reduce of 512 B for unit blocks.1; "
+            "rank 1 issued all_reduce of 512 B for unit blocks.2"
+        ) in error["message"]
 
 
 def test_the_rank_with_fewer_collectives_reports_at_the_step_check_instead_of_hanging(outcomes):

@@ -1,6 +1,7 @@
 """accelerate configs written for its DeepSpeed back-end run on ds_strategy through ``ds-strategy launch``: the
 section becomes the DeepSpeed config accelerate's own ``DeepSpeedPlugin`` builds, and accelerate's template launches
 2-process training. Inputs are accelerate's template and docs example, verbatim (``tests/data/accelerate_configs``)."""
+
 import json
 import os
 import shutil
@@ -34,8 +35,9 @@ def test_docs_example_becomes_the_config_accelerates_deepspeed_plugin_builds():
     theirs = dict(DeepSpeedPlugin(**section).deepspeed_config)
     theirs.pop("steps_per_print")  # accelerate silences DeepSpeed's logging; a no-op here
     assert ours == theirs
-    assert ignored == [("deepspeed_config.zero3_init_flag=True (ZeroAccelerator shards the model when prepare() "
-                        "receives it)")]
+    assert ignored == [
+        ("deepspeed_config.zero3_init_flag=True (ZeroAccelerator shards the model when prepare() receives it)")
+    ]
     config = config_from_deepspeed(ours)
     assert (config.stage, config.offload_optimizer, config.offload_params, config.pin_memory) == (3, "cpu", "cpu", True)
     assert (config.gradient_clipping, config.gradient_accumulation_steps) == (1.0, 1)
@@ -58,8 +60,20 @@ def test_accelerates_deepspeed_template_launches_two_process_training(tmp_path):
     shutil.copy(STAGE1_JSON, tmp_path / "deepspeed_config_templates" / "zero_stage1_config.json")
     config = templates / "deepspeed.yaml"
     config.write_text(TEMPLATE.read_text() + f"\nmain_process_port: {free_port()}\n")
-    result = run([DS_STRATEGY, "launch", "--config_file", config, EXAMPLES / "train_accelerate.py",
-                  "--max-steps", "12", "--out", tmp_path / "out"], timeout=240)
+    result = run(
+        [
+            DS_STRATEGY,
+            "launch",
+            "--config_file",
+            config,
+            EXAMPLES / "train_accelerate.py",
+            "--max-steps",
+            "12",
+            "--out",
+            tmp_path / "out",
+        ],
+        timeout=240,
+    )
     assert "ignored: deepspeed_config.zero3_init_flag=False" in result.stderr
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert (summary["stage"], summary["world_size"]) == (1, 2)
@@ -72,5 +86,7 @@ def test_launch_rejects_a_template_whose_json_is_missing(tmp_path, capsys):
     config = tmp_path / "deepspeed.yaml"
     config.write_text(TEMPLATE.read_text())
     assert cli.main(["launch", "--config_file", str(config), str(EXAMPLES / "train_accelerate.py")]) == 2
-    assert "deepspeed_config.deepspeed_config_file='../deepspeed_config_templates/zero_stage1_config.json' does not " \
-           "exist" in capsys.readouterr().err
+    assert (
+        "deepspeed_config.deepspeed_config_file='../deepspeed_config_templates/zero_stage1_config.json' does not "
+        "exist" in capsys.readouterr().err
+    )

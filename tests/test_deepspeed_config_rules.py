@@ -1,5 +1,6 @@
 """DeepSpeed configs mean here what they mean in DeepSpeed: a corpus of real configs from public projects
 (``tests/data/deepspeed_configs``, provenance in its SOURCES file) is read by both, field by field."""
+
 import json
 import os
 import warnings
@@ -29,12 +30,24 @@ CONFIGS = sorted(CORPUS.glob("*.json"))
 NEEDS_MISSING_FEATURE = {"LLaMA-Factory__examples__deepspeed__ds_z2_autotp_config.json": "tensor_parallel"}
 HIDDEN = 64  # the hidden size "auto" bucket sizes are resolved for, by both sides
 # What Hugging Face's integration substitutes for "auto" (its trainer arguments), so DeepSpeed can read a config.
-HF_FILLS = {"train_micro_batch_size_per_gpu": 4, "train_batch_size": 4, "gradient_accumulation_steps": 1,
-            "gradient_clipping": 1.0, "enabled": False, "reduce_bucket_size": HIDDEN * HIDDEN,
-            "stage3_prefetch_bucket_size": int(0.9 * HIDDEN * HIDDEN),
-            "stage3_param_persistence_threshold": 10 * HIDDEN,
-            "lr": 1e-3, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8, "warmup_min_lr": 0.0,
-            "warmup_max_lr": 1e-3, "warmup_num_steps": 10, "total_num_steps": 100}
+HF_FILLS = {
+    "train_micro_batch_size_per_gpu": 4,
+    "train_batch_size": 4,
+    "gradient_accumulation_steps": 1,
+    "gradient_clipping": 1.0,
+    "enabled": False,
+    "reduce_bucket_size": HIDDEN * HIDDEN,
+    "stage3_prefetch_bucket_size": int(0.9 * HIDDEN * HIDDEN),
+    "stage3_param_persistence_threshold": 10 * HIDDEN,
+    "lr": 1e-3,
+    "weight_decay": 0.0,
+    "betas": [0.9, 0.999],
+    "eps": 1e-8,
+    "warmup_min_lr": 0.0,
+    "warmup_max_lr": 1e-3,
+    "warmup_num_steps": 10,
+    "total_num_steps": 100,
+}
 
 
 def _deepspeed():
@@ -70,11 +83,17 @@ def _expected_zero_fields(ds, raw) -> dict:
     zero, stage = ds.zero_config, ds.zero_optimization_stage
     optimizer_device = _device(zero.offload_optimizer) if stage >= 1 else "none"
     param_device = _device(zero.offload_param) if stage == 3 else "none"
-    expected = {"stage": stage, "offload_optimizer": optimizer_device, "offload_params": param_device,
-                "reduce_bucket_size": zero.reduce_bucket_size, "allgather_bucket_size": zero.allgather_bucket_size,
-                "prefetch_bucket_size": zero.prefetch_bucket_size, "max_live_parameters": zero.max_live_parameters,
-                "param_persistence_threshold": zero.param_persistence_threshold,
-                "gradient_accumulation_steps": ds.gradient_accumulation_steps}
+    expected = {
+        "stage": stage,
+        "offload_optimizer": optimizer_device,
+        "offload_params": param_device,
+        "reduce_bucket_size": zero.reduce_bucket_size,
+        "allgather_bucket_size": zero.allgather_bucket_size,
+        "prefetch_bucket_size": zero.prefetch_bucket_size,
+        "max_live_parameters": zero.max_live_parameters,
+        "param_persistence_threshold": zero.param_persistence_threshold,
+        "gradient_accumulation_steps": ds.gradient_accumulation_steps,
+    }
     if zero.sub_group_size:
         expected["sub_group_size"] = zero.sub_group_size
     if optimizer_device != "none":
@@ -89,13 +108,18 @@ def _expected_zero_fields(ds, raw) -> dict:
         expected["overlap_comm"] = zero.overlap_comm
     precision_given = [section for section in ("fp16", "bf16") if raw.get(section, {}).get("enabled") != "auto"]
     if precision_given:
-        expected["precision"] = ("16-mixed" if ds.float16_config.enabled else
-                                 "bf16-mixed" if ds.bfloat16_config.enabled else "32-true")
+        expected["precision"] = (
+            "16-mixed" if ds.float16_config.enabled else "bf16-mixed" if ds.bfloat16_config.enabled else "32-true"
+        )
     if ds.float16_config.enabled:
         fp16 = ds.float16_config
-        expected.update(loss_scale=fp16.loss_scale, initial_scale_power=fp16.initial_scale_power,
-                        loss_scale_window=fp16.loss_scale_window, hysteresis=fp16.hysteresis,
-                        min_loss_scale=fp16.min_loss_scale)
+        expected.update(
+            loss_scale=fp16.loss_scale,
+            initial_scale_power=fp16.initial_scale_power,
+            loss_scale_window=fp16.loss_scale_window,
+            hysteresis=fp16.hysteresis,
+            min_loss_scale=fp16.min_loss_scale,
+        )
     return expected
 
 
@@ -133,11 +157,17 @@ def test_tables_have_a_rule_for_every_field_and_alias_of_deepspeeds_strict_secti
         DeepSpeedZeroOffloadOptimizerConfig,
         DeepSpeedZeroOffloadParamConfig,
     )
-    for model, table in ((DeepSpeedZeroConfig, ZERO_OPTIMIZATION), (DeepSpeedFP16Config, FP16),
-                         (DeepSpeedBF16Config, BF16), (DeepSpeedZeroOffloadOptimizerConfig, OFFLOAD_OPTIMIZER),
-                         (DeepSpeedZeroOffloadParamConfig, OFFLOAD_PARAM)):
+
+    for model, table in (
+        (DeepSpeedZeroConfig, ZERO_OPTIMIZATION),
+        (DeepSpeedFP16Config, FP16),
+        (DeepSpeedBF16Config, BF16),
+        (DeepSpeedZeroOffloadOptimizerConfig, OFFLOAD_OPTIMIZER),
+        (DeepSpeedZeroOffloadParamConfig, OFFLOAD_PARAM),
+    ):
         names = {name for name, info in model.model_fields.items()} | {
-            info.alias for info in model.model_fields.values() if info.alias}
+            info.alias for info in model.model_fields.values() if info.alias
+        }
         assert names == set(table), model.__name__
 
 
@@ -146,12 +176,16 @@ def test_unknown_top_level_keys_are_ignored_with_one_warning_naming_them():
         config = config_from_deepspeed({"_comment": "tuned", "my_notes": 1, "zero_optimization": {"stage": 1}})
     assert config.stage == 1
     assert [str(w.message) for w in caught] == [
-        "DeepSpeed config keys ignored (DeepSpeed does not know them either): _comment, my_notes"]
+        "DeepSpeed config keys ignored (DeepSpeed does not know them either): _comment, my_notes"
+    ]
 
 
 def test_unknown_key_inside_a_section_fails_naming_its_dotted_path():
-    with pytest.raises(ValueError, match=r"DeepSpeed zero_optimization\.offload_param\.devise is not a key DeepSpeed "
-                                         r"accepts; did you mean 'zero_optimization\.offload_param\.device'\?"):
+    with pytest.raises(
+        ValueError,
+        match=r"DeepSpeed zero_optimization\.offload_param\.devise is not a key DeepSpeed "
+        r"accepts; did you mean 'zero_optimization\.offload_param\.device'\?",
+    ):
         config_from_deepspeed({"zero_optimization": {"stage": 3, "offload_param": {"devise": "cpu"}}})
 
 
@@ -173,14 +207,25 @@ def test_absent_keys_mean_deepspeeds_defaults_not_zero_configs():
 
 
 def test_auto_means_deepspeeds_default_or_the_frameworks_value():
-    config = config_from_deepspeed({"gradient_clipping": "auto", "zero_optimization": {
-        "stage": 3, "stage3_max_live_parameters": "auto", "offload_param": {"device": "cpu", "buffer_size": "auto"}}})
+    config = config_from_deepspeed(
+        {
+            "gradient_clipping": "auto",
+            "zero_optimization": {
+                "stage": 3,
+                "stage3_max_live_parameters": "auto",
+                "offload_param": {"device": "cpu", "buffer_size": "auto"},
+            },
+        }
+    )
     assert (config.gradient_clipping, config.max_live_parameters, config.buffer_size) == (0.0, 10**9, 10**8)
 
 
 def test_rejected_feature_names_the_key_and_what_to_do():
-    with pytest.raises(ValueError, match=r"DeepSpeed torch_autocast=\{'enabled': True\} is not supported: use the "
-                                         r"framework's precision flag"):
+    with pytest.raises(
+        ValueError,
+        match=r"DeepSpeed torch_autocast=\{'enabled': True\} is not supported: use the "
+        r"framework's precision flag",
+    ):
         config_from_deepspeed({"torch_autocast": {"enabled": True}})
 
 
@@ -188,10 +233,14 @@ def test_train_batch_size_is_checked_at_setup_naming_the_three_numbers():
     config = config_from_deepspeed({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4})
     assert config.resolve_batch_sizes(world_size=2).gradient_accumulation_steps == 4  # DeepSpeed derives it
     assert config_from_deepspeed({"train_batch_size": 32}).resolve_batch_sizes(4).train_micro_batch_size_per_gpu == 8
-    inconsistent = config_from_deepspeed({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
-                                          "gradient_accumulation_steps": 2})
-    with pytest.raises(ValueError, match=r"train_batch_size=32 is not train_micro_batch_size_per_gpu=4 x "
-                                         r"gradient_accumulation_steps=2 x world size 2"):
+    inconsistent = config_from_deepspeed(
+        {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"train_batch_size=32 is not train_micro_batch_size_per_gpu=4 x "
+        r"gradient_accumulation_steps=2 x world size 2",
+    ):
         inconsistent.resolve_batch_sizes(world_size=2)
 
 

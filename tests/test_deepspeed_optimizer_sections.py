@@ -1,5 +1,6 @@
 """A DeepSpeed config's optimizer and scheduler sections: DeepSpeed's optimizer from torch's classes, its LR schedules
 step for step (against the formula and against DeepSpeed's own classes), and a Lightning run built from them."""
+
 import math
 import os
 import warnings
@@ -19,13 +20,30 @@ STEPS = 40
 SCHEDULES = {
     "WarmupLR": {"warmup_min_lr": 0.01, "warmup_max_lr": 0.1, "warmup_num_steps": 10, "warmup_type": "linear"},
     "WarmupDecayLR": {"total_num_steps": 30, "warmup_min_lr": 0.0, "warmup_max_lr": 0.1, "warmup_num_steps": 8},
-    "WarmupCosineLR": {"total_num_steps": 30, "warmup_min_ratio": 0.1, "warmup_num_steps": 5, "cos_min_ratio": 0.01,
-                       "warmup_type": "linear"},
-    "OneCycle": {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 8, "cycle_second_step_size": 12,
-                 "decay_lr_rate": 0.5, "decay_step_size": 4, "cycle_min_mom": 0.85, "cycle_max_mom": 0.95,
-                 "decay_mom_rate": 0.1},
-    "LRRangeTest": {"lr_range_test_min_lr": 0.001, "lr_range_test_step_size": 5, "lr_range_test_step_rate": 2.0,
-                    "lr_range_test_staircase": True},
+    "WarmupCosineLR": {
+        "total_num_steps": 30,
+        "warmup_min_ratio": 0.1,
+        "warmup_num_steps": 5,
+        "cos_min_ratio": 0.01,
+        "warmup_type": "linear",
+    },
+    "OneCycle": {
+        "cycle_min_lr": 0.01,
+        "cycle_max_lr": 0.1,
+        "cycle_first_step_size": 8,
+        "cycle_second_step_size": 12,
+        "decay_lr_rate": 0.5,
+        "decay_step_size": 4,
+        "cycle_min_mom": 0.85,
+        "cycle_max_mom": 0.95,
+        "decay_mom_rate": 0.1,
+    },
+    "LRRangeTest": {
+        "lr_range_test_min_lr": 0.001,
+        "lr_range_test_step_size": 5,
+        "lr_range_test_step_rate": 2.0,
+        "lr_range_test_staircase": True,
+    },
 }
 
 
@@ -109,18 +127,32 @@ def test_all_auto_sections_defer_to_the_programs_optimizer_silently():
         warnings.simplefilter("error")
         sections = read_optimizer_sections(
             {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True}},
-            {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
-                                                 "warmup_num_steps": "auto", "total_num_steps": "auto"}})
+            {
+                "type": "WarmupDecayLR",
+                "params": {
+                    "warmup_min_lr": "auto",
+                    "warmup_max_lr": "auto",
+                    "warmup_num_steps": "auto",
+                    "total_num_steps": "auto",
+                },
+            },
+        )
     assert (sections.optimizer, sections.scheduler) == (None, None)
 
 
-@pytest.mark.parametrize("section, message", [
-    ({"type": "OneBitAdam", "params": {"lr": 1e-3}}, r"optimizer\.type='OneBitAdam' \(1-bit Adam\) is not supported"),
-    ({"type": "Lamb", "params": {"lr": 1e-3}}, r"optimizer\.type='Lamb' \(Lamb \(FusedLamb\)\) is not supported"),
-    ({"type": "Adam", "params": {"lr": 1e-3, "max_grad_norm": 1.0}}, r"optimizer\.params\.max_grad_norm"),
-    ({"type": "AdamW", "params": {"lr": 1e-3, "momentum": 0.9}}, r"optimizer\.params\.momentum is not a parameter"),
-    ({"type": "adamax", "params": {"lr": 1e-3}}, r"optimizer\.type='adamax' is neither"),
-])
+@pytest.mark.parametrize(
+    "section, message",
+    [
+        (
+            {"type": "OneBitAdam", "params": {"lr": 1e-3}},
+            r"optimizer\.type='OneBitAdam' \(1-bit Adam\) is not supported",
+        ),
+        ({"type": "Lamb", "params": {"lr": 1e-3}}, r"optimizer\.type='Lamb' \(Lamb \(FusedLamb\)\) is not supported"),
+        ({"type": "Adam", "params": {"lr": 1e-3, "max_grad_norm": 1.0}}, r"optimizer\.params\.max_grad_norm"),
+        ({"type": "AdamW", "params": {"lr": 1e-3, "momentum": 0.9}}, r"optimizer\.params\.momentum is not a parameter"),
+        ({"type": "adamax", "params": {"lr": 1e-3}}, r"optimizer\.type='adamax' is neither"),
+    ],
+)
 def test_optimizers_we_cannot_build_fail_naming_the_key(section, message):
     with pytest.raises(ValueError, match=message):
         read_optimizer_sections(section, None)
@@ -128,8 +160,9 @@ def test_optimizers_we_cannot_build_fail_naming_the_key(section, message):
 
 def test_scheduler_value_without_default_left_auto_fails_naming_it():
     with pytest.raises(ValueError, match=r"scheduler\.params\.total_num_steps is required by WarmupDecayLR"):
-        read_optimizer_sections(None, {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 0.1,
-                                                                          "total_num_steps": "auto"}})
+        read_optimizer_sections(
+            None, {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 0.1, "total_num_steps": "auto"}}
+        )
 
 
 # -- Lightning: a module whose configure_optimizers returns None trains from the sections --------------------------
@@ -140,8 +173,10 @@ DS_CONFIG = {
     "train_micro_batch_size_per_gpu": BATCH,
     "train_batch_size": BATCH * WORLD,
     "optimizer": {"type": "AdamW", "params": {"lr": 0.05, "betas": [0.9, 0.99], "eps": 1e-6}},
-    "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 0.05, "warmup_num_steps": 4,
-                                                 "warmup_type": "linear"}},
+    "scheduler": {
+        "type": "WarmupLR",
+        "params": {"warmup_max_lr": 0.05, "warmup_num_steps": 4, "warmup_type": "linear"},
+    },
 }
 
 
@@ -169,9 +204,17 @@ class OwnOptimizerModule(NoOptimizerModule):
 
 
 def _trainer(**kwargs):
-    return L.Trainer(accelerator="cpu", devices=WORLD, max_steps=LIGHTNING_STEPS, logger=False,
-                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                     use_distributed_sampler=False, **kwargs)
+    return L.Trainer(
+        accelerator="cpu",
+        devices=WORLD,
+        max_steps=LIGHTNING_STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        **kwargs,
+    )
 
 
 def _fit_from_sections(rank, world_size):
@@ -181,17 +224,21 @@ def _fit_from_sections(rank, world_size):
     module = NoOptimizerModule()
     trainer = _trainer(strategy=ZeroStrategy.from_deepspeed_config(DS_CONFIG))
     trainer.fit(module, DataLoader(mine, batch_size=BATCH))
-    result = {"state": trainer.strategy.engine.full_state_dict(rank0_only=False),
-              "lr": trainer.optimizers[0].param_groups[0]["lr"]}
+    result = {
+        "state": trainer.strategy.engine.full_state_dict(rank0_only=False),
+        "lr": trainer.optimizers[0].param_groups[0]["lr"],
+    }
     errors = {}
     for name, module_class, config, loader_batch, clip in (
-            ("clipping", NoOptimizerModule, DS_CONFIG, BATCH, 0.5),
-            ("micro_batch", NoOptimizerModule, DS_CONFIG, BATCH - 1, None),
-            ("train_batch_size", NoOptimizerModule, {**DS_CONFIG, "train_batch_size": 3 * BATCH}, BATCH, None),
-            ("two_optimizers", OwnOptimizerModule, DS_CONFIG, BATCH, None)):
+        ("clipping", NoOptimizerModule, DS_CONFIG, BATCH, 0.5),
+        ("micro_batch", NoOptimizerModule, DS_CONFIG, BATCH - 1, None),
+        ("train_batch_size", NoOptimizerModule, {**DS_CONFIG, "train_batch_size": 3 * BATCH}, BATCH, None),
+        ("two_optimizers", OwnOptimizerModule, DS_CONFIG, BATCH, None),
+    ):
         try:
             _trainer(strategy=ZeroStrategy.from_deepspeed_config(config), gradient_clip_val=clip).fit(
-                module_class(), DataLoader(mine, batch_size=loader_batch))
+                module_class(), DataLoader(mine, batch_size=loader_batch)
+            )
         except ValueError as error:
             errors[name] = str(error)
     return result | {"errors": errors}
@@ -223,6 +270,8 @@ def test_lightning_module_without_an_optimizer_trains_from_the_config_sections_a
     errors = ranks[0]["errors"]
     assert "gradient_clipping=1.0" in errors["clipping"] and "gradient_clip_val=0.5" in errors["clipping"]
     assert "train_micro_batch_size_per_gpu=4 but the data loader's first batch holds 3" in errors["micro_batch"]
-    assert "train_batch_size=12 is not train_micro_batch_size_per_gpu=4 x gradient_accumulation_steps=1 x " \
-           "world size 2" in errors["train_batch_size"]
+    assert (
+        "train_batch_size=12 is not train_micro_batch_size_per_gpu=4 x gradient_accumulation_steps=1 x "
+        "world size 2" in errors["train_batch_size"]
+    )
     assert "both configure_optimizers and the DeepSpeed config's optimizer section" in errors["two_optimizers"]

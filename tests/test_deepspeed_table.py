@@ -1,4 +1,5 @@
 """The README's DeepSpeed compatibility table is the one ``ds-strategy config-table`` generates from the rules."""
+
 import re
 from pathlib import Path
 
@@ -16,5 +17,6 @@ def test_readme_deepspeed_table_is_the_generated_one():
 def test_table_has_a_row_for_every_rule():
     rows = markdown_table().splitlines()[3:]
     assert len(rows) == sum(len(section) if isinstance(section, dict) else 1 for section in DEEPSPEED.values()) + sum(
-        len(section) - 1 for section in ZERO_OPTIMIZATION.values() if isinstance(section, dict))
+        len(section) - 1 for section in ZERO_OPTIMIZATION.values() if isinstance(section, dict)
+    )
     assert "| `zero_optimization.offload_param.pin_memory` | `True` | mapped: `ZeroConfig.pin_memory` |" in rows

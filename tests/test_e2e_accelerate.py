@@ -1,34 +1,55 @@
 """Accelerate end to end: ``ZeroAccelerator`` under a real 2-process ``accelerate launch`` configured through
 ``$DS_STRATEGY_CONFIG``, and ``ds-strategy launch`` with an accelerate YAML plus a ``ds_strategy:`` section; bad
 ZeRO settings and accelerate's own sharding back-ends are rejected before any worker starts."""
+
 import pytest
-from e2e_runs import (DS_STRATEGY, EXAMPLES, PYTHON, REPO, assert_sharded_checkpoint, assert_trained_sharded, free_port,
-                      run)
+from e2e_runs import (
+    DS_STRATEGY,
+    EXAMPLES,
+    REPO,
+    accelerate_launch,
+    assert_sharded_checkpoint,
+    assert_trained_sharded,
+    free_port,
+    run,
+)
 
 from ds_strategy import cli
 from ds_strategy.accelerate import ZeroAccelerator, load_zero_config
-
-ACCELERATE_LAUNCH = [PYTHON, "-m", "accelerate.commands.launch"]
 
 
 def _yaml_with(tmp_path, extra: str) -> str:
     """configs/accelerate/zero2.yaml with ``extra`` lines appended (a free port keeps parallel runs apart)."""
     path = tmp_path / "accelerate.yaml"
-    path.write_text((REPO / "configs/accelerate/zero2.yaml").read_text() + f"main_process_port: {free_port()}\n" + extra)
+    path.write_text(
+        (REPO / "configs/accelerate/zero2.yaml").read_text() + f"main_process_port: {free_port()}\n" + extra
+    )
     return str(path)
 
 
 def test_zero_accelerator_trains_sharded_under_accelerate_launch_with_env_config(tmp_path):
-    run([*ACCELERATE_LAUNCH, "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-         "--dynamo_backend", "no", "--main_process_port", free_port(), EXAMPLES / "train_accelerate.py",
-         "--accumulate", "2", "--max-steps", "30", "--out", tmp_path], env={"DS_STRATEGY_CONFIG": '{"stage": 1}'})
+    run(
+        accelerate_launch("--accumulate", "2", "--max-steps", "30", "--out", tmp_path),
+        env={"DS_STRATEGY_CONFIG": '{"stage": 1}'},
+    )
     summary = assert_trained_sharded(tmp_path, stage=1)
     assert_sharded_checkpoint(tmp_path / "checkpoint" / "zero_checkpoint", summary)
 
 
 def test_ds_strategy_launch_trains_with_the_yaml_ds_strategy_section(tmp_path):
-    run([DS_STRATEGY, "launch", "--config_file", _yaml_with(tmp_path, ""), EXAMPLES / "train_accelerate.py",
-         "--max-steps", "30", "--out", tmp_path])
+    run(
+        [
+            DS_STRATEGY,
+            "launch",
+            "--config_file",
+            _yaml_with(tmp_path, ""),
+            EXAMPLES / "train_accelerate.py",
+            "--max-steps",
+            "30",
+            "--out",
+            tmp_path,
+        ]
+    )
     assert_trained_sharded(tmp_path, stage=2)
 
 

@@ -1,6 +1,7 @@
 """Lightning entry points end to end: ``pytorch_lightning``'s Trainer by strategy name and the DeepSpeed-JSON
 example, each on 2 real CPU processes; bad strategy configs fail at construction. (``lightning.pytorch``'s Trainer
 by name is the README usage example, run by ``test_readme.py``; Lightning with Hydra is ``test_hydra.py``.)"""
+
 import lightning as L
 import pytest
 from e2e_runs import EXAMPLES, PYTHON, SCRIPTS, assert_trained_sharded, run
@@ -34,7 +35,9 @@ def test_bad_stage_names_the_field():
 def test_misspelled_deepspeed_key_names_the_key_and_suggests_the_right_one(tmp_path):
     bad = tmp_path / "ds_config.json"
     bad.write_text('{"zero_optimization": {"stage": 2, "overlap_com": true}}')
-    with pytest.raises(ValueError, match="zero_optimization.overlap_com .*did you mean 'zero_optimization.overlap_comm'"):
+    with pytest.raises(
+        ValueError, match="zero_optimization.overlap_com .*did you mean 'zero_optimization.overlap_comm'"
+    ):
         ZeroStrategy.from_deepspeed_config(bad)
 
 

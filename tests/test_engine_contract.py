@@ -1,14 +1,15 @@
 """What the engine promises users beyond parity: clear errors, the optimizer they configured, clipping semantics,
 and a core that imports no training framework."""
+
 import ast
 from pathlib import Path
 
+import models
 import pytest
 import torch
 from distributed import run_ranks
 
 import ds_strategy
-import models
 from ds_strategy.config import ZeroConfig
 from ds_strategy.zero.engine import ZeroEngine
 
@@ -81,7 +82,7 @@ def test_value_clipping_is_elementwise_like_torch():
     engine.clip_grad_value_(0.01)
     torch.nn.utils.clip_grad_value_(reference.parameters(), 0.01)
     grads = dict(reference.named_parameters())
-    shard = torch.cat([engine.reducer.reduced_grad(fp)[:fp.numel] for fp in engine.flat_params])
+    shard = torch.cat([engine.reducer.reduced_grad(fp)[: fp.numel] for fp in engine.flat_params])
     expected = torch.cat([grads[s.name].grad.reshape(-1) for fp in engine.flat_params for s in fp.slots])
     assert shard.abs().max() <= 0.01
     torch.testing.assert_close(shard, expected)
@@ -90,7 +91,7 @@ def test_value_clipping_is_elementwise_like_torch():
 def _grad_norm(rank: int, world_size: int, stage: int) -> float:
     model, _, engine = _engine(stage=stage)
     batch = models.MLP.make_batch(torch.Generator().manual_seed(2), 8)
-    model(tuple(t[rank * 4:(rank + 1) * 4] for t in batch)).backward()
+    model(tuple(t[rank * 4 : (rank + 1) * 4] for t in batch)).backward()
     return engine.clip_grad_norm_(1e9).item()
 
 
@@ -107,8 +108,19 @@ def test_global_gradient_norm_over_shards_equals_the_unsharded_norm(stage):
     assert norms[0] == norms[1]
 
 
-CORE = ("config.py", "deepspeed_config.py", "auto_values.py", "estimate.py", "zero", "comm", "precision", "offload",
-        "checkpoint", "models", "data")
+CORE = (
+    "config.py",
+    "deepspeed_config.py",
+    "auto_values.py",
+    "estimate.py",
+    "zero",
+    "comm",
+    "precision",
+    "offload",
+    "checkpoint",
+    "models",
+    "data",
+)
 FRAMEWORKS = ("lightning", "pytorch_lightning", "accelerate")
 
 
@@ -126,8 +138,12 @@ def _imported_packages(path: Path) -> set[str]:
 def test_core_modules_import_no_training_framework():
     """Dependencies point one way: adapters -> core -> kernels (the package __init__ wires the adapters)."""
     root = Path(ds_strategy.__file__).parent
-    files = [p for entry in CORE for p in ([root / entry] if entry.endswith(".py") else (root / entry).rglob("*.py"))
-             if p.exists()]
+    files = [
+        p
+        for entry in CORE
+        for p in ([root / entry] if entry.endswith(".py") else (root / entry).rglob("*.py"))
+        if p.exists()
+    ]
     assert len(files) > 10
     offenders = {str(p.relative_to(root)): sorted(_imported_packages(p) & set(FRAMEWORKS)) for p in files}
     assert not {k: v for k, v in offenders.items() if v}

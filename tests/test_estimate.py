@@ -1,10 +1,11 @@
 """estimate_memory reproduces the ZeRO paper's per-device figures, places offloaded states where DeepSpeed does,
 and predicts what memory_report() measures on a real run to within 10%."""
+
+import models
 import pytest
 import torch
 from distributed import run_ranks
 
-import models
 from ds_strategy import estimate_memory
 from ds_strategy.cli import main as cli
 from ds_strategy.config import ZeroConfig
@@ -44,10 +45,15 @@ def test_stage3_nvme_offload_leaves_only_the_working_set_on_device():
     assert estimate.nvme == 12 * PSI / N + 2 * PSI / N
 
 
-@pytest.mark.parametrize("stage, offload_optimizer, offload_params, field", [
-    (1, "none", "cpu", "offload_params"), (0, "nvme", "none", "offload_optimizer"), (0, "cpu", "none", "offload_optimizer"),
-    (4, "none", "none", "stage"),
-])
+@pytest.mark.parametrize(
+    "stage, offload_optimizer, offload_params, field",
+    [
+        (1, "none", "cpu", "offload_params"),
+        (0, "nvme", "none", "offload_optimizer"),
+        (0, "cpu", "none", "offload_optimizer"),
+        (4, "none", "none", "stage"),
+    ],
+)
 def test_offload_a_stage_cannot_do_raises_naming_it(stage, offload_optimizer, offload_params, field):
     with pytest.raises(ValueError, match=field):
         estimate_memory(PSI, N, stage, offload_optimizer, offload_params)

@@ -1,5 +1,6 @@
 """benchmarks/gpu_check.py's logic, run on the host (``--device cpu``): every check runs, measures a peak under its
 formula and, where it compares values, finds them equal. Its CUDA path needs a GPU and has not run yet."""
+
 import json
 import os
 import subprocess
@@ -16,6 +17,7 @@ def gpu_check():
     sys.path.insert(0, str(BENCHMARKS))
     try:
         import gpu_check
+
         yield gpu_check
     finally:
         sys.path.remove(str(BENCHMARKS))
@@ -23,9 +25,15 @@ def gpu_check():
 
 def test_gpu_check_on_the_host_passes_every_check_within_its_formula(tmp_path):
     out = tmp_path / "gpu_check.json"
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}  # see test_stage3's note on glibc's threshold
-    done = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_check.py"), "--device", "cpu", "--size", "host",
-                           "--out", str(out)], env=env, capture_output=True, text=True, timeout=600, check=False)
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}  # see test_stage3's Note: [glibc's mmap threshold]
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "gpu_check.py"), "--device", "cpu", "--size", "host", "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     checks = json.loads(out.read_text())
     assert [c["name"] for c in checks] == ["placement", "construction", "loading", "offload"], done.stderr
     for check in checks:

@@ -1,6 +1,7 @@
 """Hydra: the config groups are derived from ZeroConfig and the presets, overrides compose into a validated
 ZeroConfig, bad overrides fail before any process starts, and an override run of ``examples/train.py`` trains
 sharded on 2 processes (Lightning re-launching the Hydra script)."""
+
 import dataclasses
 
 import pytest
@@ -56,6 +57,15 @@ def test_bad_override_fails_before_any_process_starts(tmp_path):
 
 
 def test_hydra_override_run_trains_sharded_on_two_processes(tmp_path):
-    run([PYTHON, EXAMPLES / "train.py", "strategy=zero1", "strategy.reduce_bucket_size=1e6", "trainer.devices=2",
-         "trainer.max_steps=30", f"hydra.run.dir={tmp_path}"])
+    run(
+        [
+            PYTHON,
+            EXAMPLES / "train.py",
+            "strategy=zero1",
+            "strategy.reduce_bucket_size=1e6",
+            "trainer.devices=2",
+            "trainer.max_steps=30",
+            f"hydra.run.dir={tmp_path}",
+        ]
+    )
     assert_trained_sharded(tmp_path, stage=1)

@@ -35,7 +35,8 @@ def triton_kernels():
     if not ON_GPU:
         assert kernels.interpreter_requested() and _interpreted(tl.sum), (
             "triton.language was imported without TRITON_INTERPRET=1, so the kernels cannot run on CPU tensors; "
-            "tests/conftest.py sets it, so something imported triton before pytest loaded the conftest")
+            "tests/conftest.py sets it, so something imported triton before pytest loaded the conftest"
+        )
         assert _interpreted(grad_stats._unscale_and_check_kernel)
     return types.SimpleNamespace(grad_stats=grad_stats, quantize=quantize)
 
@@ -151,7 +152,8 @@ def test_quantize_kernels_match_reference(triton_kernels, numel, dtype, block_si
     _assert_bitwise_equal(scales_kernel, scales_reference)
     _assert_equal_but_for_interpreter_bf16_rounding(
         triton_kernels.quantize.dequantize_blockwise_triton(q_kernel, scales_kernel, numel, dtype, bits),
-        kernels.dequantize_blockwise_reference(q_reference, scales_reference, numel, dtype, bits))
+        kernels.dequantize_blockwise_reference(q_reference, scales_reference, numel, dtype, bits),
+    )
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -1,8 +1,10 @@
 """The Lightning adapter: Trainer(strategy="zero*") with Lightning's own accumulation and clipping trains exactly
 like one unsharded process, keeps a process group it did not create, and reports sharded memory."""
+
 import os
 
 import lightning as L
+import models
 import pytest
 import torch
 import torch.distributed as dist
@@ -10,7 +12,6 @@ from distributed import run_ranks
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 import ds_strategy  # noqa: F401  (registers the strategy names)
-import models
 
 STEPS, ACCUMULATE, BATCH, WORLD = 4, 2, 4, 2
 
@@ -50,15 +51,30 @@ def _fit(rank: int, world_size: int, strategy: str) -> dict:
     if strategy == "zero3-partition-all":  # every tensor partitioned, built on the meta device by configure_model
         strategy = ds_strategy.ZeroStrategy(stage=3, param_persistence_threshold=0)
     module = MLPModule()
-    trainer = L.Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=STEPS,
-                        accumulate_grad_batches=ACCUMULATE, gradient_clip_val=1.0, limit_val_batches=2,
-                        val_check_interval=ACCUMULATE * 2, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=strategy,
+        max_steps=STEPS,
+        accumulate_grad_batches=ACCUMULATE,
+        gradient_clip_val=1.0,
+        limit_val_batches=2,
+        val_check_interval=ACCUMULATE * 2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
     mine = Subset(_dataset(), range(rank, len(_dataset()), world_size))  # what a DistributedSampler gives rank r
     trainer.fit(module, DataLoader(mine, batch_size=BATCH), DataLoader(mine, batch_size=BATCH))
-    return {"state": trainer.strategy.engine.full_state_dict(rank0_only=False),
-            "memory": trainer.strategy.memory_report(), "group_alive": dist.is_initialized(),
-            "losses": torch.stack(module.losses), "val_loss": trainer.callback_metrics["val_loss"].item()}
+    return {
+        "state": trainer.strategy.engine.full_state_dict(rank0_only=False),
+        "memory": trainer.strategy.memory_report(),
+        "group_alive": dist.is_initialized(),
+        "losses": torch.stack(module.losses),
+        "val_loss": trainer.callback_metrics["val_loss"].item(),
+    }
 
 
 def _reference(param_groups=models.param_groups) -> dict:

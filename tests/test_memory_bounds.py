@@ -3,6 +3,7 @@ stays within the ZeRO formula x 1.05 + the two largest units' parameter and grad
 Hugging Face GPT-2 and on our GPT, also when every reduction is made slow on purpose (so the bound holds by
 design, not by timing). DeepSpeed's element-count default, given explicitly, exceeds it under the same delay:
 the check can fail."""
+
 import time
 
 import pytest
@@ -45,8 +46,16 @@ def _slow_down(engine: ZeroEngine) -> None:
 def _hf_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(vocab_size=1024, n_positions=64, n_embd=256, n_layer=4, n_head=4, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0)
+    config = GPT2Config(
+        vocab_size=1024,
+        n_positions=64,
+        n_embd=256,
+        n_layer=4,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     model = GPT2LMHeadModel(config)
     return model, lambda x: model(input_ids=x, labels=x).loss
 
@@ -76,8 +85,14 @@ def peak_against_bound(rank: int, world_size: int, jobs: list[tuple[str, int, bo
         peak = sum(sum(places.values()) for places in engine.memory_report(peak=True).values())
         psi = sum(fp.numel for fp in engine.flat_params)
         units = sorted(unit.numel for unit in engine.units)[-2:]
-        results.append({"job": (model_name, stage, slow), "peak": peak, "formula": _formula(stage, psi, world_size),
-                        "two_units": 8 * sum(units)})
+        results.append(
+            {
+                "job": (model_name, stage, slow),
+                "peak": peak,
+                "formula": _formula(stage, psi, world_size),
+                "two_units": 8 * sum(units),
+            }
+        )
         engine.remove_hooks()
     return results
 
@@ -85,8 +100,13 @@ def peak_against_bound(rank: int, world_size: int, jobs: list[tuple[str, int, bo
 @pytest.fixture(scope="module")
 def measured():
     # every stage slowed; quiet only at stage 3, whose gathers depend on timing too
-    jobs = [(model, stage, slow, {}) for model in ("hf-gpt2", "gpt") for stage in STAGES for slow in (False, True)
-            if slow or stage == 3]
+    jobs = [
+        (model, stage, slow, {})
+        for model in ("hf-gpt2", "gpt")
+        for stage in STAGES
+        for slow in (False, True)
+        if slow or stage == 3
+    ]
     jobs.append(("gpt", 2, True, {"reduce_bucket_size": 500_000_000}))
     results = run_ranks(peak_against_bound, 2, jobs, timeout=300)
     return {(job[0], job[1], job[2], bool(job[3])): r for job, r in zip(jobs, results[0])}

@@ -1,5 +1,6 @@
 """memory_report() reports the bytes the ZeRO paper's formulas predict (fp32 Adam: params 4Ψ, grads 4Ψ or 4Ψ/N,
 Adam state 8Ψ or 8Ψ/N), and they shrink with the world size exactly where the stage says they should."""
+
 import pytest
 from distributed import run_ranks
 from training_loops import Recipe, train_stages
@@ -10,6 +11,7 @@ STAGES = (0, 1, 2)
 
 def _psi() -> int:
     import models
+
     return sum(p.numel() for p in models.TinyGPT().parameters())
 
 

@@ -4,6 +4,7 @@ bf16-mixed ZeRO trains like one process under bf16 autocast with fp32 weights; f
 trains like fp32; an overflow on one rank makes every rank skip that step; memory follows the mixed-precision
 ZeRO formula; and the Lightning Trainer runs both precisions end to end.
 """
+
 import json
 import os
 import socket
@@ -11,13 +12,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import models
 import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_ranks
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 
-import models
 from ds_strategy.config import ZeroConfig
 from ds_strategy.lightning import ZeroPrecision, ZeroStrategy
 from ds_strategy.models import gpt_config
@@ -55,12 +56,14 @@ def _global_batches(steps: int):
     generator = torch.Generator().manual_seed(0)
     for _ in range(steps):
         starts = torch.randint(0, len(tokens) - block - 1, (WORLD * PER_RANK_BATCH,), generator=generator)
-        yield (torch.stack([tokens[s:s + block] for s in starts]),
-               torch.stack([tokens[s + 1:s + block + 1] for s in starts]))
+        yield (
+            torch.stack([tokens[s : s + block] for s in starts]),
+            torch.stack([tokens[s + 1 : s + block + 1] for s in starts]),
+        )
 
 
 def _rank_slice(batch, rank: int):
-    return tuple(t[rank * PER_RANK_BATCH:(rank + 1) * PER_RANK_BATCH] for t in batch)
+    return tuple(t[rank * PER_RANK_BATCH : (rank + 1) * PER_RANK_BATCH] for t in batch)
 
 
 def _build():
@@ -85,8 +88,9 @@ def _poison_rank0_shard_gradient(engine: ZeroEngine):
     return param.register_hook(poison)
 
 
-def train_zero(rank: int, world_size: int, precision: str, stage: int, inject_at: int | None = None,
-               steps: int = STEPS, **zero) -> dict:
+def train_zero(
+    rank: int, world_size: int, precision: str, stage: int, inject_at: int | None = None, steps: int = STEPS, **zero
+) -> dict:
     """ZeRO on this rank: losses (averaged over ranks), whether each step was taken, full parameters around
     the injected step, the loss scales seen, and the memory report after the first step."""
     model, optimizer = _build()
@@ -141,15 +145,25 @@ def train_autocast_reference(steps: int) -> list[float]:
 
 RUNS = {
     # param_persistence_threshold=0: stage 3 partitions even the tiny GPT's small parameters
-    **{f"bf16-stage{stage}": {"precision": "bf16-mixed", "stage": stage, "param_persistence_threshold": 0}
-       for stage in STAGES},
+    **{
+        f"bf16-stage{stage}": {"precision": "bf16-mixed", "stage": stage, "param_persistence_threshold": 0}
+        for stage in STAGES
+    },
     "fp16-stage2": {"precision": "16-mixed", "stage": 2},
     # a short growth window: the scale doubles into overflow (2**17 overflows here), is halved, grows again
     "fp16-window4-stage2": {"precision": "16-mixed", "stage": 2, "loss_scale_window": 4},
     "fp32-stage2": {"precision": "32-true", "stage": 2},
-    **{f"overflow-stage{stage}": {"precision": "16-mixed", "stage": stage, "inject_at": INJECT_AT,
-                                  "steps": OVERFLOW_STEPS, "initial_scale_power": 8, "hysteresis": 1}
-       for stage in (1, 2)},
+    **{
+        f"overflow-stage{stage}": {
+            "precision": "16-mixed",
+            "stage": stage,
+            "inject_at": INJECT_AT,
+            "steps": OVERFLOW_STEPS,
+            "initial_scale_power": 8,
+            "hysteresis": 1,
+        }
+        for stage in (1, 2)
+    },
 }
 
 
@@ -166,16 +180,18 @@ def reference() -> list[float]:
 @pytest.mark.parametrize("stage", STAGES)
 def test_bf16_mixed_matches_single_process_bf16_autocast_with_fp32_weights(ranks, reference, stage):
     for rank in ranks:
-        torch.testing.assert_close(torch.tensor(rank[f"bf16-stage{stage}"]["losses"]), torch.tensor(reference),
-                                   rtol=BF16_LOSS_RTOL, atol=0.0)
+        torch.testing.assert_close(
+            torch.tensor(rank[f"bf16-stage{stage}"]["losses"]), torch.tensor(reference), rtol=BF16_LOSS_RTOL, atol=0.0
+        )
 
 
 def test_fp16_with_loss_scaling_matches_fp32_while_no_step_overflows(ranks):
     fp16, fp32 = ranks[0]["fp16-stage2"], ranks[0]["fp32-stage2"]
     assert all(fp16["stepped"]) and set(fp16["scales"]) == {2.0**16}
     torch.testing.assert_close(torch.tensor(fp16["losses"]), torch.tensor(fp32["losses"]), rtol=FP16_LOSS_RTOL, atol=0)
-    torch.testing.assert_close(torch.tensor(fp16["norms"][:NORM_STEPS]), torch.tensor(fp32["norms"][:NORM_STEPS]),
-                               rtol=FP16_NORM_RTOL, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(fp16["norms"][:NORM_STEPS]), torch.tensor(fp32["norms"][:NORM_STEPS]), rtol=FP16_NORM_RTOL, atol=0
+    )
 
 
 def test_fp16_dynamic_scale_backs_off_from_overflow_and_the_loss_falls_like_fp32(ranks):
@@ -239,8 +255,16 @@ def test_loss_scaler_state_round_trips_through_the_precision_plugin():
 
 
 def test_scaler_state_loaded_before_the_engine_exists_is_applied_when_it_attaches():
-    state = {"loss_scaler": {"cur_scale": 8.0, "cur_iter": 3, "last_overflow_iter": 1, "cur_hysteresis": 1,
-                             "skipped_steps": 2, "consecutive_min_scale_skips": 0}}
+    state = {
+        "loss_scaler": {
+            "cur_scale": 8.0,
+            "cur_iter": 3,
+            "last_overflow_iter": 1,
+            "cur_hysteresis": 1,
+            "skipped_steps": 2,
+            "consecutive_min_scale_skips": 0,
+        }
+    }
     plugin = ZeroPrecision("16-mixed")
     plugin.load_state_dict(state)
     engine = _plugin_with_engine().engine
@@ -269,11 +293,14 @@ def test_bf16_true_keeps_weights_gradients_and_optimizer_state_in_bf16_without_a
     assert states and all(v.dtype == torch.bfloat16 for v in states)
 
 
-@pytest.mark.parametrize("config, flag, expected", [
-    ("16-mixed", Precision(), "16-mixed"),                       # a flag left at 32-true defers to the config
-    ("32-true", MixedPrecision("bf16-mixed", "cpu"), "bf16-mixed"),  # a config left at 32-true defers to the flag
-    ("bf16-true", HalfPrecision("bf16-true"), "bf16-true"),
-])
+@pytest.mark.parametrize(
+    "config, flag, expected",
+    [
+        ("16-mixed", Precision(), "16-mixed"),  # a flag left at 32-true defers to the config
+        ("32-true", MixedPrecision("bf16-mixed", "cpu"), "bf16-mixed"),  # a config left at 32-true defers to the flag
+        ("bf16-true", HalfPrecision("bf16-true"), "bf16-true"),
+    ],
+)
 def test_trainer_precision_flag_and_config_agree_on_one_precision(config, flag, expected):
     strategy = ZeroStrategy(stage=2, precision=config)
     strategy.precision_plugin = flag
@@ -308,10 +335,25 @@ def _run_lightning_ranks(out: Path) -> dict:
     script = Path(__file__).with_name("lightning_precision_run.py")
     procs = []
     for rank in range(WORLD):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD),
-                   NODE_RANK="0", LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, str(script), str(out)], env=env, cwd=script.parent,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env = dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            WORLD_SIZE=str(WORLD),
+            NODE_RANK="0",
+            LOCAL_RANK=str(rank),
+            OMP_NUM_THREADS="1",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), str(out)],
+                env=env,
+                cwd=script.parent,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     try:
         logs = [proc.communicate(timeout=240)[0] for proc in procs]
     finally:

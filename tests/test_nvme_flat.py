@@ -2,6 +2,7 @@
 two GPTs of one width (so one working set: a unit gathered, its gradient scratch, the swap buffers) and depths
 giving ~14M and ~57M parameters peak within 0.25 bytes per added parameter of each other, construction and
 training included, and the NVMe run trains exactly as the same run with everything in memory."""
+
 import pytest
 import torch
 from distributed import run_ranks
@@ -45,9 +46,12 @@ def nvme_and_in_memory(rank: int, world_size: int, nvme_path: str) -> dict:
     runs[large].pop("state")  # nothing of one run may stay alive while the next is measured
     runs[small] = _train(small, nvme)
     in_memory = _train(small, {})
-    return {"peak": {d: r["peak"] for d, r in runs.items()}, "psi": {d: r["psi"] for d, r in runs.items()},
-            "same_losses": runs[small]["losses"] == in_memory["losses"],
-            "same_params": all(torch.equal(runs[small]["state"][k], v) for k, v in in_memory["state"].items())}
+    return {
+        "peak": {d: r["peak"] for d, r in runs.items()},
+        "psi": {d: r["psi"] for d, r in runs.items()},
+        "same_losses": runs[small]["losses"] == in_memory["losses"],
+        "same_params": all(torch.equal(runs[small]["state"][k], v) for k, v in in_memory["state"].items()),
+    }
 
 
 @pytest.fixture(scope="module")

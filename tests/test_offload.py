@@ -5,15 +5,16 @@ Bitwise, not approximately: the runs without offload step ``torch.optim.AdamW(fu
 the one ``CpuAdam`` runs tile by tile, and every other step of training is the same code on the same values. The
 learning rate is changed on the user's optimizer every step, so a host step that missed it would diverge.
 """
+
 import contextlib
 import os
 
+import models
 import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_ranks
 
-import models
 from ds_strategy.config import ZeroConfig
 from ds_strategy.zero.engine import ZeroEngine
 
@@ -32,10 +33,16 @@ RUNS = {
     "stage3": (3, {"param_persistence_threshold": 0}, "AdamW"),
     "stage3/cpu": (3, {"param_persistence_threshold": 0, "offload_optimizer": "cpu"}, "AdamW"),
     "stage3/nvme": (3, {"param_persistence_threshold": 0, "offload_optimizer": "nvme", **NVME}, "AdamW"),
-    "stage3/cpu+params-cpu": (3, {"param_persistence_threshold": 0, "offload_optimizer": "cpu",
-                                  "offload_params": "cpu"}, "AdamW"),
-    "stage3/nvme+params-nvme": (3, {"param_persistence_threshold": 0, "offload_optimizer": "nvme",
-                                    "offload_params": "nvme", **NVME}, "AdamW"),
+    "stage3/cpu+params-cpu": (
+        3,
+        {"param_persistence_threshold": 0, "offload_optimizer": "cpu", "offload_params": "cpu"},
+        "AdamW",
+    ),
+    "stage3/nvme+params-nvme": (
+        3,
+        {"param_persistence_threshold": 0, "offload_optimizer": "nvme", "offload_params": "nvme", **NVME},
+        "AdamW",
+    ),
     "stage3/params-nvme": (3, {"param_persistence_threshold": 0, "offload_params": "nvme"}, "AdamW"),
     "stage2-bf16": (2, {"precision": "bf16-mixed"}, "AdamW"),
     "stage2-bf16/cpu": (2, {"precision": "bf16-mixed", "offload_optimizer": "cpu"}, "AdamW"),
@@ -63,18 +70,20 @@ def train(model, engine: ZeroEngine, steps: int, first_step: int = 0, after_firs
     user's optimizer object before every step."""
     rows = GLOBAL_BATCH // engine.world_size
     generator = torch.Generator().manual_seed(1234)
-    batches = [[models.TinyGPT.make_batch(generator, GLOBAL_BATCH) for _ in range(ACCUMULATE)]
-               for _ in range(first_step + steps)][first_step:]
+    batches = [
+        [models.TinyGPT.make_batch(generator, GLOBAL_BATCH) for _ in range(ACCUMULATE)]
+        for _ in range(first_step + steps)
+    ][first_step:]
     losses = []
     for step, micro_batches in enumerate(batches, start=first_step):
         total = torch.zeros(())
         for micro, batch in enumerate(micro_batches):
             with engine.no_sync() if micro < ACCUMULATE - 1 else contextlib.nullcontext():
-                loss = model(tuple(t[engine.rank * rows:(engine.rank + 1) * rows] for t in batch)) / ACCUMULATE
+                loss = model(tuple(t[engine.rank * rows : (engine.rank + 1) * rows] for t in batch)) / ACCUMULATE
                 engine.backward(loss)
             total += loss.detach().float()
         for group in engine.optimizer.param_groups:
-            group["lr"] = 1e-2 * 0.7 ** step
+            group["lr"] = 1e-2 * 0.7**step
         engine.clip_grad_norm_(1.0)
         engine.step()
         if dist.is_initialized():
@@ -87,17 +96,20 @@ def train(model, engine: ZeroEngine, steps: int, first_step: int = 0, after_firs
 
 def nvme_observation(engine: ZeroEngine) -> dict:
     """The rank's NVMe directory, its files' sizes, and how many optimizer shard elements were offloaded there."""
-    directory, host = engine.offload.directory.path, engine.offload.host
-    return {"directory": directory,
-            "files": {name: os.path.getsize(directory / name) for name in os.listdir(directory)
-                      if name != "owner.lock"},
-            "shard": sum(fp.master.numel() for fp in host.flat_params) if host is not None else 0}
+    directory, host = engine.step_runner.directory.path, engine.step_runner.host
+    return {
+        "directory": directory,
+        "files": {name: os.path.getsize(directory / name) for name in os.listdir(directory) if name != "owner.lock"},
+        "shard": sum(fp.master.numel() for fp in host.flat_params) if host is not None else 0,
+    }
 
 
 def optimizer_state(engine: ZeroEngine) -> list[dict[str, torch.Tensor]]:
     """This rank's master and optimizer state per flat parameter, copied (NVMe ones are read through their maps)."""
-    return [{"master": fp.master.clone(), **{k: v.clone() for k, v in engine.optimizer.state[fp.master].items()}}
-            for fp in engine.flat_params]
+    return [
+        {"master": fp.master.clone(), **{k: v.clone() for k, v in engine.optimizer.state[fp.master].items()}}
+        for fp in engine.flat_params
+    ]
 
 
 def train_runs(rank: int, world_size: int, names: list[str], nvme_root) -> dict:
@@ -108,12 +120,17 @@ def train_runs(rank: int, world_size: int, names: list[str], nvme_root) -> dict:
     for name in names:
         model, engine = build(*RUNS[name], nvme_path=nvme_root)
         seen = {}
-        uses_nvme = engine.offload is not None and engine.offload.directory is not None
+        uses_nvme = getattr(engine.step_runner, "directory", None) is not None
         observe = (lambda: seen.update(nvme_observation(engine))) if uses_nvme else None
         losses = train(model, engine, STEPS, after_first_step=observe)
-        results[name] = {"losses": losses, "params": engine.full_state_dict(rank0_only=False),
-                         "state": optimizer_state(engine), "memory": engine.memory_report(),
-                         "summary": engine.summary(), **seen}
+        results[name] = {
+            "losses": losses,
+            "params": engine.full_state_dict(rank0_only=False),
+            "state": optimizer_state(engine),
+            "memory": engine.memory_report(),
+            "summary": engine.summary(),
+            **seen,
+        }
         engine.remove_hooks()
         if "directory" in seen:
             results[name]["directory_after_teardown"] = seen["directory"].exists()

@@ -1,6 +1,7 @@
 """ZeRO-Infinity's files: the state stays out of resident memory, a bad ``nvme_path`` fails at setup naming the path
 and the bytes needed, a crashed run's files are swept by the next one, offloaded state round-trips through
 checkpoints, and the offload presets train through Lightning's Trainer."""
+
 import fcntl
 import os
 import subprocess
@@ -11,13 +12,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_ranks
+from test_offload import build, optimizer_state, train
 from torch import nn
 
 from ds_strategy.checkpoint import load, save
 from ds_strategy.config import ZeroConfig
 from ds_strategy.offload import OffloadSetupError
 from ds_strategy.zero.engine import ZeroEngine
-from test_offload import build, optimizer_state, train
 
 WIDTH = 2560  # two 2560x2560 layers: 13.1M parameters, Adam's moments 105 MB
 
@@ -34,10 +35,17 @@ def rss_growth(rank: int, world_size: int, nvme_root) -> dict:
     groups = [dist.new_group([r]) for r in range(world_size)]
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH))
-    place = {"offload_optimizer": "nvme", "nvme_path": str(nvme_root), "buffer_size": 1 << 18} if rank == 0 else \
-        {"offload_optimizer": "cpu"}
-    engine = ZeroEngine(model, torch.optim.AdamW(model.parameters(), fused=True), ZeroConfig(stage=2, **place),
-                        process_group=groups[rank])
+    place = (
+        {"offload_optimizer": "nvme", "nvme_path": str(nvme_root), "buffer_size": 1 << 18}
+        if rank == 0
+        else {"offload_optimizer": "cpu"}
+    )
+    engine = ZeroEngine(
+        model,
+        torch.optim.AdamW(model.parameters(), fused=True),
+        ZeroConfig(stage=2, **place),
+        process_group=groups[rank],
+    )
     before, peak = None, 0
     for _ in range(3):
         engine.backward(model(torch.randn(4, WIDTH)).square().mean())
@@ -61,8 +69,11 @@ def test_nvme_optimizer_state_is_not_resident(tmp_path, monkeypatch):
 # -- setup errors --------------------------------------------------------------------------------------------------
 def _nvme_engine(nvme_path, width: int = 8, **zero) -> ZeroEngine:
     model = nn.Linear(width, width)
-    return ZeroEngine(model, torch.optim.AdamW(model.parameters()),
-                      ZeroConfig(stage=2, offload_optimizer="nvme", nvme_path=str(nvme_path), **zero))
+    return ZeroEngine(
+        model,
+        torch.optim.AdamW(model.parameters()),
+        ZeroConfig(stage=2, offload_optimizer="nvme", nvme_path=str(nvme_path), **zero),
+    )
 
 
 @pytest.fixture
@@ -85,16 +96,22 @@ def tmpfs(tmp_path):
 
 def test_read_only_nvme_path_fails_at_setup_naming_path_and_bytes(tmpfs):
     read_only = tmpfs("size=1M,ro")  # 16 bytes for each of the 72 elements (as below)
-    with pytest.raises(OffloadSetupError, match=rf"nvme_path '{read_only}' is not writable \(Read-only file system\); "
-                                                r"rank 0 needs 1,152 bytes \(0.00 GiB\) of NVMe offload files there"):
+    with pytest.raises(
+        OffloadSetupError,
+        match=rf"nvme_path '{read_only}' is not writable \(Read-only file system\); "
+        r"rank 0 needs 1,152 bytes \(0.00 GiB\) of NVMe offload files there",
+    ):
         _nvme_engine(read_only)
 
 
 def test_full_nvme_path_fails_at_setup_naming_path_and_bytes(tmpfs):
     small = tmpfs("size=64k")
     needed = 16 * (256 * 256 + 256)  # per element: fp32 master, two Adam moments and the stage-2 gradient shard
-    with pytest.raises(OffloadSetupError, match=rf"nvme_path '{small}' has 65,536 bytes \(0.00 GiB\) free but rank 0 "
-                                                rf"needs {needed:,} bytes"):
+    with pytest.raises(
+        OffloadSetupError,
+        match=rf"nvme_path '{small}' has 65,536 bytes \(0.00 GiB\) free but rank 0 "
+        rf"needs {needed:,} bytes",
+    ):
         _nvme_engine(small, width=256)
     assert os.listdir(small) == []
 
@@ -116,7 +133,7 @@ def test_setup_sweeps_directories_of_dead_runs_and_keeps_live_ones(tmp_path):
     fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running process holds it
     try:
         engine = _nvme_engine(tmp_path)
-        own = engine.offload.directory.path
+        own = engine.step_runner.directory.path
         assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, own.name])
         engine.remove_hooks()
         assert sorted(p.name for p in tmp_path.iterdir()) == [live.name]
@@ -133,7 +150,7 @@ def test_files_of_a_killed_run_are_removed_by_the_next_run(tmp_path):
         model = nn.Linear(8, 8)
         engine = ZeroEngine(model, torch.optim.AdamW(model.parameters()),
                             ZeroConfig(stage=1, offload_optimizer="nvme", nvme_path={str(tmp_path)!r}))
-        print(engine.offload.directory.path, flush=True)
+        print(engine.step_runner.directory.path, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     """)
     killed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
@@ -157,6 +174,7 @@ RESUMES = {  # label: (config saved from, config resumed into)
 @pytest.mark.parametrize("label", list(RESUMES))
 def test_checkpoint_of_an_offloaded_run_resumes_bit_for_bit(tmp_path, label):
     from test_offload import RUNS
+
     saved_as, resumed_as = RESUMES[label]
     model, engine = build(*RUNS[saved_as], nvme_path=tmp_path)
     train(model, engine, 2)
@@ -177,6 +195,7 @@ def test_checkpoint_of_an_offloaded_run_resumes_bit_for_bit(tmp_path, label):
 # -- Lightning -------------------------------------------------------------------------------------------------------
 def test_trainer_with_zero3_offload_preset_matches_single_process():
     from test_lightning_strategy import WORLD, _fit, _reference
+
     ranks = run_ranks(_fit, WORLD, "zero3_offload", timeout=180)
     reference = _reference()
     for key, value in reference.items():

@@ -1,4 +1,5 @@
 """Stages 0, 1 and 2 on real gloo ranks train exactly like one unsharded process fed the same global batch."""
+
 import pytest
 from distributed import run_ranks
 from training_loops import Recipe, assert_matches, check_jobs, train_reference, train_stages
@@ -38,8 +39,10 @@ EDGE = ("FrozenParamModel", "UnusedParamModel", "BatchNormModel", "OddSizeModel"
 @pytest.fixture(scope="module")
 def edge_runs():
     jobs = {f"{model}/{stage}": (Recipe(model=model, steps=4), stage) for model in EDGE for stage in (1, 2)}
-    jobs["small-buckets"] = (Recipe(model="TinyGPT", steps=3, zero={"allgather_bucket_size": 1,
-                                                                    "reduce_bucket_size": 1}), 2)
+    jobs["small-buckets"] = (
+        Recipe(model="TinyGPT", steps=3, zero={"allgather_bucket_size": 1, "reduce_bucket_size": 1}),
+        2,
+    )
     return check_jobs(jobs)
 
 

@@ -1,6 +1,7 @@
 """Sharded loading of pretrained weights: a Hugging Face checkpoint in several safetensors files loads into a
 stage-3 model built on the meta device, each rank reading only its shards, and trains like DDP on
 ``from_pretrained``; a checkpoint that does not fit fails with every bad name and changes nothing."""
+
 import hf_models
 import pytest
 import torch
@@ -31,10 +32,13 @@ def _load_and_train(rank: int, world_size: int, path: str, damaged: str | None) 
     with PeakRssAnon() as peak:
         engine.load_weights(path)
     steps = hf_models.batches(2, world_size, vocab=SHAPE["vocab_size"])
-    result = {"growth": peak.growth, "bound": largest_unit + largest_tensor + SLACK,
-              "model_bytes": sum(fp.numel * 4 for fp in engine.flat_params),
-              "zero": hf_models.train_zero(model, engine, rank, world_size, steps),
-              "ddp": hf_models.train_ddp(transformers.GPT2LMHeadModel.from_pretrained(path), rank, world_size, steps)}
+    result = {
+        "growth": peak.growth,
+        "bound": largest_unit + largest_tensor + SLACK,
+        "model_bytes": sum(fp.numel * 4 for fp in engine.flat_params),
+        "zero": hf_models.train_zero(model, engine, rank, world_size, steps),
+        "ddp": hf_models.train_ddp(transformers.GPT2LMHeadModel.from_pretrained(path), rank, world_size, steps),
+    }
     if damaged is not None:
         before = engine.full_state_dict(rank0_only=False)
         with pytest.raises(ValueError) as error:
@@ -62,9 +66,8 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_ranks(checkpoint, monkeypatch_module):
-    monkeypatch_module.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # see test_stage3's note on glibc's threshold
-    return run_ranks(_load_and_train, 2, str(checkpoint / "hf"), str(checkpoint / "damaged.safetensors"),
-                     timeout=300)
+    monkeypatch_module.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # see test_stage3's Note: [glibc's mmap threshold]
+    return run_ranks(_load_and_train, 2, str(checkpoint / "hf"), str(checkpoint / "damaged.safetensors"), timeout=300)
 
 
 @pytest.fixture(scope="module")

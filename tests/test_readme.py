@@ -1,5 +1,6 @@
 """The README's promises hold: the quick-start main job and the usage example run as written, the test command is
 the one `.ci/run` runs, and the strategy and config tables are what ``ds-strategy config-table`` generates."""
+
 import ast
 import dataclasses
 import re

@@ -1,6 +1,7 @@
 """Sharded construction under stage 3: a model built on the meta device is materialised one unit at a time and
 equals a normal build bitwise (Hugging Face's own init, a user param_init_fn, or rank 0's real model), then trains
 like DDP on a normally built copy."""
+
 from types import SimpleNamespace
 
 import hf_models
@@ -32,10 +33,13 @@ def _hf_meta_build_and_train(rank: int, world_size: int, name: str) -> dict:
     after_meta_build = torch.rand(4)
     differing = _differing(engine.full_state_dict(rank0_only=False), normal.state_dict())
     steps = hf_models.batches(STEPS, world_size)
-    return {"differing": differing, "same_rng": torch.equal(after_meta_build, after_normal_build),
-            "zero": hf_models.train_zero(meta, engine, rank, world_size, steps),
-            "ddp": hf_models.train_ddp(normal, rank, world_size, steps),
-            "sharded": all(p.numel() == 0 for p in meta.parameters())}
+    return {
+        "differing": differing,
+        "same_rng": torch.equal(after_meta_build, after_normal_build),
+        "zero": hf_models.train_zero(meta, engine, rank, world_size, steps),
+        "ddp": hf_models.train_ddp(normal, rank, world_size, steps),
+        "sharded": all(p.numel() == 0 for p in meta.parameters()),
+    }
 
 
 def _fsdp_style_init(module: nn.Module) -> None:
@@ -57,9 +61,11 @@ def _other_modes(rank: int, world_size: int) -> dict:
     normal = hf_models.build("llama", seed=3)
     llama = hf_models.build("llama", seed=3, meta=rank != 0)
     engine = ZeroEngine(llama, hf_models.adamw(llama), STAGE3.replace(sync_module_states=True))
-    return {"param_init_fn": init_fn, "rank0": _differing(engine.full_state_dict(rank0_only=False),
-                                                          normal.state_dict()),
-            "buffers_real": all(not b.is_meta for b in llama.buffers())}
+    return {
+        "param_init_fn": init_fn,
+        "rank0": _differing(engine.full_state_dict(rank0_only=False), normal.state_dict()),
+        "buffers_real": all(not b.is_meta for b in llama.buffers()),
+    }
 
 
 def _mismatched_builds(rank: int, world_size: int) -> str:
@@ -73,8 +79,11 @@ def _mismatched_builds(rank: int, world_size: int) -> str:
 
 def _all_scenarios(rank: int, world_size: int) -> dict:
     """Every scenario in one process group: spawning ranks is the slow part."""
-    return {**{name: _hf_meta_build_and_train(rank, world_size, name) for name in hf_models.MODEL_CLASSES},
-            "modes": _other_modes(rank, world_size), "mismatch": _mismatched_builds(rank, world_size)}
+    return {
+        **{name: _hf_meta_build_and_train(rank, world_size, name) for name in hf_models.MODEL_CLASSES},
+        "modes": _other_modes(rank, world_size),
+        "mismatch": _mismatched_builds(rank, world_size),
+    }
 
 
 @pytest.fixture(scope="module")

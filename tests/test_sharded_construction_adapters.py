@@ -3,6 +3,7 @@
 zero3 equals a normal build and loads pretrained weights sharded, a model built on
 the CPU is never moved to the device whole, and a failed setup raises its own error only (not a second one from
 teardown moving meta tensors)."""
+
 import os
 
 import hf_models
@@ -56,9 +57,17 @@ class UninitialisableModule(L.LightningModule):
 
 
 def _trainer(world_size: int) -> L.Trainer:
-    return L.Trainer(accelerator="cpu", devices=world_size, strategy=ZeroStrategy(**ZERO3), max_steps=2,
-                     logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                     use_distributed_sampler=False)
+    return L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=ZeroStrategy(**ZERO3),
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
 
 
 def _lightning(rank: int, world_size: int) -> dict:
@@ -69,8 +78,11 @@ def _lightning(rank: int, world_size: int) -> dict:
     state = {key.removeprefix("model."): value for key, value in module.at_fit_start["state"].items()}
     with pytest.raises(ValueError) as error:
         _trainer(world_size).fit(UninitialisableModule(), data)
-    return {"applied": module.at_fit_start["applied"], "error": str(error.value),
-            "differing": [k for k, v in expected.items() if not torch.equal(state[k], v)]}
+    return {
+        "applied": module.at_fit_start["applied"],
+        "error": str(error.value),
+        "differing": [k for k, v in expected.items() if not torch.equal(state[k], v)],
+    }
 
 
 class RecordedMLP(Recorded, nn.Module):
@@ -91,8 +103,9 @@ def _fabric(rank: int, world_size: int, pretrained: str) -> dict:
     fabric.strategy.load_pretrained(pretrained)
     loaded = fabric.strategy.engine.full_state_dict(False)
     saved = hf_models.build("llama", seed=5).state_dict()
-    fabric = L.Fabric(accelerator="cpu", devices=world_size,
-                      strategy=ZeroFabricStrategy(**ZERO3, unit_modules=(nn.Linear,)))  # a unit per layer
+    fabric = L.Fabric(
+        accelerator="cpu", devices=world_size, strategy=ZeroFabricStrategy(**ZERO3, unit_modules=(nn.Linear,))
+    )  # a unit per layer
     fabric.launch()
     with fabric.init_module(empty_init=False):
         torch.manual_seed(0)
@@ -101,16 +114,20 @@ def _fabric(rank: int, world_size: int, pretrained: str) -> dict:
     normal_mlp = RecordedMLP()
     fabric.setup(mlp, torch.optim.SGD(mlp.parameters(), lr=0.1))
     mlp_state = fabric.strategy.engine.full_state_dict(False)
-    return {"on_meta": on_meta, "hf_differing": [k for k, v in expected.items() if not torch.equal(hf_state[k], v)],
-            "loaded_differing": [k for k, v in saved.items() if not torch.equal(loaded[k], v)],
-            "mlp_applied": mlp.applied, "mlp_equal": all(torch.equal(mlp_state[k], v)
-                                                         for k, v in normal_mlp.state_dict().items())}
+    return {
+        "on_meta": on_meta,
+        "hf_differing": [k for k, v in expected.items() if not torch.equal(hf_state[k], v)],
+        "loaded_differing": [k for k, v in saved.items() if not torch.equal(loaded[k], v)],
+        "mlp_applied": mlp.applied,
+        "mlp_equal": all(torch.equal(mlp_state[k], v) for k, v in normal_mlp.state_dict().items()),
+    }
 
 
 def _accelerate(rank: int, world_size: int, pretrained: str) -> dict:
     from accelerate import init_empty_weights
 
     from ds_strategy.accelerate import ZeroAccelerator
+
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
     accelerator = ZeroAccelerator(ZERO3, cpu=True)
     with init_empty_weights():
@@ -121,14 +138,20 @@ def _accelerate(rank: int, world_size: int, pretrained: str) -> dict:
     accelerator.load_pretrained(pretrained)
     loaded = accelerator.engine.full_state_dict(False)
     expected, saved = hf_models.build("llama").state_dict(), hf_models.build("llama", seed=5).state_dict()
-    return {"on_meta": on_meta, "differing": [k for k, v in expected.items() if not torch.equal(built[k], v)],
-            "loaded_differing": [k for k, v in saved.items() if not torch.equal(loaded[k], v)]}
+    return {
+        "on_meta": on_meta,
+        "differing": [k for k, v in expected.items() if not torch.equal(built[k], v)],
+        "loaded_differing": [k for k, v in saved.items() if not torch.equal(loaded[k], v)],
+    }
 
 
 def _adapters(rank: int, world_size: int, pretrained: str) -> dict:
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")  # processes already exist: none may launch
-    return {"lightning": _lightning(rank, world_size), "fabric": _fabric(rank, world_size, pretrained),
-            "accelerate": _accelerate(rank, world_size, pretrained)}
+    return {
+        "lightning": _lightning(rank, world_size),
+        "fabric": _fabric(rank, world_size, pretrained),
+        "accelerate": _accelerate(rank, world_size, pretrained),
+    }
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,14 @@
 """ZeRO stage 3: partitioned parameters gathered per unit just in time still train exactly like one process."""
+
 import resource
 
+import models
 import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_ranks
 from training_loops import Recipe, assert_matches, check_jobs
 
-import models
 from ds_strategy.comm.collectives import CollectiveMismatchError
 from ds_strategy.config import ZeroConfig
 from ds_strategy.models import GPT, gpt_config
@@ -23,8 +24,10 @@ def _block_numel() -> int:
 JOBS = {
     "TinyGPT": (Recipe(model="TinyGPT", zero=PARTITION_ALL), 3),
     "MLP": (Recipe(model="MLP", zero=PARTITION_ALL), 3),
-    **{m: (Recipe(model=m, steps=4, zero=PARTITION_ALL), 3)
-       for m in ("FrozenParamModel", "UnusedParamModel", "BatchNormModel", "OddSizeModel")},
+    **{
+        m: (Recipe(model=m, steps=4, zero=PARTITION_ALL), 3)
+        for m in ("FrozenParamModel", "UnusedParamModel", "BatchNormModel", "OddSizeModel")
+    },
     "checkpointing": (Recipe(model="CheckpointedTinyGPT", steps=4, zero=PARTITION_ALL), 3),
     "no-reshard": (Recipe(model="TinyGPT", steps=4, zero={**PARTITION_ALL, "reshard_after_forward": False}), 3),
     "persistent": (Recipe(model="TinyGPT", steps=4), 3),  # default threshold: every tiny tensor stays whole
@@ -115,7 +118,8 @@ def _rss_peak_bytes() -> int:
 
 
 def test_zero3_builds_a_model_larger_than_the_rank_budget_directly_sharded(monkeypatch):
-    """Note: glibc raises its mmap threshold after a large buffer is freed, so later unit buffers come from the
+    """Note: [glibc's mmap threshold]
+    glibc raises its mmap threshold after a large buffer is freed, so later unit buffers come from the
     heap and are never returned: resident memory then measures the allocator, not the engine. The ranks start
     with a fixed threshold so every unit buffer is mapped and unmapped as the engine allocates and frees it."""
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")

@@ -4,11 +4,12 @@ partition per group of ranks (hpZ) cut stage 3's bytes as the ZeRO++ paper descr
 Bytes are per optimizer step, in the runs of ``comm_runs`` (fp32 unless named bf16, sharded collectives, every
 tensor partitioned); a packet is a shard quantised to int8 or int4 in blocks of 256 plus one fp32 scale per block.
 """
+
+import models
 import pytest
 import torch
 from comm_runs import four_rank_runs, two_rank_runs
 
-import models
 from ds_strategy.comm.quantized import BLOCK_SIZE, QuantizedPackets
 from ds_strategy.config import ZeroConfig
 from ds_strategy.zero.engine import ZeroEngine
@@ -24,8 +25,9 @@ def steady(run: dict) -> dict:
 def packets(run: dict, units: slice = slice(None), bits: int = 8) -> int:
     """Bytes of the N packets, one per rank's shard, of the flat buffers of ``units``."""
     world = run["units"][0][0][1] // run["units"][0][0][2]
-    return sum(world * QuantizedPackets(shard, BLOCK_SIZE, bits).nbytes
-               for unit in run["units"][units] for _, _, shard in unit)
+    return sum(
+        world * QuantizedPackets(shard, BLOCK_SIZE, bits).nbytes for unit in run["units"][units] for _, _, shard in unit
+    )
 
 
 def padded(run: dict, units: slice = slice(None)) -> int:
@@ -113,8 +115,11 @@ def test_qwz_quantizes_the_gathered_weights_but_exports_them_exactly():
     torch.manual_seed(0)
     model = models.TinyGPT()
     original = {name: p.detach().clone() for name, p in model.named_parameters()}
-    engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.0),
-                        ZeroConfig(stage=3, param_persistence_threshold=0, zero_quantized_weights=True))
+    engine = ZeroEngine(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        ZeroConfig(stage=3, param_persistence_threshold=0, zero_quantized_weights=True),
+    )
     seen = {}
     model.blocks[0].register_forward_pre_hook(lambda m, a: seen.update(w=m.mlp.c_fc.weight.detach().clone()))
     model(models.TinyGPT.make_batch(torch.Generator().manual_seed(0), 2)).backward()
@@ -151,7 +156,8 @@ def test_hpz_backward_all_gathers_run_in_the_group_and_forward_ones_over_all_ran
         for step in later:
             assert step["hpz"] == {**dict.fromkeys(step["hpz"], 0), "all_gather": padded(run, slice(1, -1)) * FP32}
             assert sum(step["world"].values()) + step["hpz"]["all_gather"] == sum(
-                steady(rank["zero3 plain"])["world"].values())
+                steady(rank["zero3 plain"])["world"].values()
+            )
 
 
 def test_hpz_with_qwz_keeps_forwards_int8_packets_for_backward():

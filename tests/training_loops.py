@@ -4,17 +4,17 @@ Both draw the same global batches from one seeded generator. The ZeRO rank train
 global micro-batch; the reference runs every rank's slice through one unsharded model and averages the losses,
 which is exactly what data parallelism computes (per-slice BatchNorm statistics included).
 """
+
 import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 
+import models
 import torch
 import torch.distributed as dist
 
 from ds_strategy.config import ZeroConfig
 from ds_strategy.zero.engine import ZeroEngine
-
-import models
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def _micro_batches(recipe: Recipe, world_size: int):
 
 
 def _rank_slice(batch, rank: int, per_rank: int):
-    return tuple(t[rank * per_rank:(rank + 1) * per_rank] for t in batch)
+    return tuple(t[rank * per_rank : (rank + 1) * per_rank] for t in batch)
 
 
 def train_zero(rank: int, world_size: int, recipe: Recipe, stage: int) -> dict:
@@ -97,11 +97,17 @@ def train_zero(rank: int, world_size: int, recipe: Recipe, stage: int) -> dict:
     model, optimizer = build(recipe)
     engine = ZeroEngine(model, optimizer, ZeroConfig(stage=stage, **recipe.zero))
     losses, step_loss, gathered_between_steps, pending = [], torch.zeros(()), 0, []
-    for step, micro, batch in _micro_batches(recipe, world_size):
+    for _step, micro, batch in _micro_batches(recipe, world_size):
         boundary = micro == recipe.accumulate - 1
         mine = _rank_slice(batch, rank, recipe.per_rank_batch)
-        loss = drive_micro_batch(recipe.pattern, boundary, lambda: model(mine) / recipe.accumulate,
-                                 torch.Tensor.backward, engine.no_sync, pending)
+        loss = drive_micro_batch(
+            recipe.pattern,
+            boundary,
+            lambda: model(mine) / recipe.accumulate,
+            torch.Tensor.backward,
+            engine.no_sync,
+            pending,
+        )
         step_loss += loss.detach()
         if boundary:
             if recipe.clip:
@@ -113,10 +119,14 @@ def train_zero(rank: int, world_size: int, recipe: Recipe, stage: int) -> dict:
             losses.append(step_loss.item() / world_size)
             step_loss = torch.zeros(())
     params = full_state(engine, model)
-    return {"losses": losses, "params": params, "memory": engine.memory_report(),
-            "gathered_between_steps": gathered_between_steps,
-            "peak_gathered": engine.gatherer.peak_gathered_numel if engine.gatherer else 0,
-            "unit_numels": [sum(fp.padded_numel for fp in u.partitioned) for u in engine.units]}
+    return {
+        "losses": losses,
+        "params": params,
+        "memory": engine.memory_report(),
+        "gathered_between_steps": gathered_between_steps,
+        "peak_gathered": engine.gatherer.peak_gathered_numel if engine.gatherer else 0,
+        "unit_numels": [sum(fp.padded_numel for fp in u.partitioned) for u in engine.units],
+    }
 
 
 def full_state(engine: ZeroEngine, model: torch.nn.Module) -> dict:
@@ -129,7 +139,7 @@ def train_reference(recipe: Recipe, world_size: int) -> dict:
     """One process, unsharded, the same global batches split into ``world_size`` slices per micro-batch."""
     model, optimizer = build(recipe)
     losses, step_loss = [], 0.0
-    for step, micro, batch in _micro_batches(recipe, world_size):
+    for _step, micro, batch in _micro_batches(recipe, world_size):
         slices = [_rank_slice(batch, r, recipe.per_rank_batch) for r in range(world_size)]
         loss = torch.stack([model(s) for s in slices]).mean() / recipe.accumulate
         loss.backward()
@@ -166,13 +176,15 @@ def train_jobs(rank: int, world_size: int, jobs: dict) -> dict:
 def check_jobs(jobs: dict, world_size: int = 2) -> dict:
     """Train ``jobs`` on ``world_size`` ranks and return ``{name: (per-rank results, reference)}``."""
     from distributed import run_ranks
+
     ranks = run_ranks(train_jobs, world_size, jobs, timeout=600)
     references = {}
     for recipe, _ in jobs.values():
         if _reference_key(recipe) not in references:
             references[_reference_key(recipe)] = train_reference(recipe, world_size)
-    return {name: ([rank[name] for rank in ranks], references[_reference_key(recipe)])
-            for name, (recipe, _) in jobs.items()}
+    return {
+        name: ([rank[name] for rank in ranks], references[_reference_key(recipe)]) for name, (recipe, _) in jobs.items()
+    }
 
 
 def _reference_key(recipe: Recipe) -> str:
@@ -183,7 +195,8 @@ def _reference_key(recipe: Recipe) -> str:
 def assert_matches(zero: dict, reference: dict, rtol: float = 1e-5) -> None:
     """Losses to ``rtol`` elementwise; each parameter tensor to ``rtol`` in relative norm, ||a - b|| / ||b||.
 
-    Note: why parameters are compared in norm. Sharded and unsharded runs add the same numbers in different
+    Note: [Why parameters are compared in norm]
+    Sharded and unsharded runs add the same numbers in different
     orders, so gradients differ in the last bits. Adam divides by sqrt(v) + eps, which turns last-bit noise in
     a coordinate whose true gradient is ~0 (the attention key bias has an exactly-zero gradient) into a step of
     up to ``lr``; an elementwise check would then measure float noise, not the engine. The recipes use

@@ -4,6 +4,7 @@ Accelerate's config file cannot name a third-party back-end, so ZeRO's settings 
 YAML/JSON file, or ``$DS_STRATEGY_CONFIG`` (which ``ds-strategy launch`` fills from its YAML's ``ds_strategy:``
 section); see :mod:`.config_source`.
 """
+
 from .accelerator import ZeroAcceleratedOptimizer, ZeroAccelerator
 from .config_source import ENV_VAR, load_zero_config
 

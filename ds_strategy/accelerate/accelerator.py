@@ -1,4 +1,5 @@
 """ZeroAccelerator: Accelerate's training-loop API translated into ZeroEngine calls; no sharding logic lives here."""
+
 from __future__ import annotations
 
 import contextlib
@@ -12,16 +13,19 @@ import torch
 from accelerate import Accelerator
 from accelerate.data_loader import DataLoaderDispatcher
 from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import DistributedType
 from torch import nn
 from torch.optim import Optimizer
 
 from ..config import ZeroConfig
+from ..engine_owner import build_engine
 from ..precision import autocast_for
 from ..precision_flag import ACCELERATE_MIXED_PRECISION, reconcile_precision
 from ..zero.engine import ZeroEngine
 from .checkpointing import ZeroAcceleratorCheckpointing
-from .config_source import ENV_VAR, load_zero_config
+from .config_source import ENV_VAR, load_config
+from .dummy_objects import resolve_dummies
 
 # Accelerate's own sharding back-ends, by the constructor argument and the environment variable that enable them.
 _OTHER_SHARDING = {
@@ -44,10 +48,10 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
     world size or ZeRO stage (see :mod:`.checkpointing`).
 
     Precision: ``mixed_precision`` ("no", "bf16", "fp16") is folded into ``ZeroConfig.precision`` and the engine
-    implements it (16-bit buffers, fp32 masters, loss scaling); ``prepare`` only runs the model's forward in
-    autocast to the 16-bit dtype (and converts the model first under "-true"). ``ZeroConfig.gradient_accumulation_steps``
-    and ``gradient_clipping`` (as from a DeepSpeed JSON) become Accelerate's accumulation steps and a global-norm
-    clip before every optimizer step.
+    implements it (16-bit buffers, fp32 masters, loss scaling); ``prepare`` only runs the model's forward in autocast to
+    the 16-bit dtype (and converts the model first under "-true"). ``ZeroConfig.gradient_accumulation_steps`` and
+    ``gradient_clipping`` (as from a DeepSpeed JSON) become Accelerate's accumulation steps and a global-norm clip
+    before every optimizer step.
 
     On a machine without an accelerator the processes run on CPU (``cpu=True``) unless told otherwise: Accelerate
     forms a gloo process group for torchrun-launched ranks only in CPU mode, and ZeRO needs that group.
@@ -56,21 +60,26 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
 
     def __init__(self, zero_config: ZeroConfig | Mapping | str | os.PathLike | None = None, **kwargs: Any):
         _reject_other_sharding(kwargs)
-        config = load_zero_config(zero_config)
+        config, self._deepspeed_sections = load_config(zero_config)
         if config.gradient_accumulation_steps != 1:
             steps = kwargs.setdefault("gradient_accumulation_steps", config.gradient_accumulation_steps)
             if steps != config.gradient_accumulation_steps:
-                raise ValueError(f"Accelerator(gradient_accumulation_steps={steps}) conflicts with "
-                                 f"ZeroConfig.gradient_accumulation_steps={config.gradient_accumulation_steps}; "
-                                 f"set it in one place only")
+                raise ValueError(
+                    f"Accelerator(gradient_accumulation_steps={steps}) conflicts with "
+                    f"ZeroConfig.gradient_accumulation_steps={config.gradient_accumulation_steps}; "
+                    f"set it in one place only"
+                )
         kwargs.setdefault("cpu", not torch.accelerator.is_available())
         super().__init__(**kwargs)
         if self.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM):
-            raise ValueError(f"ZeroAccelerator shards with ds_strategy's engine, but Accelerate is configured for "
-                             f"{self.distributed_type.value}; remove that from the accelerate config")
+            raise ValueError(
+                f"ZeroAccelerator shards with ds_strategy's engine, but Accelerate is configured for "
+                f"{self.distributed_type.value}; remove that from the accelerate config"
+            )
         mixed = str(self.mixed_precision)
-        self.zero_config = reconcile_precision(config, ACCELERATE_MIXED_PRECISION.get(mixed, mixed),
-                                               "Accelerator(mixed_precision)")
+        self.zero_config = reconcile_precision(
+            config, ACCELERATE_MIXED_PRECISION.get(mixed, mixed), "Accelerator(mixed_precision)"
+        )
         self.engines: list[ZeroEngine] = []
 
     # -- prepare ----------------------------------------------------------------------------------------------
@@ -80,6 +89,13 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
         trainable = [engine for engine in self.engines if engine.optimizer is not None]
         return (trainable or self.engines or [None])[0]
 
+    @property
+    def deepspeed_sections(self) -> dict[str, Any]:
+        """The DeepSpeed config's ``optimizer``/``scheduler`` sections as written, those present (empty for any other
+        config source). A script passes ``DummyOptim``/``DummyScheduler`` for the ones present, as with accelerate's
+        DeepSpeed back-end."""
+        return dict(self._deepspeed_sections)
+
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
         """Shard each model with a ZeRO engine of its own and hand each optimizer to its model's engine; data
         loaders and schedulers are Accelerate's as usual.
@@ -87,20 +103,30 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
         An optimizer belongs to the model whose parameters it holds, prepared in this call or an earlier one.
         A model prepared without an optimizer (evaluation, a teacher, or an optimizer still to come) gets an
         engine without one: under stage 3 its forward gathers units as usual.
+
+        With a DeepSpeed config, Accelerate's ``DummyOptim``/``DummyScheduler`` become the optimizer and scheduler
+        of its ``optimizer``/``scheduler`` sections, their "auto" values filled as accelerate's DeepSpeed back-end
+        fills them (see :mod:`.dummy_objects`); the real ones are prepared and returned.
         """
+        resolved = resolve_dummies(args, self._deepspeed_sections, self.num_processes, self.split_batches)
+        args = resolved.args
         placement = device_placement or [None] * len(args)
         result = list(args)
         models = {i: obj for i, obj in enumerate(args) if isinstance(obj, nn.Module)}
         optimizers = {i: obj for i, obj in enumerate(args) if isinstance(obj, Optimizer)}
-        owner = {i: _owning_model(optimizer, [*models.values(), *(e.module for e in self.engines)])
-                 for i, optimizer in optimizers.items()}
+        owner = {
+            i: _owning_model(optimizer, [*models.values(), *(e.module for e in self.engines)])
+            for i, optimizer in optimizers.items()
+        }
         mine = {i: [j for j, target in owner.items() if target is model] for i, model in models.items()}
         for i, model in models.items():  # everything is checked before anything is sharded
             if self.engine_of(model) is not None:
                 raise ValueError(f"{type(model).__name__} was already prepared; prepare each model once")
             if len(mine[i]) > 1:
-                raise ValueError(f"{len(mine[i])} optimizers hold parameters of one {type(model).__name__}; ZeRO "
-                                 f"shards one optimizer per model: put the parameters in param groups of one")
+                raise ValueError(
+                    f"{len(mine[i])} optimizers hold parameters of one {type(model).__name__}; ZeRO "
+                    f"shards one optimizer per model: put the parameters in param groups of one"
+                )
         for i, model in models.items():
             optimizer = optimizers[mine[i][0]] if mine[i] else None
             result[i] = self._shard(model, optimizer, placement[i])
@@ -109,10 +135,20 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
         for j, optimizer in optimizers.items():
             if not any(owner[j] is model for model in models.values()):
                 result[j] = self._attach(self.engine_of(owner[j]), optimizer)
-        rest = [i for i in range(len(args)) if i not in models and i not in optimizers]
+        for i in resolved.built_schedulers:
+            result[i] = self._prepare_built_scheduler(args[i])
+        rest = [
+            i
+            for i in range(len(args))
+            if i not in models and i not in optimizers and i not in resolved.built_schedulers
+        ]
+        loaders = [args[i] for i in rest if isinstance(args[i], torch.utils.data.DataLoader)]
+        if loaders and not self._dataloaders:
+            self._check_batch_sizes(loaders[0])
         if rest:
-            prepared = super().prepare(*(args[i] for i in rest),
-                                       device_placement=[placement[i] for i in rest] if device_placement else None)
+            prepared = super().prepare(
+                *(args[i] for i in rest), device_placement=[placement[i] for i in rest] if device_placement else None
+            )
             for i, obj in zip(rest, prepared if len(rest) > 1 else (prepared,)):
                 result[i] = obj
         return tuple(result) if len(result) > 1 else result[0]
@@ -122,12 +158,13 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
         return next((engine for engine in self.engines if engine.module is model), None)
 
     def _shard(self, model: nn.Module, optimizer: Optimizer | None, placement: bool | None) -> nn.Module:
-        if (self.device_placement if placement is None else placement) and not self.zero_config.partitions_parameters:
+        plan = self.zero_config.plan
+        if (self.device_placement if placement is None else placement) and not plan.partitions_parameters:
             model.to(self.device)  # stage 3: the engine places one unit at a time (ds_strategy.zero.placement)
-        if self.zero_config.precision in ("bf16-true", "16-true"):
-            model.to(dtype=self.zero_config.compute_dtype)
+        if plan.converts_module:
+            model.to(dtype=plan.compute_dtype)
         engine = self._build_engine(model, optimizer)
-        if self.zero_config.compute_dtype != torch.float32:
+        if plan.autocasts:
             model.forward = _in_autocast(model.forward, self.zero_config.precision, self.device.type)
         self.engines.append(engine)
         self._models.append(model)
@@ -135,21 +172,15 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
         return model
 
     def _build_engine(self, model: nn.Module, optimizer: Optimizer | None) -> ZeroEngine:
-        config = self.zero_config
-        if config.has_auto_values:
-            from ..auto_values import hidden_size_of
-            config = config.resolve_auto(hidden_size_of(model))
-        engine = ZeroEngine(model, optimizer, config, device=self.device)
-        self.print(engine.summary())
-        return engine
+        return build_engine(model, optimizer, self.zero_config, device=self.device, log=self.print)
 
-    def _attach(self, engine: ZeroEngine, optimizer: Optimizer) -> "ZeroAcceleratedOptimizer":
+    def _attach(self, engine: ZeroEngine, optimizer: Optimizer) -> ZeroAcceleratedOptimizer:
         """Note: [An optimizer prepared after its model]
-          The model's engine laid out its flat buffers without param groups. When each buffer falls inside one
-          group of the optimizer (a single group always does) and the step runs on the device, the optimizer is
-          attached to that engine. Otherwise the buffers must be laid out anew: at stage 0-2 every rank holds the
-          whole parameters, so a new engine is built over the module in place of the old one; at stage 3 the
-          parameters exist only as shards, and the model must be prepared together with its optimizer.
+        The model's engine laid out its flat buffers without param groups. When each buffer falls inside one
+        group of the optimizer (a single group always does) and the step runs on the device, the optimizer is
+        attached to that engine. Otherwise the buffers must be laid out anew: at stage 0-2 every rank holds the
+        whole parameters, so a new engine is built over the module in place of the old one; at stage 3 the
+        parameters exist only as shards, and the model must be prepared together with its optimizer.
         """
         if engine.optimizer is None and engine.config.stage < 3 and not engine.can_attach(optimizer):
             engine.remove_hooks()
@@ -158,12 +189,60 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
             engine.attach_optimizer(optimizer)  # raises, saying why, where it cannot
         return self._wrap(optimizer)
 
-    def _wrap(self, optimizer: Optimizer) -> "ZeroAcceleratedOptimizer":
+    def _wrap(self, optimizer: Optimizer) -> ZeroAcceleratedOptimizer:
         engine = next(engine for engine in self.engines if engine.optimizer is optimizer)
         wrapped = ZeroAcceleratedOptimizer(optimizer, engine, self.zero_config.gradient_clipping)
         self._optimizers.append(wrapped)
         wrapped._is_accelerate_prepared = True
         return wrapped
+
+    def _check_batch_sizes(self, loader: torch.utils.data.DataLoader) -> None:
+        """The first data loader prepared is the training one (as Lightning's first batch is): its per-process
+        batch must be the config's ``train_micro_batch_size_per_gpu`` and, with the accumulation steps and the
+        number of processes, make its ``train_batch_size``, or DeepSpeed's global batch would silently change."""
+        config = self.zero_config
+        if loader.batch_size is None or (
+            config.train_batch_size is None and config.train_micro_batch_size_per_gpu is None
+        ):
+            return
+        micro = loader.batch_size // self.num_processes if self.split_batches else loader.batch_size
+        accumulation = self.gradient_accumulation_steps
+        expected_micro = config.train_micro_batch_size_per_gpu
+        if config.train_batch_size is not None:
+            resolved = config.resolve_batch_sizes(self.num_processes)
+            expected_micro = resolved.train_micro_batch_size_per_gpu
+            if micro * accumulation * self.num_processes != config.train_batch_size:
+                raise ValueError(
+                    f"ZeroConfig.train_batch_size={config.train_batch_size} but the prepared data loader gives "
+                    f"{micro} samples per process x gradient_accumulation_steps={accumulation} x "
+                    f"{self.num_processes} processes = {micro * accumulation * self.num_processes}; make the "
+                    f"loader's batch_size {expected_micro * (self.num_processes if self.split_batches else 1)} with "
+                    f"gradient_accumulation_steps={resolved.gradient_accumulation_steps}, or change the config"
+                )
+        if expected_micro is not None and micro != expected_micro:
+            raise ValueError(
+                f"ZeroConfig.train_micro_batch_size_per_gpu={expected_micro} but the prepared data "
+                f"loader gives {micro} samples per process; make the loader's batch_size "
+                f"{expected_micro * (self.num_processes if self.split_batches else 1)} or change the "
+                f"config"
+            )
+
+    def _prepare_built_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
+        """Note: [A scheduler built from the DeepSpeed config steps once per optimizer step]
+        Accelerate's ``AcceleratedScheduler`` steps a user's scheduler ``num_processes`` times per optimizer step
+        (its length counts the unsharded loader's batches). DeepSpeed's engine steps the config's scheduler once
+        per optimizer step, skipping steps whose fp16 gradients overflowed, and accelerate already divided the
+        DummyScheduler's ``total_num_steps`` by the number of processes for it. So the built scheduler is wrapped
+        as with ``split_batches``: ``scheduler.step()`` in the loop advances it once per boundary.
+        """
+        owner = next(
+            (wrapped for wrapped in self._optimizers if wrapped.optimizer is getattr(scheduler, "optimizer", None)),
+            self._optimizers,
+        )
+        prepared = AcceleratedScheduler(scheduler, owner, step_with_optimizer=True, split_batches=True)
+        prepared._is_accelerate_prepared = True
+        self._schedulers.append(prepared)
+        return prepared
 
     # -- training ---------------------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -173,8 +252,10 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
             return super().backward(loss, **kwargs)
         scaled = [engine for engine in self.engines if engine.loss_scaler is not None and engine.optimizer is not None]
         if len(scaled) > 1:
-            raise ValueError("fp16 loss scaling with several trained models: each engine keeps its own loss scale; "
-                             "call engine.backward(loss) for each (accelerator.engine_of(model)), or train in bf16")
+            raise ValueError(
+                "fp16 loss scaling with several trained models: each engine keeps its own loss scale; "
+                "call engine.backward(loss) for each (accelerator.engine_of(model)), or train in bf16"
+            )
         loss = loss / self.gradient_accumulation_steps
         scaled[0].backward(loss) if scaled else loss.backward(**kwargs)
 
@@ -202,8 +283,11 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
         if even_batches is not None:
             for loader in self._dataloaders:
                 if isinstance(loader, DataLoaderDispatcher):
-                    warnings.warn("Overriding even_batches is only supported for map-style datasets, yet some "
-                                  "dataloaders given were iterable")
+                    warnings.warn(
+                        "Overriding even_batches is only supported for map-style datasets, yet some "
+                        "dataloaders given were iterable",
+                        stacklevel=3,
+                    )
                     continue
                 overridden.append((loader.batch_sampler, loader.batch_sampler.even_batches))
                 loader.batch_sampler.even_batches = even_batches
@@ -299,8 +383,10 @@ def _owning_model(optimizer: Optimizer, models: list[nn.Module]) -> nn.Module:
     for model in models:
         if held <= {id(p) for p in model.parameters()}:
             return model
-    raise ValueError(f"{type(optimizer).__name__} holds parameters of no model being prepared, or of several: "
-                     f"prepare its model in the same prepare() call or an earlier one, one optimizer per model")
+    raise ValueError(
+        f"{type(optimizer).__name__} holds parameters of no model being prepared, or of several: "
+        f"prepare its model in the same prepare() call or an earlier one, one optimizer per model"
+    )
 
 
 def _reject_other_sharding(kwargs: Mapping[str, Any]) -> None:
@@ -308,6 +394,8 @@ def _reject_other_sharding(kwargs: Mapping[str, Any]) -> None:
         if kwargs.get(argument) is not None:
             raise ValueError(f"ZeroAccelerator shards with ds_strategy's engine; do not also pass {argument}")
         if os.environ.get(variable, "").lower() in ("1", "true"):
-            raise ValueError(f"ZeroAccelerator shards with ds_strategy's engine, but {variable} is set (accelerate's "
-                             f"own back-end is configured); remove it from the accelerate config and put the ZeRO "
-                             f"settings in a ds_strategy section or ${ENV_VAR}")
+            raise ValueError(
+                f"ZeroAccelerator shards with ds_strategy's engine, but {variable} is set (accelerate's "
+                f"own back-end is configured); remove it from the accelerate config and put the ZeRO "
+                f"settings in a ds_strategy section or ${ENV_VAR}"
+            )

@@ -14,6 +14,7 @@ included) and before it writes or reads anything, so the sharded checkpoint is w
 the length of the call the engine's model and optimizer are hidden from accelerate's lists, so it neither gathers
 the model into one state dict nor pickles rank 0's optimizer shard; its hooks do not see them either.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,7 +27,7 @@ SHARDED_DIR = "zero_checkpoint"
 
 
 class ZeroAcceleratorCheckpointing:
-    """``save_state``/``load_state`` of an ``Accelerator`` that owns ``ZeroEngine``\ s as ``self.engines``: the
+    r"""``save_state``/``load_state`` of an ``Accelerator`` that owns ``ZeroEngine``\ s as ``self.engines``: the
     first prepared model's checkpoint is ``zero_checkpoint``, the i-th's ``zero_checkpoint_{i}`` (accelerate's own
     ``pytorch_model``, ``pytorch_model_1``, ... numbering)."""
 
@@ -50,8 +51,10 @@ class ZeroAcceleratorCheckpointing:
         models, optimizers = self._models, self._optimizers
         self._models = [model for model in models if id(model) not in modules]
         self._optimizers = [optimizer for optimizer in optimizers if id(optimizer.optimizer) not in held]
-        hooks = [self.register_save_state_pre_hook(self._save_sharded),
-                 self.register_load_state_pre_hook(self._load_sharded)]
+        hooks = [
+            self.register_save_state_pre_hook(self._save_sharded),
+            self.register_load_state_pre_hook(self._load_sharded),
+        ]
         try:
             yield
         finally:

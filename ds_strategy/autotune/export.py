@@ -1,4 +1,5 @@
 """The tuned configuration as files a run can use: a Hydra ``strategy`` option and a DeepSpeed-style JSON."""
+
 from __future__ import annotations
 
 import json
@@ -9,8 +10,15 @@ from typing import Any
 from ..config import ZeroConfig
 
 # ZeroConfig fields the Hydra ``precision`` group owns (see ds_strategy.hydra); a strategy option leaves them out.
-_PRECISION_FIELDS = ("precision", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
-                     "min_loss_scale", "max_consecutive_min_scale_skips")
+_PRECISION_FIELDS = (
+    "precision",
+    "loss_scale",
+    "initial_scale_power",
+    "loss_scale_window",
+    "hysteresis",
+    "min_loss_scale",
+    "max_consecutive_min_scale_skips",
+)
 
 # ZeroConfig field -> DeepSpeed key path; the inverse of ds_strategy.deepspeed_config's rules.
 _DEEPSPEED_KEYS = {
@@ -32,10 +40,19 @@ _DEEPSPEED_KEYS = {
 }
 # Written only when that state is offloaded: ZeroConfig field -> key inside DeepSpeed's offload section.
 _OFFLOAD_SECTIONS = {
-    "offload_optimizer": ("offload_optimizer", {"offload_optimizer": "device", "pin_memory": "pin_memory",
-                                                "offload_ratio": "ratio", "buffer_count": "buffer_count"}),
-    "offload_params": ("offload_param", {"offload_params": "device", "pin_memory": "pin_memory",
-                                         "buffer_size": "buffer_size"}),
+    "offload_optimizer": (
+        "offload_optimizer",
+        {
+            "offload_optimizer": "device",
+            "pin_memory": "pin_memory",
+            "offload_ratio": "ratio",
+            "buffer_count": "buffer_count",
+        },
+    ),
+    "offload_params": (
+        "offload_param",
+        {"offload_params": "device", "pin_memory": "pin_memory", "buffer_size": "buffer_size"},
+    ),
 }
 _LOSS_SCALING = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")
 
@@ -87,10 +104,12 @@ def write_hydra_yaml(path: Path, config: ZeroConfig, tuned: Iterable[str], note:
 
     tuned = list(tuned)
     fields = hydra_strategy_fields(config, tuned)
-    header = [f"# Autotuned by `ds-strategy autotune`: {note}.",
-              f"# Use it as a strategy option, e.g. `python examples/train.py strategy={path.stem} "
-              f"data.batch_size={config.train_micro_batch_size_per_gpu}` (the loader must yield the micro-batch).",
-              "# Fields left out keep ZeroConfig's defaults."]
+    header = [
+        f"# Autotuned by `ds-strategy autotune`: {note}.",
+        f"# Use it as a strategy option, e.g. `python examples/train.py strategy={path.stem} "
+        f"data.batch_size={config.train_micro_batch_size_per_gpu}` (the loader must yield the micro-batch).",
+        "# Fields left out keep ZeroConfig's defaults.",
+    ]
     if "precision" in tuned:
         header.append(f"# precision was tuned too: add `precision={config.precision}`.")
     body = yaml.safe_dump({"defaults": [f"zero{config.stage}", "_self_"], **fields}, sort_keys=False)

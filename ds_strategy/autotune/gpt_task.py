@@ -3,6 +3,7 @@
 Any LightningModule and DataModule can be tuned; these exist so the command needs no user code. Factories
 are module-level functions (``functools.partial`` of them is fine) because trials pickle them by reference.
 """
+
 from __future__ import annotations
 
 import lightning as L

@@ -6,6 +6,7 @@ Each rank is a new ``spawn``-ed interpreter with the torch.distributed environme
 externally. Nothing that goes wrong on a rank (an exception, a hard crash, a hang) escapes: the outcome says
 what happened, and every process is gone when :func:`launch_ranks` returns.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,8 +46,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch_ranks(fn: Callable, world_size: int, *args: Any, timeout: float, threads: int | None = None,
-                 log_dir: str | os.PathLike | None = None, **kwargs: Any) -> RanksOutcome:
+def launch_ranks(
+    fn: Callable,
+    world_size: int,
+    *args: Any,
+    timeout: float,
+    threads: int | None = None,
+    log_dir: str | os.PathLike | None = None,
+    **kwargs: Any,
+) -> RanksOutcome:
     """Call ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` fresh processes.
 
     ``fn`` must be importable by name (module level): the spawn start method pickles it by reference.
@@ -55,16 +63,27 @@ def launch_ranks(fn: Callable, world_size: int, *args: Any, timeout: float, thre
     to ``rank<r>.log`` there, and a rank that dies without a Python traceback is reported with its log's tail.
     """
     threads = threads or max(1, (os.cpu_count() or 1) // world_size)
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world_size),
-           "LOCAL_WORLD_SIZE": str(world_size), "NODE_RANK": "0", "GROUP_RANK": "0"}
+    env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "NODE_RANK": "0",
+        "GROUP_RANK": "0",
+    }
     logs = [Path(log_dir, f"rank{rank}.log") if log_dir else None for rank in range(world_size)]
     if log_dir:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
     reports = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, daemon=False,
-                         args=(rank, world_size, env, threads, logs[rank], fn, args, kwargs, reports))
-             for rank in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            daemon=False,
+            args=(rank, world_size, env, threads, logs[rank], fn, args, kwargs, reports),
+        )
+        for rank in range(world_size)
+    ]
     start = time.monotonic()
     try:
         for proc in procs:
@@ -108,8 +127,10 @@ def _root_cause(procs, logs, rank: int, payload: str) -> str:
     time.sleep(5 * _POLL_S)
     for r, p in enumerate(procs):
         if r != rank and p.exitcode not in (None, 0):
-            return (f"rank {r} exited with code {p.exitcode} without a result{_tail(logs[r])}; "
-                    f"then rank {rank} raised:\n{payload}")
+            return (
+                f"rank {r} exited with code {p.exitcode} without a result{_tail(logs[r])}; "
+                f"then rank {rank} raised:\n{payload}"
+            )
     return f"rank {rank} raised:\n{payload}"
 
 

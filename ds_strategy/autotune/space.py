@@ -1,4 +1,5 @@
 """The configurations an autotuner may try: ZeroConfig fields crossed with micro-batch sizes, without duplicates."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -48,8 +49,9 @@ def _short(value: Any) -> str:
     return str(value)
 
 
-def candidates(dimensions: Mapping[str, Sequence], micro_batch_sizes: Sequence[int], base: ZeroConfig,
-               model_numel: int) -> list[Candidate]:
+def candidates(
+    dimensions: Mapping[str, Sequence], micro_batch_sizes: Sequence[int], base: ZeroConfig, model_numel: int
+) -> list[Candidate]:
     """Every combination, largest micro-batch first (the likeliest fastest, so a time budget cuts the rest),
     with combinations that behave identically (a field that does not matter at the stage, a bucket above the
     model size) kept once. A bad field name or value raises ValueError before anything runs."""

@@ -3,6 +3,7 @@
 Runs inside a fresh process started by :func:`~ds_strategy.autotune.launcher.launch_ranks`, whose environment
 makes Lightning treat the ranks as launched externally, so the Trainer starts no processes of its own.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -61,8 +62,9 @@ class StepTimer(L.Callback):
             self.peak_state_bytes[place] = max(self.peak_state_bytes.get(place, 0), value)
 
 
-def set_micro_batch_size(model: L.LightningModule, datamodule: L.LightningDataModule | None, name: str,
-                         value: int) -> None:
+def set_micro_batch_size(
+    model: L.LightningModule, datamodule: L.LightningDataModule | None, name: str, value: int
+) -> None:
     """Set the batch-size attribute the way Lightning's ``Tuner.scale_batch_size`` finds it: on the
     DataModule, else on the LightningModule, else in the LightningModule's ``hparams``."""
     for owner in (datamodule, model):
@@ -72,8 +74,10 @@ def set_micro_batch_size(model: L.LightningModule, datamodule: L.LightningDataMo
     if name in getattr(model, "hparams", {}):
         model.hparams[name] = value
         return
-    raise ValueError(f"cannot set the micro-batch size: neither the DataModule nor the LightningModule has a "
-                     f"{name!r} attribute (or hparams entry); add one, or pass batch_arg_name=")
+    raise ValueError(
+        f"cannot set the micro-batch size: neither the DataModule nor the LightningModule has a "
+        f"{name!r} attribute (or hparams entry); add one, or pass batch_arg_name="
+    )
 
 
 def run_trial(rank: int, world_size: int, job: TrialJob) -> dict[str, Any]:
@@ -85,11 +89,24 @@ def run_trial(rank: int, world_size: int, job: TrialJob) -> dict[str, Any]:
     set_micro_batch_size(model, datamodule, job.batch_arg_name, job.config.train_micro_batch_size_per_gpu)
     timer = StepTimer()
     trainer = L.Trainer(
-        accelerator=job.accelerator, devices=world_size, strategy=ZeroStrategy(job.config),
-        max_steps=job.warmup + job.steps, callbacks=[timer], logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+        accelerator=job.accelerator,
+        devices=world_size,
+        strategy=ZeroStrategy(job.config),
+        max_steps=job.warmup + job.steps,
+        callbacks=[timer],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
     trainer.fit(model, datamodule=datamodule)
     peak_accelerator = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
     intervals = [b - a for a, b in zip(timer.stamps, timer.stamps[1:])]
-    return {"step_seconds": intervals[job.warmup:], "items_per_step": timer.items_per_step,
-            "peak_state_bytes": timer.peak_state_bytes, "peak_accelerator_bytes": peak_accelerator}
+    return {
+        "step_seconds": intervals[job.warmup :],
+        "items_per_step": timer.items_per_step,
+        "peak_state_bytes": timer.peak_state_bytes,
+        "peak_accelerator_bytes": peak_accelerator,
+    }

@@ -8,13 +8,15 @@
 In the spirit of Lightning's ``Tuner``: it takes the LightningModule and DataModule (as factories, since each
 trial builds them in new processes) and sets the micro-batch size through their ``batch_size`` attribute.
 
-Note: what the memory budget covers. The budget is bytes per rank of ZeRO's model states (parameters,
+Note: [What the memory budget covers]
+The budget is bytes per rank of ZeRO's model states (parameters,
 gradients, optimizer state) plus its communication buckets: what :func:`~ds_strategy.estimate.estimate_memory`
 predicts before a trial and ``memory_report()`` measures during one. Activations are not in either, so leave
 room for them (on a GPU, a trial's ``torch.cuda.max_memory_allocated`` is checked against the budget as well).
 A configuration is rejected without running when its estimate exceeds the budget, and a trial fails when its
 measurement does.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -88,13 +90,26 @@ class Autotuner:
     trials that would not finish in it are skipped. ``progress`` receives the lines printed as trials finish.
     """
 
-    def __init__(self, model_factory: Callable, datamodule_factory: Callable | None = None, *, world_size: int = 2,
-                 memory_budget: int | None = None, time_budget: float = 600.0,
-                 dimensions: Mapping[str, Sequence] | None = None,
-                 micro_batch_sizes: Sequence[int] = DEFAULT_MICRO_BATCH_SIZES, base_config: ZeroConfig | None = None,
-                 warmup: int = 2, steps: int = 3, trial_timeout: float = 300.0, accelerator: str = "cpu",
-                 threads: int | None = None, batch_arg_name: str = "batch_size",
-                 log_dir: str | os.PathLike | None = None, progress: TextIO | None = None):
+    def __init__(
+        self,
+        model_factory: Callable,
+        datamodule_factory: Callable | None = None,
+        *,
+        world_size: int = 2,
+        memory_budget: int | None = None,
+        time_budget: float = 600.0,
+        dimensions: Mapping[str, Sequence] | None = None,
+        micro_batch_sizes: Sequence[int] = DEFAULT_MICRO_BATCH_SIZES,
+        base_config: ZeroConfig | None = None,
+        warmup: int = 2,
+        steps: int = 3,
+        trial_timeout: float = 300.0,
+        accelerator: str = "cpu",
+        threads: int | None = None,
+        batch_arg_name: str = "batch_size",
+        log_dir: str | os.PathLike | None = None,
+        progress: TextIO | None = None,
+    ):
         self.model_factory, self.datamodule_factory = model_factory, datamodule_factory
         self.world_size, self.accelerator, self.threads = world_size, accelerator, threads
         self.memory_budget = int(memory_budget) if memory_budget else default_memory_budget(world_size, accelerator)
@@ -123,9 +138,15 @@ class Autotuner:
 
     def estimate(self, config: ZeroConfig) -> int:
         """Estimated device bytes per rank of ``config``'s model states, gathered units and buckets."""
-        return estimate_memory(self.model_size(), self.world_size, config.stage,
-                               getattr(config, "offload_optimizer", "none"), getattr(config, "offload_params", "none"),
-                               config.precision, config=config).device
+        return estimate_memory(
+            self.model_size(),
+            self.world_size,
+            config.stage,
+            getattr(config, "offload_optimizer", "none"),
+            getattr(config, "offload_params", "none"),
+            config.precision,
+            config=config,
+        ).device
 
     def screen(self) -> list[TrialResult]:
         """Every candidate, rejected with the reason where the estimate exceeds the budget, else pending."""
@@ -146,9 +167,11 @@ class Autotuner:
         trials = self.screen()
         pending = [t for t in trials if t.status == "pending"]
         rejected = len(trials) - len(pending)
-        self._print(f"autotune: {len(trials)} configurations, {rejected} rejected by the memory estimate "
-                    f"(budget {_mib(self.memory_budget)} per rank), {len(pending)} to try on {self.world_size} "
-                    f"ranks within {self.time_budget:.0f} s")
+        self._print(
+            f"autotune: {len(trials)} configurations, {rejected} rejected by the memory estimate "
+            f"(budget {_mib(self.memory_budget)} per rank), {len(pending)} to try on {self.world_size} "
+            f"ranks within {self.time_budget:.0f} s"
+        )
         for trial in trials:
             if trial.status == REJECTED:
                 self._print(f"  rejected  {trial.candidate.label}: {trial.reason}")
@@ -166,15 +189,31 @@ class Autotuner:
         result = TuneResult(trials, None, self.memory_budget, time.monotonic() - start)
         ranked = result.ranked()
         result.best = ranked[0] if ranked else None
-        self._print(f"autotune: best {result.best.candidate.label} at {result.best.samples_per_s:,.1f} samples/s"
-                    if result.best else "autotune: no configuration completed a trial")
+        self._print(
+            f"autotune: best {result.best.candidate.label} at {result.best.samples_per_s:,.1f} samples/s"
+            if result.best
+            else "autotune: no configuration completed a trial"
+        )
         return result
 
     def _run_one(self, trial: TrialResult, index: int, timeout: float) -> None:
-        job = TrialJob(self.model_factory, self.datamodule_factory, trial.config, self.warmup, self.steps,
-                       self.accelerator, self.batch_arg_name)
-        outcome = launch_ranks(run_trial, self.world_size, job, timeout=timeout, threads=self.threads,
-                               log_dir=self.log_dir / f"trial{index:03d}")
+        job = TrialJob(
+            self.model_factory,
+            self.datamodule_factory,
+            trial.config,
+            self.warmup,
+            self.steps,
+            self.accelerator,
+            self.batch_arg_name,
+        )
+        outcome = launch_ranks(
+            run_trial,
+            self.world_size,
+            job,
+            timeout=timeout,
+            threads=self.threads,
+            log_dir=self.log_dir / f"trial{index:03d}",
+        )
         trial.seconds = outcome.seconds
         if not outcome.ok:
             trial.status, trial.reason = FAILED, _first_lines(outcome.error)
@@ -197,13 +236,19 @@ class Autotuner:
             trial.tokens_per_s = self.world_size * items / median if items else None
 
     # -- output -------------------------------------------------------------------------------------------------
-    def write(self, result: TuneResult, yaml_path: str | os.PathLike | None = "configs/strategy/autotuned.yaml",
-              json_path: str | os.PathLike | None = None) -> list[Path]:
+    def write(
+        self,
+        result: TuneResult,
+        yaml_path: str | os.PathLike | None = "configs/strategy/autotuned.yaml",
+        json_path: str | os.PathLike | None = None,
+    ) -> list[Path]:
         """Write the winner as a Hydra strategy config and, if asked, a DeepSpeed-style JSON; returns the paths."""
         if result.best is None:
             raise ValueError("no trial succeeded, so there is no configuration to write")
-        note = (f"{result.best.samples_per_s:,.1f} samples/s on {self.world_size} ranks, best of "
-                f"{len(result.ranked())} measured trials ({len(result.trials)} configurations considered)")
+        note = (
+            f"{result.best.samples_per_s:,.1f} samples/s on {self.world_size} ranks, best of "
+            f"{len(result.ranked())} measured trials ({len(result.trials)} configurations considered)"
+        )
         written = []
         if yaml_path:
             written.append(write_hydra_yaml(Path(yaml_path), result.best.config, self.dimensions, note))
@@ -214,10 +259,15 @@ class Autotuner:
     def _progress_line(self, done: int, total: int, trial: TrialResult) -> str:
         width = 24
         filled = math.floor(width * done / total)
-        outcome = (f"{trial.samples_per_s:,.1f} samples/s" if trial.status == OK
-                   else f"{trial.status}: {trial.reason.splitlines()[0][:100]}")
-        return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total}  {trial.candidate.label}  ->  {outcome}" \
-               f"  ({trial.seconds:.0f} s)"
+        outcome = (
+            f"{trial.samples_per_s:,.1f} samples/s"
+            if trial.status == OK
+            else f"{trial.status}: {trial.reason.splitlines()[0][:100]}"
+        )
+        return (
+            f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total}  {trial.candidate.label}  ->  {outcome}"
+            f"  ({trial.seconds:.0f} s)"
+        )
 
     def _print(self, line: str) -> None:
         print(line, file=self.out, flush=True)
@@ -231,10 +281,12 @@ def format_table(trials: Sequence[TrialResult], indent: str = "") -> str:
     lines = [f"{'configuration':48} {'status':9} {'samples/s':>10} {'step ms':>8} {'est MiB':>8} {'meas MiB':>8}"]
     for t in shown:
         median = t.step_median_s
-        lines.append(f"{t.candidate.label[:48]:48} {t.status:9} "
-                     f"{'' if t.samples_per_s is None else f'{t.samples_per_s:,.1f}':>10} "
-                     f"{'' if median is None else f'{1e3 * median:.1f}':>8} {t.estimated_bytes / 2**20:8.1f} "
-                     f"{'' if t.measured_bytes is None else f'{t.measured_bytes / 2**20:.1f}':>8}")
+        lines.append(
+            f"{t.candidate.label[:48]:48} {t.status:9} "
+            f"{'' if t.samples_per_s is None else f'{t.samples_per_s:,.1f}':>10} "
+            f"{'' if median is None else f'{1e3 * median:.1f}':>8} {t.estimated_bytes / 2**20:8.1f} "
+            f"{'' if t.measured_bytes is None else f'{t.measured_bytes / 2**20:.1f}':>8}"
+        )
     return "\n".join(indent + line for line in lines)
 
 
@@ -245,4 +297,4 @@ def _mib(value: int) -> str:
 def _first_lines(text: str, keep: int = 12) -> str:
     """The message and the end of a traceback: what a reader needs to see why a trial failed."""
     lines = text.strip().splitlines()
-    return "\n".join(lines if len(lines) <= keep else lines[:2] + ["..."] + lines[-(keep - 3):])
+    return "\n".join(lines if len(lines) <= keep else lines[:2] + ["..."] + lines[-(keep - 3) :])

@@ -5,6 +5,7 @@ files hold them), reshaped and, if asked, cast; so peak memory is about the outp
 the whole checkpoint. Tied names are written as the manifest describes (see [Tied and shared weights] in
 :mod:`.manifest`), so the result loads into the plain module with ``load_state_dict(strict=True)``.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,13 @@ from .manifest import Kind, Manifest, StateKind, model_key, optimizer_key
 SUFFIXES = (".pt", ".safetensors")
 
 
-def consolidate(path: str | os.PathLike, out: str | os.PathLike, dtype: torch.dtype | None = None,
-                weights_only: bool = True, exclude_frozen_parameters: bool = False) -> Path:
+def consolidate(
+    path: str | os.PathLike,
+    out: str | os.PathLike,
+    dtype: torch.dtype | None = None,
+    weights_only: bool = True,
+    exclude_frozen_parameters: bool = False,
+) -> Path:
     """Write the checkpoint at ``path`` as one state dict to ``out`` (``.pt`` or ``.safetensors``); returns ``out``.
 
     ``dtype`` casts floating-point weights (default: as stored, fp32 for trainable parameters, which are saved from
@@ -38,8 +44,9 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike, dtype: torch.dt
     if out.suffix not in SUFFIXES:
         raise ValueError(f"consolidate out={str(out)!r}: the file name must end in one of {', '.join(SUFFIXES)}")
     if not weights_only and out.suffix != ".pt":
-        raise ValueError(f"consolidate out={str(out)!r}: optimizer state (weights_only=False) is written only to "
-                         f".pt files")
+        raise ValueError(
+            f"consolidate out={str(out)!r}: optimizer state (weights_only=False) is written only to .pt files"
+        )
     where, manifest = open_checkpoint(path)
     if not weights_only and manifest.optimizer_state is None:
         raise CheckpointError(f"{where} is a weights-only checkpoint: it has no optimizer state to consolidate")
@@ -74,8 +81,11 @@ def _read(reader: _MetadataOnceReader, metadata: Metadata, key: str) -> Any:
     stored = metadata.state_dict_metadata.get(key)
     if stored is None:
         raise CheckpointError(f"{reader.path} lists {key!r} in its manifest but DCP's .metadata has no such key")
-    target = {key: torch.empty(stored.size, dtype=stored.properties.dtype)
-                   if isinstance(stored, TensorStorageMetadata) else None}
+    target = {
+        key: torch.empty(stored.size, dtype=stored.properties.dtype)
+        if isinstance(stored, TensorStorageMetadata)
+        else None
+    }
     try:
         with quiet_single_process():
             dcp.load(target, storage_reader=reader, no_dist=True)
@@ -84,8 +94,9 @@ def _read(reader: _MetadataOnceReader, metadata: Metadata, key: str) -> Any:
     return target[key]
 
 
-def _read_weights(reader, metadata: Metadata, manifest: Manifest, dtype: torch.dtype | None,
-                  exclude_frozen: bool) -> dict[str, torch.Tensor]:
+def _read_weights(
+    reader, metadata: Metadata, manifest: Manifest, dtype: torch.dtype | None, exclude_frozen: bool
+) -> dict[str, torch.Tensor]:
     weights: dict[str, torch.Tensor] = {}
     for name, entry in manifest.entries.items():
         if entry.kind is Kind.ALIAS:
@@ -103,13 +114,17 @@ def _read_optimizer(reader, metadata: Metadata, manifest: Manifest, where: Path)
     state: dict[str, dict[str, Any]] = {}
     for name, kinds in manifest.optimizer_state.items():
         shape = manifest.entries[name].shape
-        state[name] = {key: _read(reader, metadata, optimizer_key(name, key)).view(shape)
-                       if kind is StateKind.ELEMENTWISE else _read(reader, metadata, optimizer_key(name, key))
-                       for key, kind in kinds.items()}
+        state[name] = {
+            key: _read(reader, metadata, optimizer_key(name, key)).view(shape)
+            if kind is StateKind.ELEMENTWISE
+            else _read(reader, metadata, optimizer_key(name, key))
+            for key, kind in kinds.items()
+        }
     groups = read_meta(where)["param_groups"]
     for index, group in enumerate(groups):
-        group["params"] = [name for name, entry in manifest.entries.items()
-                           if entry.kind is Kind.PARAMETER and entry.group == index]
+        group["params"] = [
+            name for name, entry in manifest.entries.items() if entry.kind is Kind.PARAMETER and entry.group == index
+        ]
     return {"state": state, "param_groups": groups}
 
 
@@ -117,7 +132,8 @@ def _save_safetensors(weights: dict[str, torch.Tensor], manifest: Manifest, out:
     """safetensors cannot store one tensor under two names: aliases get a copy, listed in the header metadata."""
     from safetensors.torch import save_file
 
-    aliases = {name: entry.alias_of for name, entry in manifest.entries.items()
-               if entry.kind is Kind.ALIAS and name in weights}
+    aliases = {
+        name: entry.alias_of for name, entry in manifest.entries.items() if entry.kind is Kind.ALIAS and name in weights
+    }
     tensors = {name: tensor.clone() if name in aliases else tensor.contiguous() for name, tensor in weights.items()}
     save_file(tensors, str(out), metadata={"format": "pt", "ds_strategy.aliases": json.dumps(aliases)})

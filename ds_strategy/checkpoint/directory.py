@@ -21,6 +21,7 @@ has no manifest, is never loaded, and is removed by the next save of the same na
 checks that the manifest parses and that every file it lists exists with its recorded size, so a missing or
 truncated shard is reported by name before any training state changes.
 """
+
 from __future__ import annotations
 
 import os
@@ -125,30 +126,68 @@ def open_checkpoint(path: str | os.PathLike) -> tuple[Path, Manifest]:
     if not path.exists():
         previous = previous_path(path)
         if (previous / MANIFEST).is_file():
-            warnings.warn(f"{path} does not exist but {previous} does: a save was interrupted while replacing "
-                          f"it; loading the previous checkpoint", stacklevel=3)
+            warnings.warn(
+                f"{path} does not exist but {previous} does: a save was interrupted while replacing "
+                f"it; loading the previous checkpoint",
+                stacklevel=3,
+            )
             path = previous
         else:
             raise CheckpointError(f"{path}: no such checkpoint")
     if not path.is_dir():
-        raise CheckpointError(f"{path} is a file, not a ds_strategy checkpoint (a directory written by "
-                              f"ds_strategy.checkpoint.save or ZeroStrategy.save_checkpoint)")
+        raise CheckpointError(
+            f"{path} is a file, not a ds_strategy checkpoint (a directory written by "
+            f"ds_strategy.checkpoint.save or ZeroStrategy.save_checkpoint)"
+        )
     manifest_file = path / MANIFEST
     if not manifest_file.is_file():
         interrupted = (path / ".metadata").exists() or path.name.endswith(".partial")
-        what = ("an incomplete checkpoint (the save was interrupted before it finished)" if interrupted
-                else "not a ds_strategy checkpoint")
+        what = (
+            "an incomplete checkpoint (the save was interrupted before it finished)"
+            if interrupted
+            else "not a ds_strategy checkpoint"
+        )
         raise CheckpointError(f"{path} is {what}: {manifest_file.name} is missing")
-    manifest = Manifest.from_json(manifest_file.read_text(), manifest_file)
+    try:
+        text = manifest_file.read_text()
+    except UnicodeDecodeError as error:
+        raise CheckpointError(f"{manifest_file} is not a valid ds_strategy checkpoint manifest: {error}") from error
+    manifest = Manifest.from_json(text, manifest_file)
     for name, size in manifest.files.items():
         file = path / name
         if not file.is_file():
             raise CheckpointError(f"{file} is missing: the checkpoint {path} lists it as one of its files")
         actual = file.stat().st_size
         if actual != size:
-            raise CheckpointError(f"{file} is truncated or was modified: it has {actual} bytes, the manifest "
-                                  f"records {size}")
+            raise CheckpointError(
+                f"{file} is truncated or was modified: it has {actual} bytes, the manifest records {size}"
+            )
     return path, manifest
+
+
+def latest(root: Path) -> Path | None:
+    """The checkpoint directly under ``root`` whose save completed last (by its manifest's modification time), or
+    None: what a restarted job resumes from.
+
+    Only complete checkpoints count, so a save killed part way (a ``.NAME.partial``) is never chosen. A checkpoint
+    whose replacement was interrupted between its two renames counts under its own name ``NAME``: it exists only
+    as ``.NAME.previous``, which :func:`open_checkpoint` falls back to, see Note: [Atomic checkpoint directories].
+    """
+    completed = {}
+    for entry in root.iterdir() if root.is_dir() else ():
+        name = entry.name
+        if name.startswith(".") and name.endswith(".previous"):
+            entry_name = name[1 : -len(".previous")]
+            if (root / entry_name).exists():
+                continue
+        elif name.startswith("."):
+            continue
+        else:
+            entry_name = name
+        manifest = entry / MANIFEST
+        if manifest.is_file():
+            completed[root / entry_name] = manifest.stat().st_mtime_ns
+    return max(completed, key=lambda path: (completed[path], path.name), default=None)
 
 
 def read_meta(directory: Path) -> dict[str, Any]:

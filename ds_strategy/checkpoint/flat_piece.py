@@ -11,6 +11,7 @@ stage that wrote it.
 Pieces speak DCP's ``_Checkpointable`` protocol (``__create_write_items__`` / ``__create_chunk_list__``); the
 two planners only teach DCP's default planners to find the tensor inside a piece.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -41,9 +42,15 @@ class FlatPiece:
 
     def __create_write_items__(self, fqn: str, obj: object) -> list[WriteItem]:
         chunk = self._chunk()
-        return [WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=chunk, size=self.size(),
-                                                      properties=TensorProperties.create_from_tensor(self.tensor)))]
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, chunk.offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=chunk, size=self.size(), properties=TensorProperties.create_from_tensor(self.tensor)
+                ),
+            )
+        ]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
         return [self._chunk()]

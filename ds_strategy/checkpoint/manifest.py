@@ -13,6 +13,7 @@ Loading requires the model to tie the same names; consolidation writes every nam
 ``load_state_dict(strict=True)``: a ``.pt`` file keeps one tensor under both names (``torch.save`` stores it once),
 a ``.safetensors`` file, which cannot express sharing, stores a copy and lists the aliases in its header metadata.
 """
+
 from __future__ import annotations
 
 import enum
@@ -92,17 +93,28 @@ class Manifest:
             return None
         return entry.alias_of if entry.kind is Kind.ALIAS else name
 
-    def with_files(self, files: dict[str, int]) -> "Manifest":
+    def with_files(self, files: dict[str, int]) -> Manifest:
         return replace(self, files=dict(files))
 
     def to_json(self) -> str:
-        entries = {name: {k: v for k, v in asdict(entry).items() if v not in (None, ())}
-                   for name, entry in self.entries.items()}
-        return json.dumps({"format": FORMAT, "version": VERSION, "saved_by": self.saved_by, "files": self.files,
-                           "entries": entries, "optimizer_state": self.optimizer_state}, indent=1)
+        entries = {
+            name: {k: v for k, v in asdict(entry).items() if v not in (None, ())}
+            for name, entry in self.entries.items()
+        }
+        return json.dumps(
+            {
+                "format": FORMAT,
+                "version": VERSION,
+                "saved_by": self.saved_by,
+                "files": self.files,
+                "entries": entries,
+                "optimizer_state": self.optimizer_state,
+            },
+            indent=1,
+        )
 
     @classmethod
-    def from_json(cls, text: str, where: Path) -> "Manifest":
+    def from_json(cls, text: str, where: Path) -> Manifest:
         """Parse ``text`` read from ``where``; anything malformed is a :class:`CheckpointError` naming it."""
         try:
             raw = json.loads(text)
@@ -110,15 +122,26 @@ class Manifest:
                 raise ValueError(f"format is {raw.get('format')!r}, expected {FORMAT!r}")
             if raw.get("version") != VERSION:
                 raise ValueError(f"version {raw.get('version')!r} is not the supported version {VERSION}")
-            entries = {name: Entry(kind=Kind(e["kind"]), shape=tuple(e.get("shape", ())), alias_of=e.get("alias_of"),
-                                   group=e.get("group"))
-                       for name, e in raw["entries"].items()}
+            entries = {
+                name: Entry(
+                    kind=Kind(e["kind"]),
+                    shape=tuple(e.get("shape", ())),
+                    alias_of=e.get("alias_of"),
+                    group=e.get("group"),
+                )
+                for name, e in raw["entries"].items()
+            }
             optimizer_state = raw.get("optimizer_state")
             if optimizer_state is not None:
-                optimizer_state = {name: {key: StateKind(kind) for key, kind in keys.items()}
-                                   for name, keys in optimizer_state.items()}
-            return cls(entries, optimizer_state, dict(raw.get("saved_by", {})),
-                       {str(k): int(v) for k, v in raw["files"].items()})
+                optimizer_state = {
+                    name: {key: StateKind(kind) for key, kind in keys.items()} for name, keys in optimizer_state.items()
+                }
+            return cls(
+                entries,
+                optimizer_state,
+                dict(raw.get("saved_by", {})),
+                {str(k): int(v) for k, v in raw["files"].items()},
+            )
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             raise CheckpointError(f"{where} is not a valid ds_strategy checkpoint manifest: {error}") from error
 
@@ -136,11 +159,13 @@ class Manifest:
             if saved is None:
                 continue
             if (wanted.kind is Kind.ALIAS) != (saved.kind is Kind.ALIAS) or wanted.alias_of != saved.alias_of:
-                mismatched.append(f"{name}: {_describe_alias(saved)} in the checkpoint, {_describe_alias(wanted)} "
-                                  f"in the model")
+                mismatched.append(
+                    f"{name}: {_describe_alias(saved)} in the checkpoint, {_describe_alias(wanted)} in the model"
+                )
             elif wanted.kind is not Kind.ALIAS and wanted.shape != saved.shape:
-                mismatched.append(f"{name}: shape {list(saved.shape)} in the checkpoint, {list(wanted.shape)} in "
-                                  f"the model")
+                mismatched.append(
+                    f"{name}: shape {list(saved.shape)} in the checkpoint, {list(wanted.shape)} in the model"
+                )
         problems = [f"mismatched: {_listed(mismatched, '; ')}"] if mismatched else []
         if strict and missing:
             problems.append(f"missing from the checkpoint: {_listed(missing)}")

@@ -15,6 +15,7 @@ which every rank holds whole, are read whole, one at a time. So no rank holds mo
 tensor's rows being read; the compute copies are then refreshed from the masters as after a checkpoint load
 (see [Refreshing compute parameters after a load] in :mod:`.restore`).
 """
+
 from __future__ import annotations
 
 import json
@@ -48,8 +49,10 @@ class WeightFiles:
         elif path.is_file() and path.suffix in (".safetensors", ".pt", ".bin"):
             files = None
         else:
-            raise FileNotFoundError(f"load_weights({str(path)!r}): expected a directory holding {INDEX_FILE} or "
-                                    f"{SINGLE_FILE}, or a .safetensors or .pt file")
+            raise FileNotFoundError(
+                f"load_weights({str(path)!r}): expected a directory holding {INDEX_FILE} or "
+                f"{SINGLE_FILE}, or a .safetensors or .pt file"
+            )
         self._tensors: dict[str, object] = {}  # name -> a safetensors slice or a memory-mapped tensor
         self._handles: dict[str, object] = {}
         if files is None and path.suffix != ".safetensors":
@@ -68,8 +71,10 @@ class WeightFiles:
         self.where = path
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        return {name: tuple(t.shape) if isinstance(t, torch.Tensor) else tuple(t.get_shape())
-                for name, t in self._tensors.items()}
+        return {
+            name: tuple(t.shape) if isinstance(t, torch.Tensor) else tuple(t.get_shape())
+            for name, t in self._tensors.items()
+        }
 
     def read(self, name: str, lo: int, hi: int) -> torch.Tensor:
         """Elements ``[lo, hi)`` of tensor ``name`` flattened, reading only the rows that cover them."""
@@ -81,7 +86,7 @@ class WeightFiles:
         row = math.prod(shape[1:])
         first, last = lo // row, -(-hi // row)
         rows = source[first:last]
-        return rows.reshape(-1)[lo - first * row:hi - first * row]
+        return rows.reshape(-1)[lo - first * row : hi - first * row]
 
 
 def load_weights(engine: ZeroEngine, path: str | os.PathLike, prefix: str = "") -> None:
@@ -114,7 +119,7 @@ def _check_fits(engine: ZeroEngine, files: WeightFiles, prefix: str) -> list[tup
     tensor_of: dict[int, torch.Tensor] = {}
     for key, tensor in engine.module.state_dict(keep_vars=True).items():
         if key.startswith(prefix):
-            names_of.setdefault(id(tensor), []).append(key[len(prefix):])
+            names_of.setdefault(id(tensor), []).append(key[len(prefix) :])
             tensor_of[id(tensor)] = tensor
     stored = files.shapes()
     missing, misshaped, groups = [], [], []
@@ -129,8 +134,13 @@ def _check_fits(engine: ZeroEngine, files: WeightFiles, prefix: str) -> list[tup
     known = {name for names in names_of.values() for name in names}
     unexpected = sorted(name for name in stored if name not in known)
     if missing or unexpected or misshaped:
-        problems = [f"{label}: {', '.join(items)}" for label, items in
-                    (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)) if items]
-        raise ValueError(f"load_weights({str(files.where)!r}, prefix={prefix!r}) does not fit the model; nothing "
-                         f"was loaded. " + "; ".join(problems))
+        problems = [
+            f"{label}: {', '.join(items)}"
+            for label, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped))
+            if items
+        ]
+        raise ValueError(
+            f"load_weights({str(files.where)!r}, prefix={prefix!r}) does not fit the model; nothing "
+            f"was loaded. " + "; ".join(problems)
+        )
     return groups

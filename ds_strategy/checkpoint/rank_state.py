@@ -6,6 +6,7 @@ For every flat parameter a rank writes the pieces of each named parameter inside
 layout, so every element is written exactly once whatever the stage (at stage 0 each rank holds everything but
 still writes only its shard range). Rank 0 also writes the replicated tensors: frozen parameters and buffers.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -79,9 +80,11 @@ def _state_kind(key: str, value: Any, fp: FlatParam) -> StateKind:
         return StateKind.ELEMENTWISE
     if not torch.is_tensor(value) or value.dim() == 0:
         return StateKind.SCALAR
-    raise NotImplementedError(f"optimizer state {key!r} of {fp.name} has shape {tuple(value.shape)}, neither the "
-                              f"flat shard's {tuple(fp.master.shape)} nor a scalar; it cannot be checkpointed by "
-                              f"parameter name")
+    raise NotImplementedError(
+        f"optimizer state {key!r} of {fp.name} has shape {tuple(value.shape)}, neither the "
+        f"flat shard's {tuple(fp.master.shape)} nor a scalar; it cannot be checkpointed by "
+        f"parameter name"
+    )
 
 
 def model_state(module: nn.Module, engine: ZeroEngine | None = None) -> dict[str, FlatPiece | torch.Tensor]:

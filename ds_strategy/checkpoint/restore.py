@@ -13,6 +13,7 @@ region, then the stage 1/2 (and stage 3 persistent) buffers are all-gathered so 
 shard. Stage 3 units are released first (``engine.reshard()``), so none keeps a gathered copy of the old values;
 their next gather reads the new shards.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -53,8 +54,16 @@ class Restore:
     loss_scaler: dict[str, Any] | None = None
 
 
-def plan_restore(module: nn.Module, engine: ZeroEngine | None, manifest: Manifest, metadata: Metadata,
-                 meta: dict[str, Any], where: Path, load_optimizer: bool = True, strict: bool = True) -> Restore:
+def plan_restore(
+    module: nn.Module,
+    engine: ZeroEngine | None,
+    manifest: Manifest,
+    metadata: Metadata,
+    meta: dict[str, Any],
+    where: Path,
+    load_optimizer: bool = True,
+    strict: bool = True,
+) -> Restore:
     """Check the checkpoint fits and allocate this rank's targets; raises :class:`CheckpointError` otherwise.
     ``meta`` is rank 0's ``meta.pt`` (param-group hyperparameters, loss scaler state)."""
     manifest.check_fits(describe(module, engine), where, strict)
@@ -89,8 +98,14 @@ def _master_pieces(fp: FlatParam):
     return fp.slot_pieces(base, base + fp.master.numel())
 
 
-def _plan_optimizer_state(fp: FlatParam, names: dict[tuple[int, str], str], manifest: Manifest,
-                          metadata: Metadata, restore: Restore, where: Path) -> StagedOptimizerState:
+def _plan_optimizer_state(
+    fp: FlatParam,
+    names: dict[tuple[int, str], str],
+    manifest: Manifest,
+    metadata: Metadata,
+    restore: Restore,
+    where: Path,
+) -> StagedOptimizerState:
     """Targets for ``fp``'s optimizer state. Scalars are read from the first parameter of ``fp`` (every parameter
     of a flat buffer steps together), which need not lie in this rank's shard."""
     sources = [manifest.source_of(names[id(fp), slot.name]) for slot in fp.slots]
@@ -99,8 +114,11 @@ def _plan_optimizer_state(fp: FlatParam, names: dict[tuple[int, str], str], mani
         if kind is StateKind.SCALAR:
             dcp_key = optimizer_key(sources[0], key)
             stored = metadata.state_dict_metadata.get(dcp_key)
-            restore.targets[dcp_key] = (torch.empty(stored.size, dtype=stored.properties.dtype)
-                                        if isinstance(stored, TensorStorageMetadata) else None)
+            restore.targets[dcp_key] = (
+                torch.empty(stored.size, dtype=stored.properties.dtype)
+                if isinstance(stored, TensorStorageMetadata)
+                else None
+            )
             staged_state.scalars[key] = dcp_key
             continue
         stored = metadata.state_dict_metadata.get(optimizer_key(sources[0], key))
@@ -109,28 +127,36 @@ def _plan_optimizer_state(fp: FlatParam, names: dict[tuple[int, str], str], mani
         for slot, start, length in _master_pieces(fp):
             source = manifest.source_of(names[id(fp), slot.name])
             if manifest.optimizer_state.get(source, {}).get(key) is not StateKind.ELEMENTWISE:
-                raise CheckpointError(f"{where}: parameter {source} has no elementwise optimizer state {key!r} but "
-                                      f"{sources[0]}, which shares its flat buffer now, does")
+                raise CheckpointError(
+                    f"{where}: parameter {source} has no elementwise optimizer state {key!r} but "
+                    f"{sources[0]}, which shares its flat buffer now, does"
+                )
             restore.targets[optimizer_key(source, key)] = piece_of(staged, fp, slot, start, length)
         staged_state.elementwise[key] = staged
     return staged_state
 
 
-def _check_param_groups(engine: ZeroEngine, manifest: Manifest, param_groups: list[dict[str, Any]] | None,
-                        where: Path) -> None:
+def _check_param_groups(
+    engine: ZeroEngine, manifest: Manifest, param_groups: list[dict[str, Any]] | None, where: Path
+) -> None:
     groups = engine.optimizer.param_groups
     if param_groups is None or len(param_groups) != len(groups):
         saved = "no" if param_groups is None else len(param_groups)
-        raise CheckpointError(f"{where}: the checkpoint has {saved} optimizer param groups, the optimizer has "
-                              f"{len(groups)}")
+        raise CheckpointError(
+            f"{where}: the checkpoint has {saved} optimizer param groups, the optimizer has {len(groups)}"
+        )
     names = stored_names(engine)
-    moved = [f"{names[id(fp), slot.name]} (group {manifest.entries[source].group} then, {fp.group_index} now)"
-             for fp in engine.flat_params for slot in fp.slots
-             if (source := manifest.source_of(names[id(fp), slot.name])) is not None
-             and manifest.entries[source].group not in (None, fp.group_index)]
+    moved = [
+        f"{names[id(fp), slot.name]} (group {manifest.entries[source].group} then, {fp.group_index} now)"
+        for fp in engine.flat_params
+        for slot in fp.slots
+        if (source := manifest.source_of(names[id(fp), slot.name])) is not None
+        and manifest.entries[source].group not in (None, fp.group_index)
+    ]
     if moved:
-        raise CheckpointError(f"{where}: parameters are in different optimizer param groups than when saved: "
-                              f"{', '.join(moved)}")
+        raise CheckpointError(
+            f"{where}: parameters are in different optimizer param groups than when saved: {', '.join(moved)}"
+        )
 
 
 def apply_restore(restore: Restore, engine: ZeroEngine | None) -> None:
@@ -158,8 +184,10 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, restore: Restore) -> None:
         values = {**staged.elementwise, **{key: restore.targets[dcp_key] for key, dcp_key in staged.scalars.items()}}
         if values:
             state[index[id(staged.fp.master)]] = values
-    groups = [{**saved, "params": [index[id(p)] for p in group["params"]]}
-              for group, saved in zip(optimizer.param_groups, restore.param_groups)]
+    groups = [
+        {**saved, "params": [index[id(p)] for p in group["params"]]}
+        for group, saved in zip(optimizer.param_groups, restore.param_groups)
+    ]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 

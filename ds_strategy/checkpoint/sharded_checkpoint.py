@@ -4,11 +4,13 @@ Each rank writes only its own pieces through ``torch.distributed.checkpoint`` (n
 on load reads only the pieces covering what it holds now, so the world size, ZeRO stage and precision may all
 change between save and load. See :mod:`.directory` for the files and how a save is made atomic.
 """
+
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -24,28 +26,45 @@ from .rank_state import describe, describe_optimizer, model_state, optimizer_sta
 from .restore import apply_restore, plan_restore
 
 
-def save(path: str | os.PathLike, module: nn.Module, engine: ZeroEngine | None = None, *,
-         extra: dict[str, Any] | None = None, with_optimizer: bool = True) -> None:
+def save(
+    path: str | os.PathLike,
+    module: nn.Module,
+    engine: ZeroEngine | None = None,
+    *,
+    extra: dict[str, Any] | None = None,
+    with_optimizer: bool = True,
+) -> None:
     """Write ``module``'s state (sharded by ``engine``, if given), its optimizer's, and rank 0's ``extra`` to the
     checkpoint directory ``path``, atomically. Every rank calls it."""
     with_optimizer = with_optimizer and engine is not None and engine.optimizer is not None
     optimizer = optimizer_state(engine) if with_optimizer else None
-    write(path, model_state(module, engine), optimizer, manifest_for(module, engine, with_optimizer),
-          extra=extra, process_group=engine.process_group if engine is not None else None)
+    write(
+        path,
+        model_state(module, engine),
+        optimizer,
+        manifest_for(module, engine, with_optimizer),
+        extra=extra,
+        process_group=engine.process_group if engine is not None else None,
+    )
 
 
 def manifest_for(module: nn.Module, engine: ZeroEngine | None, with_optimizer: bool) -> Manifest:
     """The manifest of a checkpoint of ``module`` (its files are added when written)."""
     if engine is not None:
-        saved_by = {"world_size": engine.world_size, "stage": engine.config.stage,
-                    "precision": engine.config.precision}
+        saved_by = {"world_size": engine.world_size, "stage": engine.config.stage, "precision": engine.config.precision}
     else:
         saved_by = {"world_size": dist.get_world_size() if dist.is_initialized() else 1}
     return Manifest(describe(module, engine), describe_optimizer(engine) if with_optimizer else None, saved_by)
 
 
-def write(path: str | os.PathLike, model: dict[str, Any], optimizer: dict[str, Any] | None, manifest: Manifest,
-          extra: dict[str, Any] | None = None, process_group=None) -> None:
+def write(
+    path: str | os.PathLike,
+    model: dict[str, Any],
+    optimizer: dict[str, Any] | None,
+    manifest: Manifest,
+    extra: dict[str, Any] | None = None,
+    process_group=None,
+) -> None:
     """Write this rank's ``model`` and ``optimizer`` shares (see :mod:`.rank_state`) and rank 0's ``manifest``
     and ``extra`` as one atomic checkpoint directory. Every rank calls it with the same ``path``."""
     path = Path(path)
@@ -55,17 +74,31 @@ def write(path: str | os.PathLike, model: dict[str, Any], optimizer: dict[str, A
     partial = directory.partial_path(path)
     _on_rank0(lambda: directory.begin(path), process_group, f"preparing {partial}")
     with quiet_single_process():
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(partial), planner=PieceSavePlanner(),
-                 process_group=process_group, no_dist=not dist.is_initialized())
+        dcp.save(
+            tensors,
+            storage_writer=dcp.FileSystemWriter(partial),
+            planner=PieceSavePlanner(),
+            process_group=process_group,
+            no_dist=not dist.is_initialized(),
+        )
     if dist.is_initialized():
         destroy_process_groups_at_exit()  # [Why every process group is destroyed at exit]
-    meta = {"param_groups": optimizer["param_groups"] if optimizer else None,
-            "loss_scaler": optimizer["loss_scaler"] if optimizer else None, "extra": extra or {}}
+    meta = {
+        "param_groups": optimizer["param_groups"] if optimizer else None,
+        "loss_scaler": optimizer["loss_scaler"] if optimizer else None,
+        "extra": extra or {},
+    }
     _on_rank0(lambda: directory.finish(partial, path, manifest, meta), process_group, f"publishing {path}")
 
 
-def load(path: str | os.PathLike, module: nn.Module, engine: ZeroEngine | None = None, *,
-         load_optimizer: bool = True, strict: bool = True) -> dict[str, Any]:
+def load(
+    path: str | os.PathLike,
+    module: nn.Module,
+    engine: ZeroEngine | None = None,
+    *,
+    load_optimizer: bool = True,
+    strict: bool = True,
+) -> dict[str, Any]:
     """Restore ``module`` (and ``engine``'s master weights and optimizer) from the checkpoint at ``path``;
     returns the ``extra`` state rank 0 saved. Every rank calls it.
 
@@ -84,9 +117,13 @@ def load(path: str | os.PathLike, module: nn.Module, engine: ZeroEngine | None =
     restore = plan_restore(module, engine, manifest, metadata, meta, where, load_optimizer, strict)
     try:
         with quiet_single_process():
-            dcp.load(restore.targets, storage_reader=reader, planner=PieceLoadPlanner(),
-                     process_group=engine.process_group if engine is not None else None,
-                     no_dist=not dist.is_initialized())
+            dcp.load(
+                restore.targets,
+                storage_reader=reader,
+                planner=PieceLoadPlanner(),
+                process_group=engine.process_group if engine is not None else None,
+                no_dist=not dist.is_initialized(),
+            )
     except Exception as error:
         raise CheckpointError(f"reading the checkpoint {where} failed: {error}") from error
     apply_restore(restore, engine)
@@ -96,6 +133,12 @@ def load(path: str | os.PathLike, module: nn.Module, engine: ZeroEngine | None =
 def remove(path: str | os.PathLike) -> None:
     """Delete the checkpoint at ``path`` (call on one rank)."""
     directory.remove(Path(path))
+
+
+def latest(root: str | os.PathLike) -> Path | None:
+    """The most recently completed checkpoint directly under ``root`` (to resume a restarted job from), or None
+    if there is none; a save that was interrupted never counts. Needs no process group."""
+    return directory.latest(Path(root))
 
 
 def _on_rank0(step: Callable[[], None], process_group, what: str) -> None:

@@ -3,6 +3,7 @@
 Each subcommand module defines ``HELP`` (one line), ``add_arguments(parser)`` and ``run(args) -> int``; the
 dispatcher finds them by name, so adding a command means adding a module.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,7 +21,9 @@ def _subcommands() -> dict[str, object]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ds-strategy", description="ZeRO for PyTorch Lightning, Fabric and Accelerate")
+    parser = argparse.ArgumentParser(
+        prog="ds-strategy", description="ZeRO for PyTorch Lightning, Fabric and Accelerate"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     commands = _subcommands()
     for name, module in sorted(commands.items()):

@@ -7,6 +7,7 @@ checks that the README holds exactly this output; ``ds-strategy config-table --u
 README's marked blocks after a field, preset or DeepSpeed rule changes (the DeepSpeed table comes from
 ``ds_strategy.deepspeed.compat_table``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,7 +19,11 @@ from pathlib import Path
 HELP = "print the README's markdown tables of strategy names, ZeroConfig fields and DeepSpeed keys"
 
 _ENTRY = re.compile(r"^    (\w+) \(default (.*?)\): (.*)$")
-_BLOCKS = ("strategies", "config", "deepspeed")  # README markers: <!-- begin: NAME table --> ... <!-- end: NAME table -->
+_BLOCKS = (
+    "strategies",
+    "config",
+    "deepspeed",
+)  # README markers: <!-- begin: NAME table --> ... <!-- end: NAME table -->
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,8 +72,10 @@ def markdown_tables() -> str:
     from ..engine_owner import PRESETS
 
     lines = ["| strategy name | ZeroConfig fields it sets |", "| --- | --- |"]
-    lines += [f"| `{name}` | " + ", ".join(f"`{k}={v!r}`" for k, v in fields.items()) + " |"
-              for name, fields in PRESETS.items()]
+    lines += [
+        f"| `{name}` | " + ", ".join(f"`{k}={v!r}`" for k, v in fields.items()) + " |"
+        for name, fields in PRESETS.items()
+    ]
     documented = documented_fields()
     lines += ["", "| field | default | meaning |", "| --- | --- | --- |"]
     for field in dataclasses.fields(ZeroConfig):

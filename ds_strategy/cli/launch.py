@@ -11,6 +11,7 @@ on ds_strategy instead: the section becomes the DeepSpeed config accelerate woul
 ``MULTI_GPU`` (on CPU-only machines ZeroAccelerator trains them on CPU with gloo). FSDP and Megatron-LM would
 shard a second time and are rejected.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,9 @@ _OTHER_SHARDING_SECTIONS = ("fsdp_config", "megatron_lm_config")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config_file", required=True,
-                        help="accelerate YAML with a ds_strategy: section of ZeroConfig fields")
+    parser.add_argument(
+        "--config_file", required=True, help="accelerate YAML with a ds_strategy: section of ZeroConfig fields"
+    )
     parser.add_argument("training_script", help="the script each process runs")
     parser.add_argument("training_script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
@@ -60,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
         accelerate_yaml = Path(tmp, "accelerate.yaml")
         accelerate_yaml.write_text(yaml.safe_dump(settings))
         launch_args = launch_command_parser().parse_args(
-            ["--config_file", str(accelerate_yaml), args.training_script, *args.training_script_args])
+            ["--config_file", str(accelerate_yaml), args.training_script, *args.training_script_args]
+        )
         os.environ[ENV_VAR] = json.dumps(zero_section)
         try:
             launch_command(launch_args)
@@ -79,18 +82,24 @@ def _from_deepspeed_backend(settings: dict, zero_section: dict, config_dir: Path
     ds_config, ignored = deepspeed_config_from_accelerate(settings.pop("deepspeed_config", None) or {}, config_dir)
     settings["distributed_type"] = "MULTI_GPU"
     if ignored:
-        print(f"ds-strategy launch: running accelerate's DeepSpeed config on ds_strategy; ignored: "
-              f"{'; '.join(ignored)}", file=sys.stderr)
+        print(
+            f"ds-strategy launch: running accelerate's DeepSpeed config on ds_strategy; ignored: {'; '.join(ignored)}",
+            file=sys.stderr,
+        )
     return ds_config
 
 
 def _check_no_other_sharding(settings: dict) -> None:
     distributed_type = str(settings.get("distributed_type", "")).upper()
     if distributed_type in _OTHER_SHARDING_TYPES:
-        raise ValueError(f"distributed_type: {distributed_type} is accelerate's own sharding back-end, which would "
-                         f"shard on top of ZeRO; use MULTI_GPU (or DEEPSPEED, which ds_strategy runs) and put the "
-                         f"ZeRO settings under ds_strategy:")
+        raise ValueError(
+            f"distributed_type: {distributed_type} is accelerate's own sharding back-end, which would "
+            f"shard on top of ZeRO; use MULTI_GPU (or DEEPSPEED, which ds_strategy runs) and put the "
+            f"ZeRO settings under ds_strategy:"
+        )
     for section in _OTHER_SHARDING_SECTIONS:
         if settings.get(section):
-            raise ValueError(f"{section}: configures accelerate's own sharding back-end, which conflicts with "
-                             f"ds_strategy's ZeRO; remove it and put the ZeRO settings under ds_strategy:")
+            raise ValueError(
+                f"{section}: configures accelerate's own sharding back-end, which conflicts with "
+                f"ds_strategy's ZeRO; remove it and put the ZeRO settings under ds_strategy:"
+            )

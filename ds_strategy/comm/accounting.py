@@ -1,4 +1,5 @@
 """Communication statistics across process groups, and their per-step deltas for a training logger."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable

@@ -4,7 +4,8 @@ Every collective the engine issues goes through :class:`Collectives`, so that ca
 waiting can be counted per kind (``strategy.comm_stats()``) and so that the choice between the sharded
 collectives (reduce-scatter / all-gather) and their all-reduce equivalents is made in one place.
 
-Note: byte accounting. Bytes are counted as the volume a ring algorithm moves through each rank, scaled by
+Note: [Byte accounting]
+Bytes are counted as the volume a ring algorithm moves through each rank, scaled by
 N/(N-1), which is how the ZeRO paper states communication volume: a reduce-scatter or an all-gather of a
 Ψ-element buffer counts Ψ elements, an all-reduce counts 2Ψ (it is a reduce-scatter followed by an
 all-gather). So stage 1/2 costs 2Ψ per step and stage 3 costs 3Ψ with the sharded collectives. With
@@ -12,20 +13,25 @@ all-gather). So stage 1/2 costs 2Ψ per step and stage 3 costs 3Ψ with the shar
 broadcasts, Ψ: stage 1/2 then counts 3Ψ, which is what those collectives move. An all-to-all counts its input,
 of which each rank sends (N-1)/N.
 
-Note: observers. ``Collectives.observers`` are callables ``(event, kind, label, nbytes)`` told of every launch
+Note: [Observers]
+``Collectives.observers`` are callables ``(event, kind, label, nbytes)`` told of every launch
 (``event == "launch"``, in the order this rank issues collectives) and of every completed wait (``"done"``). The
 per-step sequence check (:mod:`.sequence_check`) and tests that record the order of events use them; with no
 observer the cost is one empty loop per collective.
 """
+
 from __future__ import annotations
 
 import datetime
+import sys
 import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from ..profiler_ranges import profiler_range
+from . import rank_failure
 from .process_exit import destroy_process_groups_at_exit, leave_process_groups_at_exit
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast")
@@ -67,8 +73,9 @@ class CollectiveMismatchError(RuntimeError):
 
 
 class PeerFailedError(RuntimeError):
-    """A collective failed because another rank's process died or closed its connections (it crashed, was killed,
-    or raised and left): its own error, printed by that rank or its launcher, is the cause to look at."""
+    """A collective failed because another rank failed: it raised, died (SIGKILL, the OOM killer, a crash) or
+    closed its connections. The message names that rank and its error where the job's failure record or its
+    process shows it (:mod:`.rank_failure`); that error is the cause to look at."""
 
 
 # How gloo reports a peer whose sockets closed (a dead or departed process), as opposed to a timeout.
@@ -76,16 +83,30 @@ _PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken p
 
 
 def _wait_error(error: RuntimeError, kind: str, label: str, rank: int, timeout: float) -> RuntimeError:
-    """What a failed wait means: a peer that went away, or (a timeout) ranks issuing different collectives."""
+    """What a failed wait means: a peer that failed or went away, or (a timeout) ranks issuing different
+    collectives; see [How a failed rank ends the job] in :mod:`.rank_failure`."""
     what = f"rank {rank}: {kind} for {label or 'an engine buffer'}"
-    if any(sign in str(error).lower() for sign in _PEER_GONE):
-        return PeerFailedError(f"{what} failed because another rank died or left the job ({error}). That rank's "
-                               f"own error is the cause; this one is its consequence.")
+    failures = rank_failure.board()
+    why = failures.diagnose() if failures is not None else None
+    if why is None and any(sign in str(error).lower() for sign in _PEER_GONE):
+        why = f"another rank died or left the job ({error})"
+    if why is not None:
+        failed = PeerFailedError(
+            f"{what} failed because {why}. That rank's own error is the cause; this one is its consequence."
+        )
+        # Said at once: a launcher that saw the other rank exit may SIGKILL this one before its traceback prints.
+        print(f"[ds_strategy] {failed}", file=sys.stderr, flush=True)
+        return failed
     return CollectiveMismatchError(
         f"{what} did not complete within {timeout:g} s ({error}). The ranks are issuing different collectives: "
         f"one skipped a unit or ran a different number of forward/backward calls (under ZeRO-3 every rank must "
         f"run the same forward calls, e.g. keep generating dummy tokens until all ranks finish). Raise "
-        f"ZeroConfig.collective_timeout if the collective is merely slow.")
+        f"ZeroConfig.collective_timeout if the collective is merely slow."
+    )
+
+
+class _PeerFailed(RuntimeError):
+    """Raised inside a sliced wait when the failure record names another rank; turned into PeerFailedError."""
 
 
 class _AllOf:
@@ -105,9 +126,19 @@ class _AllOf:
 class PendingCollective:
     """A launched collective; :meth:`wait` blocks until it is done and books the time spent blocked."""
 
-    def __init__(self, work, stats: KindStats, on_done=None, kind: str = "", label: str = "",
-                 rank: int = 0, timeout: float = 600.0):
+    def __init__(
+        self,
+        work,
+        stats: KindStats,
+        on_done=None,
+        kind: str = "",
+        label: str = "",
+        rank: int = 0,
+        timeout: float = 600.0,
+        sliced: bool = False,
+    ):
         self._work = work
+        self._sliced = sliced
         self._stats = stats
         self._on_done = on_done
         self._describe = (kind, label, rank, timeout)
@@ -115,7 +146,28 @@ class PendingCollective:
     def is_completed(self) -> bool:
         return self._work is None or self._work.is_completed()
 
-    def then(self, fn) -> "PendingCollective":
+    def _wait_for_work(self) -> None:
+        """Wait up to the collective timeout; on gloo in slices of ``rank_failure.POLL_S``, reading the job's
+        failure record between slices (see [How a failed rank ends the job])."""
+        timeout = self._describe[3]
+        failures = rank_failure.board() if self._sliced else None
+        if failures is None:
+            self._work.wait(datetime.timedelta(seconds=timeout))
+            return
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                self._work.wait(datetime.timedelta(seconds=max(min(rank_failure.POLL_S, remaining), 0.001)))
+                return
+            except RuntimeError:
+                if self._work.is_completed() or remaining <= rank_failure.POLL_S:
+                    raise  # the work's own error, or the whole timeout spent
+            failure = failures.first()
+            if failure is not None and failure.rank != failures.rank:
+                raise _PeerFailed(failure.describe())
+
+    def then(self, fn) -> PendingCollective:
         """Run ``fn()`` when the collective has been waited on, after what was to run before; returns self."""
         previous = self._on_done
         self._on_done = fn if previous is None else (lambda: (previous(), fn()))
@@ -125,10 +177,11 @@ class PendingCollective:
         if self._work is not None:
             start = time.perf_counter()
             try:
-                self._work.wait(datetime.timedelta(seconds=self._describe[3]))
+                with profiler_range(f"comm.wait.{self._describe[0]}", self._describe[1]):
+                    self._wait_for_work()
             except RuntimeError as error:
                 leave_process_groups_at_exit()
-                raise _wait_error(error, *self._describe) from error
+                raise _wait_error(error, *self._describe) from (None if isinstance(error, _PeerFailed) else error)
             self._stats.wait_seconds += time.perf_counter() - start
             self._work = None
         if self._on_done is not None:
@@ -152,16 +205,26 @@ class Collectives:
         self.use_all_reduce = use_all_reduce
         self.stats = CommStats()
         self.observers: list = []
+        # gloo waits are sliced to read the failure record; NCCL's would abort their communicator on a timeout
+        self._sliced = dist.is_initialized() and dist.get_backend(group) == "gloo"
         if dist.is_initialized():
-            destroy_process_groups_at_exit()  # [Why every process group is destroyed at exit]
+            destroy_process_groups_at_exit(self.release_group)  # [Why every process group is destroyed at exit]
+            rank_failure.board()  # registers this rank's process: [How a failed rank ends the job]
+
+    def release_group(self) -> None:
+        """Let go of the process group as the process exits, so that destroying it joins its threads."""
+        self.group = None
 
     def _launch(self, kind: str, nbytes: int, fn, on_done=None, label: str = "") -> PendingCollective:
         """Launch ``fn`` asynchronously; without a process group a one-rank collective is run in process."""
         self.stats.record(kind, nbytes)
         for observe in self.observers:
             observe("launch", kind, label, nbytes)
-        work = fn() if dist.is_initialized() else None
-        pending = PendingCollective(work, self.stats.kinds[kind], on_done, kind, label, self.rank, self.timeout)
+        with profiler_range(f"comm.{kind}", label):
+            work = fn() if dist.is_initialized() else None
+        pending = PendingCollective(
+            work, self.stats.kinds[kind], on_done, kind, label, self.rank, self.timeout, self._sliced
+        )
         if self.observers:
             observers = list(self.observers)
             pending.then(lambda: [observe("done", kind, label, nbytes) for observe in observers])
@@ -170,8 +233,9 @@ class Collectives:
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, label: str = "") -> PendingCollective:
         """Sum (or ``op``) ``tensor`` in place across ranks."""
         nbytes = 2 * tensor.numel() * tensor.element_size()
-        return self._launch("all_reduce", nbytes,
-                            lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True), label=label)
+        return self._launch(
+            "all_reduce", nbytes, lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True), label=label
+        )
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, label: str = "") -> PendingCollective:
         """Sum ``full`` across ranks and leave this rank's ``1/N`` slice of the sum in ``output``.
@@ -182,12 +246,19 @@ class Collectives:
         nbytes = full.numel() * full.element_size()
         if not self.use_all_reduce and dist.is_initialized():
             return self._launch(
-                "reduce_scatter", nbytes,
-                lambda: dist.reduce_scatter_tensor(output, full, group=self.group, async_op=True), label=label)
+                "reduce_scatter",
+                nbytes,
+                lambda: dist.reduce_scatter_tensor(output, full, group=self.group, async_op=True),
+                label=label,
+            )
         mine = full.narrow(0, self.rank * output.numel(), output.numel())
         return self._launch(
-            "all_reduce", 2 * nbytes, lambda: dist.all_reduce(full, group=self.group, async_op=True),
-            on_done=lambda: output.copy_(mine) if output.data_ptr() != mine.data_ptr() else None, label=label)
+            "all_reduce",
+            2 * nbytes,
+            lambda: dist.all_reduce(full, group=self.group, async_op=True),
+            on_done=lambda: output.copy_(mine) if output.data_ptr() != mine.data_ptr() else None,
+            label=label,
+        )
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor, label: str = "") -> PendingCollective:
         """Fill ``full`` with every rank's ``shard`` in rank order; ``shard`` may be this rank's slice of ``full``.
@@ -199,16 +270,24 @@ class Collectives:
         nbytes = full.numel() * full.element_size()
         if not self.use_all_reduce and dist.is_initialized():
             return self._launch(
-                "all_gather", nbytes,
-                lambda: dist.all_gather_into_tensor(full, shard, group=self.group, async_op=True), label=label)
+                "all_gather",
+                nbytes,
+                lambda: dist.all_gather_into_tensor(full, shard, group=self.group, async_op=True),
+                label=label,
+            )
         n = shard.numel()
         mine = full.narrow(0, self.rank * n, n)
         if mine.data_ptr() != shard.data_ptr():
             mine.copy_(shard)
 
         def launch():
-            return _AllOf([dist.broadcast(full.narrow(0, r * n, n), self._global_rank(r), group=self.group,
-                                          async_op=True) for r in range(self.world_size)])
+            return _AllOf(
+                [
+                    dist.broadcast(full.narrow(0, r * n, n), self._global_rank(r), group=self.group, async_op=True)
+                    for r in range(self.world_size)
+                ]
+            )
+
         return self._launch("broadcast", nbytes, launch, label=label)
 
     def _global_rank(self, group_rank: int) -> int:
@@ -216,14 +295,21 @@ class Collectives:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, label: str = "") -> PendingCollective:
         nbytes = tensor.numel() * tensor.element_size()
-        return self._launch("broadcast", nbytes,
-                            lambda: dist.broadcast(tensor, self._global_rank(src), group=self.group, async_op=True),
-                            label=label)
+        return self._launch(
+            "broadcast",
+            nbytes,
+            lambda: dist.broadcast(tensor, self._global_rank(src), group=self.group, async_op=True),
+            label=label,
+        )
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, label: str = "") -> PendingCollective:
         """Send the r-th of ``world_size`` equal chunks of ``input`` to rank r; chunk r of ``output`` comes from r."""
         nbytes = input.numel() * input.element_size()
         if not dist.is_initialized():
             output.copy_(input)
-        return self._launch("all_to_all", nbytes,
-                            lambda: dist.all_to_all_single(output, input, group=self.group, async_op=True), label=label)
+        return self._launch(
+            "all_to_all",
+            nbytes,
+            lambda: dist.all_to_all_single(output, input, group=self.group, async_op=True),
+            label=label,
+        )

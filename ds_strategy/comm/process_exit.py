@@ -16,32 +16,43 @@ accelerate only in ``end_training()``, and torch 2.13 not at all (pytorch/pytorc
 withdrawn), so on gloo nothing did.
 
 :func:`destroy_process_groups_at_exit` registers, once per process, an ``atexit`` hook. ``atexit`` runs before
-finalization begins, and ``dist.destroy_process_group()`` drops the last reference to every group (the default one
-and the hpZ subgroups), whose destructor joins its worker threads: nothing is left to race. That holds as long as
-nothing else keeps a group object alive; a module imported *after* ``init_process_group`` can (importing
-``ds_strategy`` or Lightning then did, in our runs), so import first, as every entry point does.
-``tests/e2e_scripts/gloo_exit_race.py`` is the reproducer (torch 2.13.0, Python 3.11). A process leaving on an
-uncaught exception, or after one of its collectives failed, skips the hook: joining a worker that waits on a peer
-which will never send could hold the failing process for the whole collective timeout.
+finalization begins, and ``dist.destroy_process_group()`` drops torch's references to every group (the default
+one, the hpZ subgroups, the sequence check's monitor group). A group is destroyed, joining its worker threads, only
+when its last reference goes, so whatever of ours holds a group (every ``Collectives``, the sequence check's cache of
+monitor groups) registers a release that the hook calls first: then nothing is left to race. A forgotten holder
+shows no symptom but the rare abort; it is what let the abort through once the hook existed (the monitor-group cache
+kept the default and the monitor group alive, with their four gloo threads, in every Lightning run). So
+``tests/test_clean_exit.py`` lists the threads real runs still have at its last ``atexit`` hook and fails on any
+gloo thread, which catches a holder deterministically. Holders outside ds_strategy (a user's own reference to a
+group) are the user's. ``tests/e2e_scripts/gloo_exit_race.py`` is the reproducer (torch 2.13.0, Python 3.11).
+A process leaving on an uncaught exception, or after one of its collectives failed, skips the hook: joining a
+worker that waits on a peer which will never send could hold the failing process for the whole collective timeout.
 """
+
 from __future__ import annotations
 
 import atexit
 import sys
+import types
+import weakref
 
 import torch.distributed as dist
 
 _registered = False
 _collective_failed = False
+_releases: list = []  # weak references to callables that drop a reference to a group
 
 
-def destroy_process_groups_at_exit() -> None:
-    """Make this process destroy every process group when it exits normally (registered once; later calls do
-    nothing)."""
+def destroy_process_groups_at_exit(release=None) -> None:
+    """Make this process destroy every process group when it exits normally (registered once). ``release``, a
+    function or bound method that drops references to groups held outside torch, is called first (a method is
+    held weakly: its object may go before the process does)."""
     global _registered
     if not _registered:
         atexit.register(_destroy_process_groups)
         _registered = True
+    if release is not None:
+        _releases.append(weakref.WeakMethod(release) if isinstance(release, types.MethodType) else lambda: release)
 
 
 def leave_process_groups_at_exit() -> None:
@@ -54,4 +65,8 @@ def leave_process_groups_at_exit() -> None:
 def _destroy_process_groups() -> None:
     # last_value: an uncaught exception is ending the process
     if dist.is_initialized() and not _collective_failed and not hasattr(sys, "last_value"):
+        for reference in _releases:
+            release = reference()
+            if release is not None:
+                release()
         dist.destroy_process_group()

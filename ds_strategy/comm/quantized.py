@@ -16,11 +16,13 @@ its chunk; the owner dequantises them to fp32 and sums there, so quantisation er
 ranks and no partial sum is ever requantised. (The paper's two-hop variant, intra-node then inter-node, exists
 to cut inter-node volume on multi-node clusters; with one level of ranks it is this.)
 
-Note: packet lifetime. The packets a rank sends are made before the launch and must stay alive until the
+Note: [Packet lifetime]
+The packets a rank sends are made before the launch and must stay alive until the
 collective is waited on; the receive buffer is decoded into its destination in the collective's ``then``
 callback, i.e. inside ``wait()``, after which both are garbage. Until ``wait()`` returns, the destination (the
 gathered weights, or the reduced shard) holds nothing valid.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -68,21 +70,27 @@ class QuantizedPackets:
             padded = pieces
         else:
             padded = torch.zeros(count, self.values, dtype=pieces.dtype, device=pieces.device)
-            padded[:, :self.numel] = pieces
+            padded[:, : self.numel] = pieces
         q, scales = quantize_blockwise(padded.reshape(-1), self.block_size, self.bits)
         return torch.cat([q.view(count, self.values_bytes), scales.view(count, self.n_blocks).view(torch.int8)], dim=1)
 
     def unpack(self, packets: Tensor, dtype: torch.dtype) -> Tensor:
         """Packets [k, nbytes] int8 back to values [k, numel] of ``dtype``."""
         count = packets.shape[0]
-        q = packets[:, :self.values_bytes].reshape(-1)
-        scales = packets[:, self.values_bytes:].contiguous().view(torch.float32).reshape(-1)
+        q = packets[:, : self.values_bytes].reshape(-1)
+        scales = packets[:, self.values_bytes :].contiguous().view(torch.float32).reshape(-1)
         values = dequantize_blockwise(q, scales, count * self.values, dtype, self.bits)
-        return values.view(count, self.values)[:, :self.numel]
+        return values.view(count, self.values)[:, : self.numel]
 
 
-def all_gather_int8(collectives: Collectives, full: Tensor, shard: Tensor, label: str = "",
-                    block_size: int = BLOCK_SIZE, keep_packets=None) -> PendingCollective:
+def all_gather_int8(
+    collectives: Collectives,
+    full: Tensor,
+    shard: Tensor,
+    label: str = "",
+    block_size: int = BLOCK_SIZE,
+    keep_packets=None,
+) -> PendingCollective:
     """qwZ: fill ``full`` with every rank's dequantised ``shard`` in rank order (``full`` = N x ``shard``).
 
     ``keep_packets(packets)``, if given, receives the gathered packets [N, nbytes] once they have been decoded
@@ -108,8 +116,9 @@ def decode_int8_packets(full: Tensor, packets: Tensor, world: int, block_size: i
     full.view(world, layout.numel).copy_(layout.unpack(packets.view(world, layout.nbytes), full.dtype))
 
 
-def reduce_scatter_quantized(collectives: Collectives, out: Tensor, full: Tensor, label: str = "", bits: int = 4,
-                             block_size: int = BLOCK_SIZE) -> PendingCollective:
+def reduce_scatter_quantized(
+    collectives: Collectives, out: Tensor, full: Tensor, label: str = "", bits: int = 4, block_size: int = BLOCK_SIZE
+) -> PendingCollective:
     """qgZ: ``out`` (fp32, 1/N of ``full``) becomes the sum over ranks of this rank's chunk of ``full``.
 
     Each of the N chunks of ``full`` is quantised on its own to ``bits`` (4, as DeepSpeed's qgZ, or 8) and sent

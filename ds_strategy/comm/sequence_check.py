@@ -1,6 +1,7 @@
 """Per-step agreement on the sequence of collectives, so a rank that skipped a unit is reported, not hung.
 
-Note: how a mismatched sequence is caught. Ranks pair collectives by the order they issue them, not by what
+Note: [How a mismatched sequence is caught]
+Ranks pair collectives by the order they issue them, not by what
 they are, so a rank that skips a unit (one fewer forward call, a backward that never reaches a unit) shifts
 every later pairing. Three things can follow, and each ends in :class:`~.collectives.CollectiveMismatchError`
 within ``collective_timeout`` on every rank, except as noted for gloo:
@@ -22,6 +23,7 @@ collective; the per-step log keeps at most ``MAX_LOGGED`` labels. After the erro
 step and cannot be used again. A gloo worker thread stuck in an unmatched collective stays blocked for the
 process group's own ``timeout`` (30 minutes by default), and ``destroy_process_group`` waits for it.
 """
+
 from __future__ import annotations
 
 import zlib
@@ -30,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import CollectiveMismatchError, Collectives
+from .process_exit import destroy_process_groups_at_exit
 
 MAX_LOGGED = 4096
 _MONITOR_GROUPS: dict[tuple[int, ...], tuple[object, object]] = {}  # ranks -> (default group, monitor group)
@@ -45,6 +48,7 @@ def _monitor_group(ranks: list[int]):
     if world is not dist.group.WORLD:
         group = dist.new_group(ranks, backend="gloo")
         _MONITOR_GROUPS[tuple(ranks)] = (dist.group.WORLD, group)
+        destroy_process_groups_at_exit(_MONITOR_GROUPS.clear)  # [Why every process group is destroyed at exit]
     return group
 
 
@@ -53,8 +57,11 @@ class CollectiveSequenceCheck:
 
     def __init__(self, sources: list[Collectives]):
         primary = sources[0]
-        ranks = (dist.get_process_group_ranks(primary.group) if primary.group is not None
-                 else list(range(dist.get_world_size())))
+        ranks = (
+            dist.get_process_group_ranks(primary.group)
+            if primary.group is not None
+            else list(range(dist.get_world_size()))
+        )
         self.collectives = Collectives(_monitor_group(ranks), timeout=primary.timeout)
         self.rank = primary.rank
         self.checks = 0
@@ -90,7 +97,8 @@ class CollectiveSequenceCheck:
                 f"rank {self.rank}: the check of collective sequences before optimizer step #{self.checks} did "
                 f"not complete: another rank is stuck in a collective or has failed (its own error names it). "
                 f"This rank issued {self.count} collectives since the last step, the last ones: "
-                f"{'; '.join(self.log[-3:]) or 'none'}") from error
+                f"{'; '.join(self.log[-3:]) or 'none'}"
+            ) from error
         rows = everyone.view(world, 2).tolist()
         if all(row == rows[0] for row in rows):
             self._reset()
@@ -100,12 +108,22 @@ class CollectiveSequenceCheck:
         raise CollectiveMismatchError(self._describe(rows, logs))
 
     def _describe(self, rows: list[list[int]], logs: list[list[str]]) -> str:
-        index = next((i for i in range(max(map(len, logs)))
-                      if len({log[i] if i < len(log) else None for log in logs}) > 1), None)
+        index = next(
+            (i for i in range(max(map(len, logs))) if len({log[i] if i < len(log) else None for log in logs}) > 1), None
+        )
         counts = ", ".join(f"rank {r}: {row[0]}" for r, row in enumerate(rows))
-        where = ("" if index is None else f" First difference at collective #{index + 1}: " + "; ".join(
-            f"rank {r} issued {log[index] if index < len(log) else 'nothing'}" for r, log in enumerate(logs)) + ".")
-        return (f"rank {self.rank}: the ranks issued different collectives before optimizer step #{self.checks} "
-                f"({counts} collectives).{where} Every rank must run the same units, forward and backward, the "
-                f"same number of times and in the same order (under ZeRO-3, run the same forward calls on every "
-                f"rank, e.g. keep generating dummy tokens until all ranks finish).")
+        where = (
+            ""
+            if index is None
+            else f" First difference at collective #{index + 1}: "
+            + "; ".join(
+                f"rank {r} issued {log[index] if index < len(log) else 'nothing'}" for r, log in enumerate(logs)
+            )
+            + "."
+        )
+        return (
+            f"rank {self.rank}: the ranks issued different collectives before optimizer step #{self.checks} "
+            f"({counts} collectives).{where} Every rank must run the same units, forward and backward, the "
+            f"same number of times and in the same order (under ZeRO-3, run the same forward calls on every "
+            f"rank, e.g. keep generating dummy tokens until all ranks finish)."
+        )

@@ -4,6 +4,7 @@ One row per key DeepSpeed accepts (``key_tables``): its dotted path, DeepSpeed's
 with it. ``ds-strategy config-table`` prints it after the ZeroConfig table, and ``--update README.md`` rewrites its
 marked block.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -21,8 +22,11 @@ def _rows(table: Table, prefix: str = "") -> Iterator[tuple[str, Rule]]:
 
 
 def markdown_table() -> str:
-    lines = ["| DeepSpeed key | DeepSpeed default | ds_strategy |", "| --- | --- | --- |",
-             "| any other top-level key | | ignored, listed in one warning (DeepSpeed ignores them too) |"]
+    lines = [
+        "| DeepSpeed key | DeepSpeed default | ds_strategy |",
+        "| --- | --- | --- |",
+        "| any other top-level key | | ignored, listed in one warning (DeepSpeed ignores them too) |",
+    ]
     for key, rule in _rows(DEEPSPEED):
         default = "" if rule.default == NO_DEFAULT else f"`{rule.default!r}`"
         lines.append(f"| `{key}` | {default} | {rule.kind.value}: {rule.note.replace('|', '/')} |")

@@ -5,6 +5,7 @@ all their fields and aliases, as ``tests/test_deepspeed_config_rules.py`` checks
 an unknown key inside any section here fails. Unknown top-level keys are ignored with a warning, as DeepSpeed
 ignores them. Defaults are DeepSpeed's, from its config models and ``runtime/constants.py``.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -39,13 +40,14 @@ def _enables(precision: str):
             return {"precision": precision}
         if value is False or value == AUTO:
             return {}
-        raise ValueError(f"DeepSpeed {key}={value!r} is not allowed; expected true, false or \"auto\"")
+        raise ValueError(f'DeepSpeed {key}={value!r} is not allowed; expected true, false or "auto"')
 
     return translate
 
 
 def _deprecated_offload(field_name: str):
     """DeepSpeed's deprecated ``cpu_offload`` / ``cpu_offload_param`` booleans: true means device "cpu"."""
+
     def translate(key: str, value: Any) -> dict[str, Any]:
         if not isinstance(value, bool):
             raise ValueError(f"DeepSpeed {key}={value!r} is not allowed; expected true or false")
@@ -59,7 +61,7 @@ def _sub_group_size(key: str, value: Any) -> dict[str, Any]:
 
 
 def _clipping(key: str, value: Any) -> dict[str, Any]:
-    """"auto" is the framework's clipping (Hugging Face fills it from its arguments): off in the config."""
+    """ "auto" is the framework's clipping (Hugging Face fills it from its arguments): off in the config."""
     return {"gradient_clipping": 0.0 if value == AUTO else value}
 
 
@@ -92,7 +94,8 @@ _STAGE3_ALIASED: dict[str, Any] = {  # DeepSpeed accepts each both with and with
     "max_live_parameters": field("max_live_parameters", 1_000_000_000),
     "max_reuse_distance": no_op(1_000_000_000, "gathered units are freed after use, whatever the reuse distance"),
     "gather_16bit_weights_on_model_save": honoured(
-        "honoured: full weights are always gathered on export (`ds-strategy consolidate`)", False),
+        "honoured: full weights are always gathered on export (`ds-strategy consolidate`)", False
+    ),
     "module_granularity_threshold": no_op(0, "units are the repeated block type (see `ZeroConfig.unit_modules`)"),
     "use_all_reduce_for_fetch_params": no_op(False, _SPEED_ONLY),
     "allgather_sequential": no_op(False, _SPEED_ONLY),
@@ -100,8 +103,9 @@ _STAGE3_ALIASED: dict[str, Any] = {  # DeepSpeed accepts each both with and with
 ZERO_OPTIMIZATION: Table = {
     "stage": field("stage", 0),
     "contiguous_gradients": no_op(True, "gradients always live in flat contiguous buffers"),
-    "reduce_scatter": mapped("`ZeroConfig.gradient_reduction`: true = reduce_scatter, false = all_reduce", True,
-                             _reduce_scatter),
+    "reduce_scatter": mapped(
+        "`ZeroConfig.gradient_reduction`: true = reduce_scatter, false = all_reduce", True, _reduce_scatter
+    ),
     "reduce_bucket_size": field("reduce_bucket_size", 500_000_000, keep_auto=True),
     "use_multi_rank_bucket_allreduce": no_op(True, _SPEED_ONLY),
     "allgather_partitions": no_op(True, "updated partitions are always all-gathered after a step"),
@@ -113,12 +117,18 @@ ZERO_OPTIMIZATION: Table = {
     "offload_param": OFFLOAD_PARAM,
     "offload_optimizer": OFFLOAD_OPTIMIZER,
     "zenflow": rejected(None, _NOT_IMPLEMENTED.format("ZenFlow")),
-    "sub_group_size": mapped("`ZeroConfig.sub_group_size` (0, DeepSpeed's one sub-group per parameter: the default; "
-                             "the update's arithmetic is the same)", 1_000_000_000, _sub_group_size),
-    "cpu_offload": mapped("deprecated: true = `offload_optimizer.device: cpu`", None,
-                          _deprecated_offload("offload_optimizer")),
-    "cpu_offload_param": mapped("deprecated: true = `offload_param.device: cpu`", None,
-                                _deprecated_offload("offload_params")),
+    "sub_group_size": mapped(
+        "`ZeroConfig.sub_group_size` (0, DeepSpeed's one sub-group per parameter: the default; "
+        "the update's arithmetic is the same)",
+        1_000_000_000,
+        _sub_group_size,
+    ),
+    "cpu_offload": mapped(
+        "deprecated: true = `offload_optimizer.device: cpu`", None, _deprecated_offload("offload_optimizer")
+    ),
+    "cpu_offload_param": mapped(
+        "deprecated: true = `offload_param.device: cpu`", None, _deprecated_offload("offload_params")
+    ),
     "cpu_offload_use_pin_memory": field("pin_memory", None),
     **_STAGE3_ALIASED,
     **{f"stage3_{name}": rule for name, rule in _STAGE3_ALIASED.items()},
@@ -137,24 +147,27 @@ ZERO_OPTIMIZATION: Table = {
     "log_trace_cache_warnings": no_op(False, _LOGGING),
     "enable_sanity_checks": no_op(False, "collective sequences are always checked (`ds_strategy.comm.sequence_check`)"),
     "save_muon_momentum_buffer_in_memory": no_op(False, "no Muon optimizer"),
-    "leaf_module": rejected(None, "use `ZeroConfig.unit_modules` to choose the modules gathered as one unit",
-                            quiet=lambda value: not value),
+    "leaf_module": rejected(
+        None, "use `ZeroConfig.unit_modules` to choose the modules gathered as one unit", quiet=lambda value: not value
+    ),
 }
 FP16: Table = {
-    "enabled": mapped('`ZeroConfig.precision="16-mixed"` ("auto": the framework\'s precision)', False,
-                      _enables("16-mixed")),
+    "enabled": mapped(
+        '`ZeroConfig.precision="16-mixed"` ("auto": the framework\'s precision)', False, _enables("16-mixed")
+    ),
     "auto_cast": no_op(False, "the precision plugin decides what runs in half precision"),
     "loss_scale": field("loss_scale", 0.0),
     "initial_scale_power": field("initial_scale_power", 16),
     "loss_scale_window": field("loss_scale_window", 1000),
     "hysteresis": field("hysteresis", 2),
-    "consecutive_hysteresis": rejected(False, "hysteresis is not refilled by overflow-free steps"),
+    "consecutive_hysteresis": field("consecutive_hysteresis", False),
     "min_loss_scale": field("min_loss_scale", 1.0),
     "fp16_master_weights_and_grads": rejected(False, "master weights are always fp32"),
 }
 BF16: Table = {
-    "enabled": mapped('`ZeroConfig.precision="bf16-mixed"` ("auto": the framework\'s precision)', False,
-                      _enables("bf16-mixed")),
+    "enabled": mapped(
+        '`ZeroConfig.precision="bf16-mixed"` ("auto": the framework\'s precision)', False, _enables("bf16-mixed")
+    ),
     "immediate_grad_update": no_op(False, "gradients are reduced into their shard as backward produces them"),
     "check_grad_overflow": no_op(True, "bf16 has fp32's range; no overflow check is needed"),
     "bf16_master_weights_and_grads": rejected(False, "master weights are always fp32"),
@@ -178,21 +191,35 @@ AIO: Table = {
 _DEEPCOMPILE_ONLY = "only acts under compile.deepcompile"
 COMPILE: Table = {
     "deepcompile": rejected(False, "DeepCompile is not implemented; call torch.compile on the model yourself"),
-    **{name: no_op(default, _DEEPCOMPILE_ONLY) for name, default in (
-        ("autoep_non_moe", False), ("free_activation", False), ("free_activation_threshold", 10 * 1024 * 1024),
-        ("offload_activation", False), ("offload_activation_pin_memory", True), ("offload_opt_states", False),
-        ("double_buffer", True), ("symmetric_memory", False), ("debug_log", False), ("offload_parameters", False),
-        ("sync_before_reduce", False), ("sync_after_reduce", False), ("sync_before_allgather", False),
-        ("sync_after_allgather", False), ("keep_int_input_tensors", True), ("keep_all_input_tensors", False),
-        ("passes", None))},
+    **{
+        name: no_op(default, _DEEPCOMPILE_ONLY)
+        for name, default in (
+            ("autoep_non_moe", False),
+            ("free_activation", False),
+            ("free_activation_threshold", 10 * 1024 * 1024),
+            ("offload_activation", False),
+            ("offload_activation_pin_memory", True),
+            ("offload_opt_states", False),
+            ("double_buffer", True),
+            ("symmetric_memory", False),
+            ("debug_log", False),
+            ("offload_parameters", False),
+            ("sync_before_reduce", False),
+            ("sync_after_reduce", False),
+            ("sync_before_allgather", False),
+            ("sync_after_allgather", False),
+            ("keep_int_input_tensors", True),
+            ("keep_all_input_tensors", False),
+            ("passes", None),
+        )
+    },
 }
 _SECTION_BUILT = "built by `ds_strategy.deepspeed.optimizer_section` when the program defines no {}"
 DEEPSPEED: Table = {
     "train_batch_size": field("train_batch_size", NO_DEFAULT),
     "train_micro_batch_size_per_gpu": field("train_micro_batch_size_per_gpu", NO_DEFAULT),
     "gradient_accumulation_steps": field("gradient_accumulation_steps", NO_DEFAULT),
-    "gradient_clipping": mapped('`ZeroConfig.gradient_clipping` ("auto": the framework\'s clipping)', 1.0,
-                                _clipping),
+    "gradient_clipping": mapped('`ZeroConfig.gradient_clipping` ("auto": the framework\'s clipping)', 1.0, _clipping),
     "communication_data_type": field("communication_dtype", None),
     "zero_optimization": ZERO_OPTIMIZATION,
     "fp16": FP16,
@@ -223,11 +250,17 @@ DEEPSPEED: Table = {
     "csv_monitor": no_op_section(_LOGGING),
     "comet": no_op_section(_LOGGING),
     "autotuning": no_op_section("DeepSpeed's autotuner; use `ds-strategy autotune`"),
-    "activation_checkpointing": no_op(NO_DEFAULT, "only affects code calling deepspeed.checkpointing; use "
-                                                  "torch.utils.checkpoint", quiet=lambda value: not any(
-                                                      dict(value).values()) if isinstance(value, dict) else False),
-    "checkpoint": no_op(NO_DEFAULT, "checkpoint tags, universal checkpoints and write pipelines are DeepSpeed's "
-                                    "own; ds_strategy checkpoints reload at any world size", quiet=lambda v: not v),
+    "activation_checkpointing": no_op(
+        NO_DEFAULT,
+        "only affects code calling deepspeed.checkpointing; use torch.utils.checkpoint",
+        quiet=lambda value: not any(dict(value).values()) if isinstance(value, dict) else False,
+    ),
+    "checkpoint": no_op(
+        NO_DEFAULT,
+        "checkpoint tags, universal checkpoints and write pipelines are DeepSpeed's "
+        "own; ds_strategy checkpoints reload at any world size",
+        quiet=lambda v: not v,
+    ),
     "dataloader_drop_last": no_op(False, "DeepSpeed's own data loader; the framework's loader is used"),
     "vocabulary_size": no_op(None, "only used by DeepSpeed's sparse embeddings"),
     "seq_parallel_communication_data_type": no_op("fp32", "no sequence parallelism"),

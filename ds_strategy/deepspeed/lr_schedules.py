@@ -5,6 +5,7 @@ param group's learning rate as the optimizer was built. ``DeepSpeedSchedule`` ru
 ``LRScheduler``, whose own counter ``last_epoch`` is i + 1: torch steps once at construction, where DeepSpeed sets
 the iteration -1 value, so after k ``step()`` calls both are at the value for i = k - 1.
 """
+
 from __future__ import annotations
 
 import functools
@@ -35,8 +36,12 @@ def warmup_gamma(i: int, warmup_num_steps: int, warmup_type: str) -> float:
     return math.log(i + 1) / math.log(steps) if warmup_type == "log" else i / steps
 
 
-def lr_range_test(lr_range_test_min_lr: float = 1e-3, lr_range_test_step_size: int = 2000,
-                  lr_range_test_step_rate: float = 1.0, lr_range_test_staircase: bool = False) -> LrAt:
+def lr_range_test(
+    lr_range_test_min_lr: float = 1e-3,
+    lr_range_test_step_size: int = 2000,
+    lr_range_test_step_rate: float = 1.0,
+    lr_range_test_staircase: bool = False,
+) -> LrAt:
     def lr_at(i: int, group: int, base_lr: float) -> float:
         interval = (i + 1) / lr_range_test_step_size
         interval = math.floor(interval) if lr_range_test_staircase else interval
@@ -45,9 +50,14 @@ def lr_range_test(lr_range_test_min_lr: float = 1e-3, lr_range_test_step_size: i
     return lr_at
 
 
-def warmup_lr(warmup_min_lr: float = 0.0, warmup_max_lr: float | None = None, warmup_num_steps: int = 1000,
-              warmup_type: str = "log") -> LrAt:
+def warmup_lr(
+    warmup_min_lr: float = 0.0,
+    warmup_max_lr: float | None = None,
+    warmup_num_steps: int = 1000,
+    warmup_type: str = "log",
+) -> LrAt:
     """min + (max - min) x gamma; max defaults to the optimizer's lr."""
+
     def lr_at(i: int, group: int, base_lr: float) -> float:
         low = _per_group(warmup_min_lr, group)
         high = base_lr if warmup_max_lr is None else _per_group(warmup_max_lr, group)
@@ -56,9 +66,15 @@ def warmup_lr(warmup_min_lr: float = 0.0, warmup_max_lr: float | None = None, wa
     return lr_at
 
 
-def warmup_decay_lr(total_num_steps: int, warmup_min_lr: float = 0.0, warmup_max_lr: float = 0.001,
-                    warmup_num_steps: int = 1000, warmup_type: str = "log") -> LrAt:
+def warmup_decay_lr(
+    total_num_steps: int,
+    warmup_min_lr: float = 0.0,
+    warmup_max_lr: float = 0.001,
+    warmup_num_steps: int = 1000,
+    warmup_type: str = "log",
+) -> LrAt:
     """WarmupLR, then linear decay to 0 at ``total_num_steps``."""
+
     def lr_at(i: int, group: int, base_lr: float) -> float:
         low, high = _per_group(warmup_min_lr, group), _per_group(warmup_max_lr, group)
         steps = max(2, warmup_num_steps)
@@ -71,16 +87,23 @@ def warmup_decay_lr(total_num_steps: int, warmup_min_lr: float = 0.0, warmup_max
     return lr_at
 
 
-def warmup_cosine_lr(total_num_steps: int, warmup_min_ratio: float = 0.0, warmup_num_steps: int = 1000,
-                     cos_min_ratio: float = 0.0001, warmup_type: str = "log") -> LrAt:
+def warmup_cosine_lr(
+    total_num_steps: int,
+    warmup_min_ratio: float = 0.0,
+    warmup_num_steps: int = 1000,
+    cos_min_ratio: float = 0.0001,
+    warmup_type: str = "log",
+) -> LrAt:
     """The optimizer's lr times a ratio: warmup from ``warmup_min_ratio`` to 1, then cosine to ``cos_min_ratio``."""
+
     def lr_at(i: int, group: int, base_lr: float) -> float:
         steps = max(2, warmup_num_steps)
         if i < 0:
             return 0.0
         if i < steps:
-            return base_lr * (warmup_min_ratio + warmup_gamma(i, warmup_num_steps, warmup_type)
-                              * (1.0 - warmup_min_ratio))
+            return base_lr * (
+                warmup_min_ratio + warmup_gamma(i, warmup_num_steps, warmup_type) * (1.0 - warmup_min_ratio)
+            )
         progress = min(1.0, (i - steps + 1) / max(1, total_num_steps - steps))
         return base_lr * max(0.0, cos_min_ratio + (1.0 - cos_min_ratio) * (1 + math.cos(math.pi * progress)) / 2)
 
@@ -100,17 +123,27 @@ def _one_cycle_scale(i: int, first: float, second: float, first_stairs: int, sec
     return scale
 
 
-def one_cycle(cycle_min_lr: float, cycle_max_lr: float, decay_lr_rate: float = 0.0,
-              cycle_first_step_size: int = 2000, cycle_second_step_size: int | None = None,
-              cycle_first_stair_count: int = 0, cycle_second_stair_count: int | None = None,
-              decay_step_size: int = 0, cycle_momentum: bool = True, cycle_min_mom: float = 0.8,
-              cycle_max_mom: float = 0.9, decay_mom_rate: float = 0.0) -> tuple[LrAt, MomentumAt | None]:
+def one_cycle(
+    cycle_min_lr: float,
+    cycle_max_lr: float,
+    decay_lr_rate: float = 0.0,
+    cycle_first_step_size: int = 2000,
+    cycle_second_step_size: int | None = None,
+    cycle_first_stair_count: int = 0,
+    cycle_second_stair_count: int | None = None,
+    decay_step_size: int = 0,
+    cycle_momentum: bool = True,
+    cycle_min_mom: float = 0.8,
+    cycle_max_mom: float = 0.9,
+    decay_mom_rate: float = 0.0,
+) -> tuple[LrAt, MomentumAt | None]:
     """1Cycle: lr up and back down over one cycle (momentum inversely), then lr / (1 + rate x decay intervals)."""
     first = float(cycle_first_step_size)
     second = first if cycle_second_step_size is None else float(cycle_second_step_size)
     second_stairs = cycle_first_stair_count if cycle_second_stair_count is None else cycle_second_stair_count
-    scale = functools.partial(_one_cycle_scale, first=first, second=second, first_stairs=cycle_first_stair_count,
-                              second_stairs=second_stairs)
+    scale = functools.partial(
+        _one_cycle_scale, first=first, second=second, first_stairs=cycle_first_stair_count, second_stairs=second_stairs
+    )
 
     def decay_intervals(i: int) -> float:
         return (i - first - second + 1) / decay_step_size

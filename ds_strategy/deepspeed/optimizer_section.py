@@ -8,6 +8,7 @@ A section whose every parameter is ``"auto"`` (switches such as ``torch_adam`` a
 framework fills this in": it defers to the optimizer the program builds, silently. A single ``"auto"`` among
 concrete values means the class's default.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,9 +27,16 @@ from .lr_schedules import (
 from .rule_kinds import AUTO
 
 _ADAM_FAMILY = ("adam", "adamw")
-_DEEPSPEED_ONLY = {"lamb": "Lamb (FusedLamb)", "onebitadam": "1-bit Adam", "zerooneadam": "0/1 Adam",
-                   "onebitlamb": "1-bit LAMB", "muadam": "MuAdam (mup)", "muadamw": "MuAdamW (mup)",
-                   "musgd": "MuSGD (mup)", "muon": "Muon"}
+_DEEPSPEED_ONLY = {
+    "lamb": "Lamb (FusedLamb)",
+    "onebitadam": "1-bit Adam",
+    "zerooneadam": "0/1 Adam",
+    "onebitlamb": "1-bit LAMB",
+    "muadam": "MuAdam (mup)",
+    "muadamw": "MuAdamW (mup)",
+    "musgd": "MuSGD (mup)",
+    "muon": "Muon",
+}
 # Adam keys DeepSpeed's Adam takes beyond torch's, and the one value of each torch's Adam also computes.
 _ADAM_EXTRAS = {"torch_adam": None, "adam_w_mode": None, "bias_correction": True, "fp32_optimizer_states": None}
 _SECTION_KEYS = {"optimizer": ("type", "params", "legacy_fusion"), "scheduler": ("type", "params")}
@@ -67,8 +75,10 @@ def read_optimizer_sections(optimizer: Any, scheduler: Any) -> OptimizerSections
         _check_keys("scheduler", name, params, _scheduler_parameters(name))
         missing = [key for key in _required(name) if key not in params]
         if missing:
-            raise ValueError(f"DeepSpeed scheduler.params.{missing[0]} is required by {name} and has no default "
-                             f"(\"auto\" is filled by Hugging Face's Trainer, which is not running here); give a value")
+            raise ValueError(
+                f"DeepSpeed scheduler.params.{missing[0]} is required by {name} and has no default "
+                f'("auto" is filled by Hugging Face\'s Trainer, which is not running here); give a value'
+            )
     return OptimizerSections(optimizer_spec, scheduler_spec)
 
 
@@ -79,8 +89,10 @@ def _read_section(section: str, options: Any) -> tuple[str, dict[str, Any]] | No
         raise ValueError(f"DeepSpeed {section} must be a JSON object, got {type(options).__name__}: {options!r}")
     for key in options:
         if key not in _SECTION_KEYS[section]:
-            raise ValueError(f"DeepSpeed {section}.{key} is not a key DeepSpeed accepts; expected "
-                             f"{', '.join(_SECTION_KEYS[section])}")
+            raise ValueError(
+                f"DeepSpeed {section}.{key} is not a key DeepSpeed accepts; expected "
+                f"{', '.join(_SECTION_KEYS[section])}"
+            )
     params = options.get("params") or {}
     if not isinstance(params, Mapping):
         raise ValueError(f"DeepSpeed {section}.params must be a JSON object, got {params!r}")
@@ -96,25 +108,33 @@ def _optimizer_class(name: str, params: dict[str, Any]) -> tuple[type[torch.opti
     """torch's class computing DeepSpeed's ``name`` optimizer, and its keyword arguments."""
     lowered = name.lower()
     if "max_grad_norm" in params:
-        raise ValueError("DeepSpeed optimizer.params.max_grad_norm is not supported (nor by DeepSpeed); "
-                         "use the top-level gradient_clipping")
+        raise ValueError(
+            "DeepSpeed optimizer.params.max_grad_norm is not supported (nor by DeepSpeed); "
+            "use the top-level gradient_clipping"
+        )
     if lowered in _DEEPSPEED_ONLY:
-        raise ValueError(f"DeepSpeed optimizer.type={name!r} ({_DEEPSPEED_ONLY[lowered]}) is not supported: "
-                         f"ds_strategy builds torch optimizers only; use Adam, AdamW, SGD, Adagrad or another "
-                         f"torch.optim class, or return your optimizer from configure_optimizers")
+        raise ValueError(
+            f"DeepSpeed optimizer.type={name!r} ({_DEEPSPEED_ONLY[lowered]}) is not supported: "
+            f"ds_strategy builds torch optimizers only; use Adam, AdamW, SGD, Adagrad or another "
+            f"torch.optim class, or return your optimizer from configure_optimizers"
+        )
     if lowered in _ADAM_FAMILY:
         return _adam(lowered, params)
     if lowered == "adagrad":
         return torch.optim.Adagrad, params
     if lowered == "lion":
         if not hasattr(torch.optim, "Lion"):
-            raise ValueError(f"DeepSpeed optimizer.type={name!r} needs torch.optim.Lion, which torch "
-                             f"{torch.__version__} does not have; return a Lion optimizer from configure_optimizers")
+            raise ValueError(
+                f"DeepSpeed optimizer.type={name!r} needs torch.optim.Lion, which torch "
+                f"{torch.__version__} does not have; return a Lion optimizer from configure_optimizers"
+            )
         return torch.optim.Lion, params
     cls = getattr(torch.optim, name, None)
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        raise ValueError(f"DeepSpeed optimizer.type={name!r} is neither one of DeepSpeed's (Adam, AdamW, Adagrad, "
-                         f"Lion) nor a torch.optim class (names are case-sensitive, e.g. 'SGD')")
+        raise ValueError(
+            f"DeepSpeed optimizer.type={name!r} is neither one of DeepSpeed's (Adam, AdamW, Adagrad, "
+            f"Lion) nor a torch.optim class (names are case-sensitive, e.g. 'SGD')"
+        )
     return cls, params
 
 
@@ -127,8 +147,10 @@ def _adam(name: str, params: dict[str, Any]) -> tuple[type[torch.optim.Optimizer
     params.pop("adam_w_mode", None)
     params.pop("fp32_optimizer_states", None)  # CpuAdam keeps fp32 state in any case
     if params.pop("bias_correction", True) is not True:
-        raise ValueError("DeepSpeed optimizer.params.bias_correction=false is not supported: torch's Adam always "
-                         "corrects the moments' bias")
+        raise ValueError(
+            "DeepSpeed optimizer.params.bias_correction=false is not supported: torch's Adam always "
+            "corrects the moments' bias"
+        )
     if not torch_adam:
         params.setdefault("weight_decay", 0.0)
     return (torch.optim.AdamW if decoupled else torch.optim.Adam), params
@@ -145,20 +167,26 @@ def _scheduler_parameters(name: str) -> list[str]:
         return schedule_parameters(name)
     cls = getattr(torch.optim.lr_scheduler, name, None)
     if not isinstance(cls, type):
-        raise ValueError(f"DeepSpeed scheduler.type={name!r} is neither one of DeepSpeed's "
-                         f"({', '.join(SCHEDULES)}) nor a torch.optim.lr_scheduler class")
+        raise ValueError(
+            f"DeepSpeed scheduler.type={name!r} is neither one of DeepSpeed's "
+            f"({', '.join(SCHEDULES)}) nor a torch.optim.lr_scheduler class"
+        )
     return [key for key in inspect.signature(cls.__init__).parameters if key not in ("self", "optimizer")]
 
 
 def _required(name: str) -> list[str]:
     if name not in SCHEDULES:
         return []
-    return [key for key, parameter in inspect.signature(SCHEDULES[name]).parameters.items()
-            if parameter.default is inspect.Parameter.empty]
+    return [
+        key
+        for key, parameter in inspect.signature(SCHEDULES[name]).parameters.items()
+        if parameter.default is inspect.Parameter.empty
+    ]
 
 
 def _check_keys(section: str, name: str, params: Mapping[str, Any], accepted: list[str]) -> None:
     for key in params:
         if key not in accepted:
-            raise ValueError(f"DeepSpeed {section}.params.{key} is not a parameter of {name}; "
-                             f"it takes {', '.join(accepted)}")
+            raise ValueError(
+                f"DeepSpeed {section}.params.{key} is not a parameter of {name}; it takes {', '.join(accepted)}"
+            )

@@ -7,6 +7,7 @@ value listed as allowed, passes silently, since it asks for nothing). ``honoured
 no field because ds_strategy always does what they ask. Each rule carries DeepSpeed's default for the key: it
 is what ``"auto"`` means where DeepSpeed's meaning of a key has a default, and the compatibility table shows it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -49,6 +50,7 @@ Table = dict[str, Union[Rule, "Table"]]  # a section: key -> rule, or key -> nes
 def field(name: str, default: Any, *, keep_auto: bool = False) -> Rule:
     """The value is ZeroConfig's ``name``; ``"auto"`` is DeepSpeed's default, or stays "auto" when ZeroConfig
     resolves it from the model (``keep_auto``)."""
+
     def translate(key: str, value: Any) -> dict[str, Any]:
         if value == AUTO and not keep_auto:
             return {} if default in (NO_DEFAULT, None) else {name: default}
@@ -83,5 +85,6 @@ def rejected(default: Any, why: str, quiet: Callable[[Any], bool] | None = None)
 
 def rejected_section(why: str) -> Rule:
     """A feature section: rejected unless empty or ``"enabled": false``."""
-    return rejected(NO_DEFAULT, why, quiet=lambda value: not value or (isinstance(value, dict)
-                                                                        and value.get("enabled") is False))
+    return rejected(
+        NO_DEFAULT, why, quiet=lambda value: not value or (isinstance(value, dict) and value.get("enabled") is False)
+    )

@@ -8,9 +8,11 @@ are recorded in ``extra`` too, with a marker for a value, so ``fabric.load`` che
 the saved ones as Fabric does for a plain file. ``fabric.load`` may run at another world size, ZeRO stage,
 precision or offload setting; see :mod:`ds_strategy.checkpoint.directory` for the layout and atomicity.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from lightning.fabric.strategies.strategy import _apply_filter, _validate_keys_for_strict_loading
 from lightning.fabric.utilities.types import _Stateful
@@ -26,27 +28,46 @@ IN_SHARDS = "<ds_strategy: in the checkpoint's shard files>"
 class ZeroFabricCheckpointing:
     """Checkpoint hooks of a Fabric strategy that owns a ``ZeroEngine`` as ``self.engine``."""
 
-    def save_checkpoint(self, path, state: dict[str, Any], storage_options: Any | None = None,
-                        filter: dict[str, Callable[[str, Any], bool]] | None = None) -> None:
+    def save_checkpoint(
+        self,
+        path,
+        state: dict[str, Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
         if storage_options is not None:
-            raise TypeError("ZeroFabricStrategy.save_checkpoint(..., storage_options=...) is not supported: it writes "
-                            "sharded checkpoint directories itself, not through a CheckpointIO plugin")
+            raise TypeError(
+                "ZeroFabricStrategy.save_checkpoint(..., storage_options=...) is not supported: it writes "
+                "sharded checkpoint directories itself, not through a CheckpointIO plugin"
+            )
         module_key, optimizer_key = self._engine_keys(state, "save")
         filtered = sorted({module_key, optimizer_key} & set(filter or {}))
         if filtered:
-            raise NotImplementedError(f"fabric.save(filter=...) for {filtered}: the sharded model and optimizer are "
-                                      f"saved whole; filter the consolidated state dict instead")
+            raise NotImplementedError(
+                f"fabric.save(filter=...) for {filtered}: the sharded model and optimizer are "
+                f"saved whole; filter the consolidated state dict instead"
+            )
         extra: dict[str, Any] = {}
         for key, obj in state.items():
             if key in (module_key, optimizer_key):
                 extra[key] = IN_SHARDS
             else:
                 _apply_filter(key, filter or {}, obj.state_dict() if isinstance(obj, _Stateful) else obj, extra)
-        checkpoint.save(self.broadcast(str(path)), self.engine.module, self.engine, extra=extra,
-                        with_optimizer=optimizer_key is not None)
+        checkpoint.save(
+            self.broadcast(str(path)),
+            self.engine.module,
+            self.engine,
+            extra=extra,
+            with_optimizer=optimizer_key is not None,
+        )
 
-    def load_checkpoint(self, path, state: nn.Module | Optimizer | dict[str, Any] | None = None, strict: bool = True,
-                        weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self,
+        path,
+        state: nn.Module | Optimizer | dict[str, Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
         """Restore the model (and optimizer) from their shards, then every other requested entry; return the
         entries that were not requested. Everything is checked before anything is restored. A bare module
         (``fabric.load_raw``) gets its weights only. ``weights_only`` does not apply: rank 0's ``meta.pt`` is read
@@ -57,15 +78,16 @@ class ZeroFabricCheckpointing:
             checkpoint.load(path, state, self.engine, load_optimizer=False, strict=strict)
             return {}
         if isinstance(state, Optimizer) or not state:
-            raise ValueError(f"ZeroFabricStrategy.load_checkpoint(..., state={type(state).__name__}): pass the model "
-                             f"set up by fabric.setup, with its optimizer if it should be restored too, e.g. "
-                             f"fabric.load(path, {{'model': model, 'optimizer': optimizer}})")
+            raise ValueError(
+                f"ZeroFabricStrategy.load_checkpoint(..., state={type(state).__name__}): pass the model "
+                f"set up by fabric.setup, with its optimizer if it should be restored too, e.g. "
+                f"fabric.load(path, {{'model': model, 'optimizer': optimizer}})"
+            )
         module_key, optimizer_key = self._engine_keys(state, "load")
         saved = _saved_entries(path)
         _validate_keys_for_strict_loading(state.keys(), saved.keys(), strict=strict)
         load_optimizer = optimizer_key is not None and _is_marker(saved.get(optimizer_key))
-        remainder = checkpoint.load(path, self.engine.module, self.engine, load_optimizer=load_optimizer,
-                                    strict=strict)
+        remainder = checkpoint.load(path, self.engine.module, self.engine, load_optimizer=load_optimizer, strict=strict)
         for key, obj in state.items():
             if key in (module_key, optimizer_key) or key not in remainder:
                 continue
@@ -78,12 +100,16 @@ class ZeroFabricCheckpointing:
     def _engine_keys(self, state: dict[str, Any], verb: str) -> tuple[str, str | None]:
         """The keys of the engine's model (required) and optimizer (optional) in ``state``."""
         if self.engine is None:
-            raise RuntimeError(f"fabric.{verb}: call fabric.setup(model, optimizer) first; the checkpoint is written "
-                               f"from the shards it creates")
+            raise RuntimeError(
+                f"fabric.{verb}: call fabric.setup(model, optimizer) first; the checkpoint is written "
+                f"from the shards it creates"
+            )
         modules = [key for key, obj in state.items() if obj is self.engine.module]
         if len(modules) != 1:
-            raise ValueError(f"fabric.{verb}(path, state): the state must hold the model set up by fabric.setup once, "
-                             f"e.g. {{'model': model, 'optimizer': optimizer}}; its keys are {sorted(state)}")
+            raise ValueError(
+                f"fabric.{verb}(path, state): the state must hold the model set up by fabric.setup once, "
+                f"e.g. {{'model': model, 'optimizer': optimizer}}; its keys are {sorted(state)}"
+            )
         optimizers = [key for key, obj in state.items() if obj is self.engine.optimizer]
         return modules[0], optimizers[0] if optimizers else None
 

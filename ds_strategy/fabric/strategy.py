@@ -1,4 +1,5 @@
 """ZeroFabricStrategy: Fabric's strategy hooks translated into ZeroEngine calls; no sharding logic lives here."""
+
 from __future__ import annotations
 
 import contextlib
@@ -18,7 +19,7 @@ from torch.optim import Optimizer
 
 from ..config import ZeroConfig
 from ..deepspeed_config import config_from_deepspeed
-from ..engine_owner import EngineOwnerMixin
+from ..engine_owner import EngineOwnerMixin, build_engine
 from ..precision import autocast_for
 from ..precision_flag import reconcile_precision
 from ..zero.engine import ZeroEngine
@@ -26,7 +27,8 @@ from .checkpointing import ZeroFabricCheckpointing
 
 
 class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy):
-    """ZeRO data parallelism for Fabric: ``Fabric(strategy="zero2")`` or ``Fabric(strategy=ZeroFabricStrategy(stage=1))``.
+    """ZeRO data parallelism for Fabric: ``Fabric(strategy="zero2")`` or
+    ``Fabric(strategy=ZeroFabricStrategy(stage=1))``.
 
     Subclasses Fabric's ``DDPStrategy`` for its launchers and process-group setup, but never wraps the model in
     DDP: ``fabric.setup(model, optimizer)`` builds a :class:`ZeroEngine`, which retargets the optimizer onto this
@@ -44,14 +46,36 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
     load at any world size or ZeRO stage (see :mod:`.checkpointing`).
     """
 
-    def __init__(self, config: ZeroConfig | Mapping | None = None, *, accelerator=None, parallel_devices=None,
-                 cluster_environment=None, checkpoint_io=None, precision_plugin: Precision | None = None,
-                 process_group_backend: str | None = None, start_method: str = "popen", **config_fields: Any):
+    def __init__(
+        self,
+        config: ZeroConfig | Mapping | None = None,
+        *,
+        accelerator=None,
+        parallel_devices=None,
+        cluster_environment=None,
+        checkpoint_io=None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        start_method: str = "popen",
+        **config_fields: Any,
+    ):
         self.config = ZeroConfig.build(config, **config_fields)
+        if self.config.gradient_accumulation_steps != 1:
+            raise ValueError(
+                f"ZeroConfig.gradient_accumulation_steps={self.config.gradient_accumulation_steps} is not allowed "
+                f"with Fabric, whose training loop is yours: accumulate there (fabric.no_backward_sync(model) on all "
+                f"but the last micro-batch, the loss divided by their number) and set gradient_accumulation_steps=1"
+            )
         self.engine: ZeroEngine | None = None
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
-                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision_plugin,
-                         process_group_backend=process_group_backend, start_method=start_method)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision_plugin,
+            process_group_backend=process_group_backend,
+            start_method=start_method,
+        )
         self._backward_sync_control = _ZeroBackwardSyncControl(self)
 
     @classmethod
@@ -82,25 +106,21 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
         super().setup_environment()
         self.precision.device_type = self.root_device.type
 
-    def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer],
-                                    scheduler: Any = None) -> tuple[nn.Module, list[Optimizer], Any]:
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any = None
+    ) -> tuple[nn.Module, list[Optimizer], Any]:
         if len(optimizers) != 1:
             raise ValueError(f"ZeroFabricStrategy supports exactly one optimizer per model, got {len(optimizers)}")
         if self.engine is not None:
             raise ValueError("ZeroFabricStrategy shards one model; fabric.setup was already called with another")
-        config = self.config
-        if config.has_auto_values:
-            from ..auto_values import hidden_size_of
-            config = config.resolve_auto(hidden_size_of(module))
-        self.engine = ZeroEngine(module, optimizers[0], config, device=self.root_device)
-        rank_zero_info(self.engine.summary())
+        self.engine = build_engine(module, optimizers[0], self.config, device=self.root_device, log=rank_zero_info)
         return module, optimizers, scheduler
 
     def module_init_context(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager:
         """``fabric.init_module(empty_init=True)`` under stage 3 builds on the meta device, and the engine
         materialises one unit at a time (see :mod:`ds_strategy.zero.sharded_init`); otherwise stage 3 builds on
         the CPU, for the engine to place unit by unit (:mod:`ds_strategy.zero.placement`)."""
-        if not self.config.partitions_parameters:
+        if not self.config.plan.partitions_parameters:
             return super().module_init_context(empty_init)
         stack = contextlib.ExitStack()
         stack.enter_context(torch.device("meta") if empty_init else torch.device("cpu"))
@@ -109,7 +129,7 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
 
     def module_to_device(self, module: nn.Module) -> None:
         """Stage 3 never moves the whole model: the engine places it one unit at a time as it flattens it."""
-        if not self.config.partitions_parameters:
+        if not self.config.plan.partitions_parameters:
             super().module_to_device(module)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -127,8 +147,14 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
             self.engine.clip_grad_norm_(self.config.gradient_clipping)
         self.engine.step()
 
-    def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: float | int,
-                            norm_type: float | int = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> torch.Tensor:
         """Clip to the global norm over every rank's shards, which equals the unsharded model's gradient norm.
 
         A non-finite norm under fp16 loss scaling is an overflow the engine's step will skip, not an error.
@@ -136,8 +162,10 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
         total = self.engine.clip_grad_norm_(float(max_norm), float(norm_type))
         overflow_expected = self.engine.loss_scaler is not None
         if error_if_nonfinite and not overflow_expected and not math.isfinite(total.item()):
-            raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}); "
-                               f"pass error_if_nonfinite=False to clip anyway")
+            raise RuntimeError(
+                f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}); "
+                f"pass error_if_nonfinite=False to clip anyway"
+            )
         return total
 
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float | int) -> None:
@@ -150,8 +178,8 @@ class ZeroFabricPrecision(Precision):
 
     def __init__(self, precision: str):
         self.precision = precision
-        self.compute_dtype = ZeroConfig(precision=precision).compute_dtype
-        self.converts = precision in ("bf16-true", "16-true")
+        plan = ZeroConfig(precision=precision).plan
+        self.compute_dtype, self.converts = plan.compute_dtype, plan.converts_module
         self.device_type = "cuda" if torch.cuda.is_available() else "cpu"  # the strategy's once it is known
 
     def convert_module(self, module: nn.Module) -> nn.Module:
@@ -160,8 +188,9 @@ class ZeroFabricPrecision(Precision):
     def convert_input(self, data: Any) -> Any:
         if not self.converts:
             return data
-        return apply_to_collection(data, torch.Tensor,
-                                   lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t)
+        return apply_to_collection(
+            data, torch.Tensor, lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t
+        )
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         return autocast_for(self.precision, self.device_type)

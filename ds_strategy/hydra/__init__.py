@@ -12,6 +12,7 @@ Limitation: Lightning re-launches a Hydra script for each extra process with the
 so ``--multirun`` sweeps with ``trainer.devices`` > 1 are not supported; sweep with one process per run, or launch
 each run separately.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -60,5 +61,4 @@ def zero_config(strategy: DictConfig | Mapping, precision: DictConfig | Mapping 
 
 register_configs()
 
-__all__ = ["DataConf", "ModelConf", "PrecisionConf", "StrategyConf", "TrainerConf", "register_configs",
-           "zero_config"]
+__all__ = ["DataConf", "ModelConf", "PrecisionConf", "StrategyConf", "TrainerConf", "register_configs", "zero_config"]

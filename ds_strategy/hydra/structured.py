@@ -7,6 +7,7 @@ the rest (``int | "auto"`` sizes, ``unit_modules``) are ``Any``, and every value
 when ``zero_config`` builds one, before any process starts. The structured configs are closed, so an unknown key
 (``strategy.stag=1``) fails in Hydra.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,8 +19,15 @@ from ..config import ZeroConfig
 from ..models import GPTConfig
 
 # ZeroConfig fields the ``precision`` group sets; the ``strategy`` group holds every other field.
-PRECISION_FIELDS = ("precision", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
-                    "min_loss_scale", "max_consecutive_min_scale_skips")
+PRECISION_FIELDS = (
+    "precision",
+    "loss_scale",
+    "initial_scale_power",
+    "loss_scale_window",
+    "hysteresis",
+    "min_loss_scale",
+    "max_consecutive_min_scale_skips",
+)
 
 _PRIMITIVES = (int, float, bool, str)
 
@@ -32,7 +40,7 @@ def _omegaconf_type(hint: Any) -> Any:
     if isinstance(hint, types.UnionType) and len(args) == 2 and type(None) in args:
         (inner,) = [a for a in args if a is not type(None)]
         if inner in _PRIMITIVES:
-            return Optional[inner]
+            return Optional[inner]  # noqa: UP045 (a runtime value OmegaConf reads, not an annotation)
     return Any
 
 
@@ -48,8 +56,9 @@ def derived_dataclass(name: str, source: type, names: typing.Iterable[str]) -> t
     """A dataclass with ``source``'s fields ``names``: same defaults, types narrowed to what OmegaConf checks."""
     hints = typing.get_type_hints(source)
     wanted = set(names)
-    fields = [(f.name, _omegaconf_type(hints[f.name]), _default(f))
-              for f in dataclasses.fields(source) if f.name in wanted]
+    fields = [
+        (f.name, _omegaconf_type(hints[f.name]), _default(f)) for f in dataclasses.fields(source) if f.name in wanted
+    ]
     derived = dataclasses.make_dataclass(name, fields)
     derived.__module__ = __name__
     derived.__doc__ = f"{source.__name__}'s fields {', '.join(n for n, _, _ in fields)}, for Hydra."
@@ -80,6 +89,6 @@ class TrainerConf:
     num_nodes: int = 1
     max_steps: int = 150
     accumulate_grad_batches: int = 1
-    gradient_clip_val: Optional[float] = 1.0
+    gradient_clip_val: float | None = 1.0
     log_every_n_steps: int = 10
     enable_checkpointing: bool = False

@@ -1,5 +1,6 @@
 """The Lightning adapter: ``ZeroStrategy`` and its precision plugin, registered under the ``zero*`` names
 (with ``pytorch_lightning``'s Trainer too, when that package is installed)."""
+
 import importlib.util
 
 from lightning.pytorch.strategies import StrategyRegistry

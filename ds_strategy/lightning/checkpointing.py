@@ -10,6 +10,7 @@ Loading waits until after ``setup`` (the engine must exist to know this rank's s
 optimizer inside ``load_checkpoint``, so Lightning's own model/optimizer restore steps have nothing left to do.
 No Lightning import here: the mixin serves both ``lightning.pytorch`` and ``pytorch_lightning``.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -37,22 +38,29 @@ class ZeroCheckpointing:
 
     def save_checkpoint(self, checkpoint_dict: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         if storage_options is not None:
-            raise TypeError("ZeroStrategy.save_checkpoint(..., storage_options=...) is not supported: ZeroStrategy "
-                            "writes sharded checkpoint directories itself, not through a CheckpointIO plugin")
+            raise TypeError(
+                "ZeroStrategy.save_checkpoint(..., storage_options=...) is not supported: ZeroStrategy "
+                "writes sharded checkpoint directories itself, not through a CheckpointIO plugin"
+            )
         path = self.broadcast(str(filepath))
         model = checkpoint_dict.pop("state_dict")
         optimizers = checkpoint_dict.pop("optimizer_states", None)
         optimizer = optimizers[0] if optimizers else None
-        checkpoint.write(path, model, optimizer,
-                         checkpoint.manifest_for(self.lightning_module, self.engine, optimizer is not None),
-                         extra=checkpoint_dict)
+        checkpoint.write(
+            path,
+            model,
+            optimizer,
+            checkpoint.manifest_for(self.lightning_module, self.engine, optimizer is not None),
+            extra=checkpoint_dict,
+        )
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         """Restore module and (when fitting) optimizer now; return the rest for Lightning to restore."""
         path = self.broadcast(str(checkpoint_path))
         module = self.lightning_module
-        return checkpoint.load(path, module, self.engine, load_optimizer=module.trainer.state.fn == "fit",
-                               strict=module.strict_loading)
+        return checkpoint.load(
+            path, module, self.engine, load_optimizer=module.trainer.state.fn == "fit", strict=module.strict_loading
+        )
 
     def load_model_state_dict(self, checkpoint_dict: Any, strict: bool = True) -> None:
         """Done in :meth:`load_checkpoint`."""

@@ -6,7 +6,7 @@ gradients; see :class:`~ds_strategy.zero.engine.ZeroEngine`); this plugin adds w
 the autocast region of every step, the loss scale applied before backward, the unscale/check/clip/step sequence,
 logging of the scaler, and the scaler's state in Lightning checkpoints.
 
-Note: skipped fp16 steps and the LR scheduler.
+Note: [Skipped fp16 steps and the LR scheduler]
   When the loss scaler finds an inf/nan on any rank, every rank skips the optimizer step (the engine's ``step``
   returns False). Lightning still counts the step in ``trainer.global_step``, exactly as with its own AMP
   plugin, whose ``GradScaler.step`` skips ``optimizer.step()`` silently. Lightning's AMP plugin has no way to
@@ -17,11 +17,13 @@ Note: skipped fp16 steps and the LR scheduler.
   ``lr_scheduler_step`` override otherwise run unchanged. The wrapper is an instance attribute, removed again
   at teardown, and never part of any state dict.
 """
+
 from __future__ import annotations
 
 import contextlib
 import importlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -52,7 +54,8 @@ class ZeroPrecisionMixin:
     """
 
     def __init__(self, precision: str = "32-true", device: str | None = None):
-        self.precision = ZeroConfig(precision=precision).precision
+        self.plan = ZeroConfig(precision=precision).plan
+        self.precision = self.plan.precision
         self.device = device
         self.engine: ZeroEngine | None = None
         self.last_step_skipped = False
@@ -62,7 +65,7 @@ class ZeroPrecisionMixin:
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        return ZeroConfig(precision=self.precision).compute_dtype
+        return self.plan.compute_dtype
 
     def attach_engine(self, engine: ZeroEngine, module: Any) -> None:
         """Use ``engine`` for the steps of LightningModule ``module``; apply scaler state loaded before it existed."""
@@ -76,12 +79,12 @@ class ZeroPrecisionMixin:
     # -- module, inputs and the autocast region ---------------------------------------------------------------
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """Under "-true" the whole module becomes 16-bit; under "-mixed" the engine makes its flat buffers 16-bit."""
-        if self.precision in ("bf16-true", "16-true"):
+        if self.plan.converts_module:
             return module.to(dtype=self.compute_dtype)
         return module
 
     def convert_input(self, data: Any) -> Any:
-        if self.precision not in ("bf16-true", "16-true"):
+        if not self.plan.converts_module:
             return data
         return apply_to_collection(data, Tensor, lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t)
 
@@ -104,8 +107,7 @@ class ZeroPrecisionMixin:
         if scaler is not None and self._module is not None:
             module = self._module
             module.log("loss_scale", scaler.scale, on_step=True, on_epoch=False, rank_zero_only=True)
-            module.log("skipped_steps", float(scaler.skipped_steps), on_step=True, on_epoch=False,
-                       rank_zero_only=True)
+            module.log("skipped_steps", float(scaler.skipped_steps), on_step=True, on_epoch=False, rank_zero_only=True)
 
     # -- backward and step ------------------------------------------------------------------------------------
     def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:
@@ -134,7 +136,7 @@ class ZeroPrecisionMixin:
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: float) -> None:
         self.engine.clip_grad_value_(float(clip_val))
 
-    # -- skipped steps and the LR scheduler (see the module's Note) -------------------------------------------
+    # -- skipped steps and the LR scheduler (see Note: [Skipped fp16 steps and the LR scheduler]) ---------------
     def _gate_lr_scheduler_step(self, module: Any) -> None:
         if self._gated_module is module:
             return
@@ -183,8 +185,9 @@ def zero_precision_for(package: str, module: str) -> type:
     """
     if package not in _PRECISION_CLASSES:
         base = importlib.import_module(f"{package}.plugins.precision").Precision
-        _PRECISION_CLASSES[package] = type("ZeroPrecision", (ZeroPrecisionMixin, base),
-                                           {"__doc__": ZeroPrecisionMixin.__doc__, "__module__": module})
+        _PRECISION_CLASSES[package] = type(
+            "ZeroPrecision", (ZeroPrecisionMixin, base), {"__doc__": ZeroPrecisionMixin.__doc__, "__module__": module}
+        )
     return _PRECISION_CLASSES[package]
 
 

@@ -5,6 +5,7 @@ distinct from ``lightning.pytorch``'s; these are the same hooks on that package'
 registers the ``zero*`` names with ``pytorch_lightning``'s registry (``import ds_strategy`` does so when the
 package is installed).
 """
+
 from pytorch_lightning.strategies import StrategyRegistry
 
 from .strategy import zero_strategy_for

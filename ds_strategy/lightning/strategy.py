@@ -1,4 +1,5 @@
 """ZeroStrategy: Lightning's hooks translated into ZeroEngine calls; no sharding logic lives here."""
+
 from __future__ import annotations
 
 import contextlib
@@ -12,19 +13,22 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from ..comm.accounting import StepCommMeter
+from ..comm.rank_failure import report_failure
 from ..config import ZeroConfig
-from ..engine_owner import EngineOwnerMixin
 from ..deepspeed.optimizer_section import OptimizerSections
 from ..deepspeed_config import read_deepspeed_config
+from ..engine_owner import EngineOwnerMixin, build_engine
 from ..micro_batch import check_micro_batch
 from ..precision_flag import reconcile_precision
 from ..zero.engine import ZeroEngine
 from .checkpointing import ZeroCheckpointing
 from .config_optimizer import apply_optimizer_sections
 from .precision import ZeroPrecision, zero_precision_for
+from .preemption import add_preemption_checkpoint
 
 if TYPE_CHECKING:
     from lightning.pytorch.plugins.precision import Precision
+
 
 class ZeroStrategyMixin(EngineOwnerMixin):
     """ZeRO data parallelism for the Lightning Trainer: ``Trainer(strategy="zero2")`` or ``ZeroStrategy(stage=1)``.
@@ -41,22 +45,37 @@ class ZeroStrategyMixin(EngineOwnerMixin):
     strategy_name = "zero"
     precision_class: type  # this package's ZeroPrecision, set by zero_strategy_for
 
-    def __init__(self, config: ZeroConfig | Mapping | None = None, *, accelerator=None, parallel_devices=None,
-                 cluster_environment=None, checkpoint_io=None, precision_plugin: Precision | None = None,
-                 process_group_backend: str | None = None, start_method: str = "popen",
-                 deepspeed_sections: OptimizerSections | None = None, **config_fields: Any):
+    def __init__(
+        self,
+        config: ZeroConfig | Mapping | None = None,
+        *,
+        accelerator=None,
+        parallel_devices=None,
+        cluster_environment=None,
+        checkpoint_io=None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        start_method: str = "popen",
+        deepspeed_sections: OptimizerSections | None = None,
+        **config_fields: Any,
+    ):
         self.config = ZeroConfig.build(config, **config_fields)
         self.optimizer_sections = deepspeed_sections or OptimizerSections()
         self._micro_batch_checked = False
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
-                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
-                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
-                         start_method=start_method)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            start_method=start_method,
+        )
         self.engine: ZeroEngine | None = None
         self._comm_meter: StepCommMeter | None = None
 
     @classmethod
-    def from_deepspeed_config(cls, ds_config: Mapping | str | os.PathLike, **kwargs: Any) -> "ZeroStrategy":
+    def from_deepspeed_config(cls, ds_config: Mapping | str | os.PathLike, **kwargs: Any) -> ZeroStrategy:
         """Build from a DeepSpeed JSON config (a dict or a path), with DeepSpeed's meaning and its optimizer and
         scheduler sections (used when ``configure_optimizers`` returns None); unsupported keys raise a ValueError."""
         ds = read_deepspeed_config(ds_config)
@@ -87,42 +106,44 @@ class ZeroStrategyMixin(EngineOwnerMixin):
     def setup(self, trainer) -> None:
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
-        if not self.config.partitions_parameters:  # stage 3: the engine places one unit at a time (zero.placement)
+        if not self.config.plan.partitions_parameters:  # stage 3: the engine places one unit at a time (zero.placement)
             self.model_to_device()
         optimizer = None
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            add_preemption_checkpoint(trainer)  # [Why ZeroStrategy replaces Lightning's SIGTERM handling]
             apply_optimizer_sections(self, self.optimizer_sections)
             if len(self.optimizers) != 1:
-                raise ValueError(f"ZeroStrategy supports exactly one optimizer, configure_optimizers returned "
-                                 f"{len(self.optimizers)}")
+                raise ValueError(
+                    f"ZeroStrategy supports exactly one optimizer, configure_optimizers returned {len(self.optimizers)}"
+                )
             optimizer = self.optimizers[0]
-        config = self._resolved_config()
+        config = self.config.resolve_batch_sizes(self.world_size)
         self._check_trainer_matches(trainer, config)
-        self.engine = ZeroEngine(self.lightning_module, optimizer, config, device=self.root_device)
+        self.engine = build_engine(
+            self.lightning_module, optimizer, config, device=self.root_device, log=rank_zero_info
+        )
         self._comm_meter = StepCommMeter(self.engine.comm_stats) if config.log_comm_stats else None
         self.precision_plugin.attach_engine(self.engine, self.lightning_module)
-        rank_zero_info(self.engine.summary())
         self.setup_precision_plugin()
-
-    def _resolved_config(self) -> ZeroConfig:
-        config = self.config.resolve_batch_sizes(self.world_size)
-        if not config.has_auto_values:
-            return config
-        from ..auto_values import hidden_size_of
-        return config.resolve_auto(hidden_size_of(self.lightning_module))
 
     def _check_trainer_matches(self, trainer, config: ZeroConfig) -> None:
         """A DeepSpeed config's accumulation and clipping must agree with the Trainer, which owns both loops."""
-        if config.gradient_accumulation_steps != 1 and trainer.accumulate_grad_batches != config.gradient_accumulation_steps:
+        if (
+            config.gradient_accumulation_steps != 1
+            and trainer.accumulate_grad_batches != config.gradient_accumulation_steps
+        ):
             raise ValueError(
                 f"ZeroConfig.gradient_accumulation_steps={config.gradient_accumulation_steps} but the Trainer has "
                 f"accumulate_grad_batches={trainer.accumulate_grad_batches}; the Trainer runs accumulation, so pass "
-                f"Trainer(accumulate_grad_batches={config.gradient_accumulation_steps})")
+                f"Trainer(accumulate_grad_batches={config.gradient_accumulation_steps})"
+            )
         if config.gradient_clipping and trainer.gradient_clip_val not in (None, config.gradient_clipping):
-            raise ValueError(f"ZeroConfig.gradient_clipping={config.gradient_clipping} (a DeepSpeed config clips at "
-                             f"1.0 unless it says otherwise) but Trainer(gradient_clip_val={trainer.gradient_clip_val})"
-                             f"; set clipping in one place (gradient_clipping: \"auto\" defers to the Trainer)")
+            raise ValueError(
+                f"ZeroConfig.gradient_clipping={config.gradient_clipping} (a DeepSpeed config clips at "
+                f"1.0 unless it says otherwise) but Trainer(gradient_clip_val={trainer.gradient_clip_val})"
+                f'; set clipping in one place (gradient_clipping: "auto" defers to the Trainer)'
+            )
         if config.gradient_clipping:
             trainer.gradient_clip_val = config.gradient_clipping
 
@@ -139,7 +160,7 @@ class ZeroStrategyMixin(EngineOwnerMixin):
     @contextlib.contextmanager
     def model_sharded_context(self):
         """Under stage 3, ``configure_model`` builds on the meta device; the engine materialises shards only."""
-        if not self.config.partitions_parameters:
+        if not self.config.plan.partitions_parameters:
             yield
             return
         with torch.device("meta"):
@@ -185,20 +206,31 @@ class ZeroStrategyMixin(EngineOwnerMixin):
         self._reshard()
         super().on_predict_end()
 
+    def on_exception(self, exception: BaseException) -> None:
+        """Record this rank's failure before teardown, so the others leave their collectives naming it
+        (see [How a failed rank ends the job] in ``ds_strategy.comm.rank_failure``)."""
+        report_failure(exception)
+        super().on_exception(exception)
+
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any):
         """The step (through the precision plugin), then its communication to the logger (``log_comm_stats``)."""
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if self._comm_meter is not None:
-            self.lightning_module.log_dict(self._comm_meter.step_metrics(), on_step=True, on_epoch=False,
-                                           rank_zero_only=True)
+            self.lightning_module.log_dict(
+                self._comm_meter.step_metrics(), on_step=True, on_epoch=False, rank_zero_only=True
+            )
         return output
+
 
 def zero_strategy_for(package: str, module: str) -> type:
     """ZeroStrategy on ``package``'s DDPStrategy (``"lightning.pytorch"`` or ``"pytorch_lightning"``), with that
     package's ZeroPrecision; exposed as ``ZeroStrategy`` in ``module`` so that it pickles (spawn launchers)."""
     ddp = importlib.import_module(f"{package}.strategies").DDPStrategy
-    namespace = {"__doc__": ZeroStrategyMixin.__doc__, "__module__": module,
-                 "precision_class": zero_precision_for(package, module)}
+    namespace = {
+        "__doc__": ZeroStrategyMixin.__doc__,
+        "__module__": module,
+        "precision_class": zero_precision_for(package, module),
+    }
     return type("ZeroStrategy", (ZeroCheckpointing, ZeroStrategyMixin, ddp), namespace)
 
 

@@ -100,9 +100,7 @@ class CausalSelfAttention(nn.Module):
         batch, seq, embd = x.shape
         q, k, v = self.c_attn(x).split(embd, dim=2)
         q, k, v = (t.view(batch, seq, self.n_head, embd // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(batch, seq, embd)
         return self.resid_dropout(self.c_proj(y))
 

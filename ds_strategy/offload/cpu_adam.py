@@ -19,6 +19,7 @@ The update rules keep ``torch.optim``'s state layout (``step`` as a CPU fp32 sca
 at every step, so a user's ``torch.optim.AdamW`` can be stepped by these kernels while its object, its LR
 scheduler and its ``state_dict`` keep working (see :mod:`.host_optimizer`).
 """
+
 from __future__ import annotations
 
 import abc
@@ -42,9 +43,16 @@ class TilePool:
 
     def __init__(self, threads: int | None = None):
         self.threads = max(1, threads if threads is not None else torch.get_num_threads())
-        self._executor = (ThreadPoolExecutor(self.threads, thread_name_prefix="ds_strategy_host_step",
-                                             initializer=torch.set_num_threads, initargs=(1,))
-                          if self.threads > 1 else None)
+        self._executor = (
+            ThreadPoolExecutor(
+                self.threads,
+                thread_name_prefix="ds_strategy_host_step",
+                initializer=torch.set_num_threads,
+                initargs=(1,),
+            )
+            if self.threads > 1
+            else None
+        )
         if self._executor is not None:
             weakref.finalize(self, self._executor.shutdown, wait=False)
 
@@ -90,8 +98,15 @@ class UpdateRule(abc.ABC):
         """See the class docstring."""
 
     @abc.abstractmethod
-    def update(self, hyper: dict[str, Any], param: torch.Tensor, grad: torch.Tensor, states: list[torch.Tensor],
-               step: torch.Tensor | None, first: bool) -> None:
+    def update(
+        self,
+        hyper: dict[str, Any],
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        states: list[torch.Tensor],
+        step: torch.Tensor | None,
+        first: bool,
+    ) -> None:
         """Update ``param`` and ``states`` in place for one tile."""
 
 
@@ -106,15 +121,34 @@ class AdamRule(UpdateRule):
     def hyper(self, group, optimizer):
         beta1, beta2 = (float(b) for b in group["betas"])
         decoupled = group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
-        return {"kernel": torch._fused_adamw_ if decoupled else torch._fused_adam_, "lr": float(group["lr"]),
-                "beta1": beta1, "beta2": beta2, "weight_decay": float(group["weight_decay"]),
-                "eps": float(group["eps"]), "amsgrad": bool(group["amsgrad"]), "maximize": bool(group["maximize"])}
+        return {
+            "kernel": torch._fused_adamw_ if decoupled else torch._fused_adam_,
+            "lr": float(group["lr"]),
+            "beta1": beta1,
+            "beta2": beta2,
+            "weight_decay": float(group["weight_decay"]),
+            "eps": float(group["eps"]),
+            "amsgrad": bool(group["amsgrad"]),
+            "maximize": bool(group["maximize"]),
+        }
 
     def update(self, hyper, param, grad, states, step, first):
         kernel = hyper["kernel"]
-        kernel([param], [grad], [states[0]], [states[1]], states[2:3], [step], lr=hyper["lr"], beta1=hyper["beta1"],
-               beta2=hyper["beta2"], weight_decay=hyper["weight_decay"], eps=hyper["eps"],
-               amsgrad=hyper["amsgrad"], maximize=hyper["maximize"])
+        kernel(
+            [param],
+            [grad],
+            [states[0]],
+            [states[1]],
+            states[2:3],
+            [step],
+            lr=hyper["lr"],
+            beta1=hyper["beta1"],
+            beta2=hyper["beta2"],
+            weight_decay=hyper["weight_decay"],
+            eps=hyper["eps"],
+            amsgrad=hyper["amsgrad"],
+            maximize=hyper["maximize"],
+        )
 
 
 class AdagradRule(UpdateRule):
@@ -129,9 +163,13 @@ class AdagradRule(UpdateRule):
         return float(optimizer.defaults["initial_accumulator_value"])
 
     def hyper(self, group, optimizer):
-        return {"lr": float(group["lr"]), "lr_decay": float(group["lr_decay"]),
-                "weight_decay": float(group["weight_decay"]), "eps": float(group["eps"]),
-                "maximize": bool(group["maximize"])}
+        return {
+            "lr": float(group["lr"]),
+            "lr_decay": float(group["lr_decay"]),
+            "weight_decay": float(group["weight_decay"]),
+            "eps": float(group["eps"]),
+            "maximize": bool(group["maximize"]),
+        }
 
     def update(self, hyper, param, grad, states, step, first):
         torch._fused_adagrad_([param], [grad], [states[0]], [step], **hyper)
@@ -153,9 +191,14 @@ class SgdRule(UpdateRule):
         return group["momentum"] != 0 and state.get("momentum_buffer") is None
 
     def hyper(self, group, optimizer):
-        return {"weight_decay": float(group["weight_decay"]), "momentum": float(group["momentum"]),
-                "lr": float(group["lr"]), "dampening": float(group["dampening"]),
-                "nesterov": bool(group["nesterov"]), "maximize": bool(group["maximize"])}
+        return {
+            "weight_decay": float(group["weight_decay"]),
+            "momentum": float(group["momentum"]),
+            "lr": float(group["lr"]),
+            "dampening": float(group["dampening"]),
+            "nesterov": bool(group["nesterov"]),
+            "maximize": bool(group["maximize"]),
+        }
 
     def update(self, hyper, param, grad, states, step, first):
         torch._fused_sgd_([param], [grad], states, **hyper, is_first_step=first)
@@ -167,15 +210,24 @@ def rule_for(optimizer: torch.optim.Optimizer) -> UpdateRule | None:
         return optimizer.rule
     if any(group.get("differentiable") for group in optimizer.param_groups):
         return None
-    rules = {torch.optim.Adam: AdamRule, torch.optim.AdamW: AdamRule, torch.optim.Adagrad: AdagradRule,
-             torch.optim.SGD: SgdRule}
+    rules = {
+        torch.optim.Adam: AdamRule,
+        torch.optim.AdamW: AdamRule,
+        torch.optim.Adagrad: AdagradRule,
+        torch.optim.SGD: SgdRule,
+    }
     rule = rules.get(type(optimizer))
     return rule() if rule is not None else None
 
 
 # -- the pass ------------------------------------------------------------------------------------------------------
-def prepare_state(rule: UpdateRule, optimizer: torch.optim.Optimizer, group: Mapping[str, Any], state: dict,
-                  allocate: Callable[[str, float | None], torch.Tensor]) -> bool:
+def prepare_state(
+    rule: UpdateRule,
+    optimizer: torch.optim.Optimizer,
+    group: Mapping[str, Any],
+    state: dict,
+    allocate: Callable[[str, float | None], torch.Tensor],
+) -> bool:
     """Create a missing state as torch does on a parameter's first step (``allocate(key, initial)`` makes each
     tensor) and advance ``state["step"]``: once per parameter and step, before any of its tiles. Returns whether
     this is the first step (the rule's kernels may treat it specially)."""
@@ -190,9 +242,17 @@ def prepare_state(rule: UpdateRule, optimizer: torch.optim.Optimizer, group: Map
     return first
 
 
-def tiled_update(pool: TilePool, rule: UpdateRule, hyper: dict[str, Any], param: torch.Tensor, grad: torch.Tensor,
-                 states: list[torch.Tensor], step: torch.Tensor | None, first: bool,
-                 out: torch.Tensor | None = None) -> None:
+def tiled_update(
+    pool: TilePool,
+    rule: UpdateRule,
+    hyper: dict[str, Any],
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    states: list[torch.Tensor],
+    step: torch.Tensor | None,
+    first: bool,
+    out: torch.Tensor | None = None,
+) -> None:
     """Update 1-D ``param`` and ``states`` in place from ``grad``; with ``out`` (any dtype), tile by tile, each
     updated tile copied into ``out`` in the same pass (see [One pass over the shard])."""
     if out is None:  # torch's kernel over the whole shard is the fastest there is
@@ -238,12 +298,25 @@ class TiledOptimizer(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 state = self.state[p]
-                first = prepare_state(self.rule, self, group, state,
-                                      lambda key, fill, p=p: torch.full_like(p, 0.0 if fill is None else fill))
+                first = prepare_state(
+                    self.rule,
+                    self,
+                    group,
+                    state,
+                    lambda key, fill, p=p: torch.full_like(p, 0.0 if fill is None else fill),
+                )
                 out = copies.get(p)
-                tiled_update(self.pool, self.rule, hyper, p.view(-1), p.grad.view(-1),
-                             [state[key].view(-1) for key in self.rule.keys(group)], state.get("step"), first,
-                             None if out is None else out.view(-1))
+                tiled_update(
+                    self.pool,
+                    self.rule,
+                    hyper,
+                    p.view(-1),
+                    p.grad.view(-1),
+                    [state[key].view(-1) for key in self.rule.keys(group)],
+                    state.get("step"),
+                    first,
+                    None if out is None else out.view(-1),
+                )
         return loss
 
 
@@ -253,13 +326,34 @@ class CpuAdam(TiledOptimizer):
 
     rule = AdamRule()
 
-    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, adamw_mode: bool = True,
-                 maximize: bool = False, threads: int | None = None):
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        adamw_mode: bool = True,
+        maximize: bool = False,
+        threads: int | None = None,
+    ):
         if not (lr >= 0 and eps >= 0 and weight_decay >= 0 and all(0 <= b < 1 for b in betas)):
             raise ValueError(f"CpuAdam: invalid lr={lr}, betas={betas}, eps={eps} or weight_decay={weight_decay}")
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                                      maximize=maximize, decoupled_weight_decay=adamw_mode), threads)
+        super().__init__(
+            params,
+            dict(
+                lr=lr,
+                betas=tuple(betas),
+                eps=eps,
+                weight_decay=weight_decay,
+                amsgrad=amsgrad,
+                maximize=maximize,
+                decoupled_weight_decay=adamw_mode,
+            ),
+            threads,
+        )
 
 
 class CpuAdagrad(TiledOptimizer):
@@ -267,11 +361,30 @@ class CpuAdagrad(TiledOptimizer):
 
     rule = AdagradRule()
 
-    def __init__(self, params: Iterable, lr: float = 1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0,
-                 initial_accumulator_value: float = 0.0, eps: float = 1e-10, *, maximize: bool = False,
-                 threads: int | None = None):
-        super().__init__(params, dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay, eps=eps, maximize=maximize,
-                                      initial_accumulator_value=initial_accumulator_value), threads)
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-2,
+        lr_decay: float = 0.0,
+        weight_decay: float = 0.0,
+        initial_accumulator_value: float = 0.0,
+        eps: float = 1e-10,
+        *,
+        maximize: bool = False,
+        threads: int | None = None,
+    ):
+        super().__init__(
+            params,
+            dict(
+                lr=lr,
+                lr_decay=lr_decay,
+                weight_decay=weight_decay,
+                eps=eps,
+                maximize=maximize,
+                initial_accumulator_value=initial_accumulator_value,
+            ),
+            threads,
+        )
 
 
 class CpuSGD(TiledOptimizer):
@@ -279,8 +392,27 @@ class CpuSGD(TiledOptimizer):
 
     rule = SgdRule()
 
-    def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
-                 weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
-                 threads: int | None = None):
-        super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                                      nesterov=nesterov, maximize=maximize), threads)
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        maximize: bool = False,
+        threads: int | None = None,
+    ):
+        super().__init__(
+            params,
+            dict(
+                lr=lr,
+                momentum=momentum,
+                dampening=dampening,
+                weight_decay=weight_decay,
+                nesterov=nesterov,
+                maximize=maximize,
+            ),
+            threads,
+        )

@@ -1,9 +1,9 @@
 """ZeRO-Offload's optimizer side: masters, gradient copies and optimizer state on the host (or NVMe), and the step.
 
 Note: [The user's optimizer stays the optimizer]
-The engine has retargeted the user's optimizer onto the flat ``FlatParam.master`` tensors; offload moves those
-masters to the host (or makes them memory maps of NVMe files) and retargets again, so Lightning, LR schedulers and
-checkpoints keep holding and reading that same object: its ``param_groups`` (learning rate included) are read at
+Offload moves the flat ``FlatParam.master`` tensors to the host (or makes them memory maps of NVMe files) before
+the engine points the user's optimizer at them (once, in place), so Lightning, LR schedulers and checkpoints keep
+holding and reading that same object: its ``param_groups`` (learning rate included) are read at
 every step and its ``state`` holds torch's own state layout. For Adam, AdamW, Adagrad and SGD the offloaded
 masters are stepped by :mod:`.cpu_adam`'s kernels; their ``.grad`` stays None, so the ``optimizer.step()`` that
 follows (for masters kept on the device, and for the optimizer's hooks and its LR scheduler's bookkeeping) skips
@@ -11,7 +11,7 @@ them. Any other optimizer is stepped by its own ``step`` on the host tensors.
 
 Note: [Gradients to the host]
 On a CUDA device each reduced gradient shard is copied to a host buffer on a side stream as soon as its last
-reduction of the accumulation boundary finishes (``GradReducer.on_reduced``), overlapping the rest of backward.
+reduction of the accumulation boundary finishes (the step runner's ``on_reduced``), overlapping the rest of backward.
 The copy is used only if the device shard is unchanged when the step runs (its ``_version``): loss-scale unscaling
 or clipping, which run on the device shards, change it, and the shard is then copied again at the step. On a CPU
 device the reduced shard is already in host memory and the host step reads it in place (zero-copy).
@@ -21,26 +21,26 @@ the kernel writes back and may evict, and ``trim`` after each step unmaps them, 
 anonymous memory and resident memory does not grow with the model (see
 :mod:`.nvme_swapper`, [Files, page cache and the tensors others see]).
 """
+
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from ..zero.optimizer_retarget import retarget_optimizer
 from .cpu_adam import TilePool, UpdateRule, prepare_state, rule_for, tiled_update
 from .nvme_swapper import NvmeSwapper, RunDirectory, SubGroup, SwapFile
 from .param_offload import ParamOffload, ParamSink, host_copy
 
 if TYPE_CHECKING:
-    from ..zero.engine import ZeroEngine
     from ..zero.flat_param import FlatParam
+    from ..zero.step_runner import StepContext
 
 log = logging.getLogger(__name__)
 
 
-def offloaded_flat_params(flat_params: list["FlatParam"], ratio: float) -> list["FlatParam"]:
+def offloaded_flat_params(flat_params: list[FlatParam], ratio: float) -> list[FlatParam]:
     """The flat parameters, in engine order, whose optimizer work adds up to ``ratio`` of the total (by elements,
     whole buffers, rounded to the nearest buffer): DeepSpeed's partial offload at the granularity we shard at."""
     total = sum(fp.master.numel() for fp in flat_params)
@@ -52,56 +52,71 @@ def offloaded_flat_params(flat_params: list["FlatParam"], ratio: float) -> list[
     return chosen
 
 
-def _state_keys(rule: UpdateRule, optimizer: torch.optim.Optimizer, fp: "FlatParam") -> tuple[str, ...]:
+def _state_keys(rule: UpdateRule, optimizer: torch.optim.Optimizer, fp: FlatParam) -> tuple[str, ...]:
     return rule.keys(optimizer.param_groups[fp.group_index])
 
 
-def _grad_file_numel(fp: "FlatParam", engine: "ZeroEngine") -> int:
+def _grad_file_numel(fp: FlatParam, device: torch.device) -> int:
     """Elements of ``fp``'s NVMe gradient file (see [Gradients to the host]): its shard, when the gradients
     are partitioned on a CPU device or copied off a device; 0 when a CPU run keeps them whole (stage 0/1)."""
-    return fp.master.numel() if fp.policy.grads or engine.device.type != "cpu" else 0
+    return fp.master.numel() if fp.policy.grads or device.type != "cpu" else 0
 
 
-def _grad_file_dtype(fp: "FlatParam", engine: "ZeroEngine") -> torch.dtype:
-    return fp.master_dtype if engine.device.type != "cpu" else fp.grad_shard_dtype
+def _grad_file_dtype(fp: FlatParam, device: torch.device) -> torch.dtype:
+    return fp.master_dtype if device.type != "cpu" else fp.grad_shard_dtype
+
+
+class _EarlyCopy(NamedTuple):
+    """A reduced gradient's copy to the host in flight on the side stream (see [Gradients to the host]): usable
+    at the step only if ``source`` is still the step's gradient and unchanged since (its ``_version``)."""
+
+    done: torch.cuda.Event
+    source: torch.Tensor
+    version: int
 
 
 class HostOptimizer:
-    """Steps the offloaded share of the user's optimizer on the host (see the module's Notes)."""
+    """Steps the offloaded share of the user's optimizer on the host.
 
-    def __init__(self, engine: "ZeroEngine", directory: RunDirectory | None, params: ParamOffload | None,
-                 pin: bool):
-        cfg = engine.config
-        self.engine, self.optimizer, self.pin = engine, engine.optimizer, pin
+    See Note: [The user's optimizer stays the optimizer].
+    """
+
+    def __init__(self, context: StepContext, directory: RunDirectory | None, params: ParamOffload | None, pin: bool):
+        cfg = self.config = context.config
+        self.optimizer, self.pin, self.device = context.optimizer, pin, context.device
         self.rule = rule_for(self.optimizer)
-        self.flat_params = offloaded_flat_params(engine.flat_params, cfg.offload_ratio)
-        self.ids = {id(fp) for fp in self.flat_params}
-        self.copies_grads = engine.device.type != "cpu"
+        self.flat_params = offloaded_flat_params(context.flat_params, cfg.offload_ratio)
+        self.indices = {fp.index for fp in self.flat_params}
+        self.copies_grads = context.device.type != "cpu"
         self.pool = TilePool()
-        self.files: dict[int, dict[str, SwapFile]] = {}
+        self.files: dict[int, dict[str, SwapFile]] = {}  # fp.index -> master and state files
         self.grad_files: dict[int, SwapFile] = {}
         self.swapper: NvmeSwapper | None = None
         if cfg.offload_optimizer == "nvme":
             if self.rule is None:
-                raise ValueError(f"offload_optimizer='nvme' streams optimizer state through ds_strategy's host "
-                                 f"kernels, which exist for Adam, AdamW, Adagrad and SGD, not for "
-                                 f"{type(self.optimizer).__name__}; use offload_optimizer='cpu' for it")
+                raise ValueError(
+                    f"offload_optimizer='nvme' streams optimizer state through ds_strategy's host "
+                    f"kernels, which exist for Adam, AdamW, Adagrad and SGD, not for "
+                    f"{type(self.optimizer).__name__}; use offload_optimizer='cpu' for it"
+                )
             self._move_masters_to_files(directory)
         else:
             for fp in self.flat_params:
-                fp.master = host_copy(fp.master, pin)
-        retarget_optimizer(self.optimizer, engine.flat_params)
-        self.sinks = {id(fp): ParamSink(fp, fp.master, params.file_of(fp) if params else None)
-                      for fp in self.flat_params}
+                fp.relocate_master(host_copy(fp.master, pin))
+        self.sinks = {
+            fp.index: ParamSink(fp, fp.master, params.file_of(fp) if params else None) for fp in self.flat_params
+        }
         if self.files:
             self.swapper = self._make_swapper(cfg)
         self._host_grads: dict[int, torch.Tensor] = {}
-        self._early_copies: dict[int, tuple] = {}
+        self._early_copies: dict[int, _EarlyCopy] = {}
         self._staging: torch.Tensor | None = None
-        self._stream = torch.cuda.Stream(engine.device) if self.copies_grads else None
-        if self.rule is None and engine.rank == 0:
-            log.warning("offload_optimizer: no host kernel for %s; its own step() runs on the host tensors",
-                        type(self.optimizer).__name__)
+        self._stream = torch.cuda.Stream(context.device) if self.copies_grads else None
+        if self.rule is None and context.rank == 0:
+            log.warning(
+                "offload_optimizer: no host kernel for %s; its own step() runs on the host tensors",
+                type(self.optimizer).__name__,
+            )
 
     @property
     def kernel_name(self) -> str:
@@ -109,14 +124,16 @@ class HostOptimizer:
 
     # -- NVMe ---------------------------------------------------------------------------------------------------
     @staticmethod
-    def nvme_bytes(engine: "ZeroEngine") -> int:
+    def nvme_bytes(context: StepContext) -> int:
         """Bytes of the master and state files this rank's NVMe optimizer offload will create."""
-        rule = rule_for(engine.optimizer)
+        rule, optimizer, device = rule_for(context.optimizer), context.optimizer, context.device
         if rule is None:
             return 0
-        return sum(fp.master.numel() * fp.master.element_size() * (1 + len(_state_keys(rule, engine.optimizer, fp)))
-                   + _grad_file_numel(fp, engine) * torch.empty((), dtype=_grad_file_dtype(fp, engine)).element_size()
-                   for fp in offloaded_flat_params(engine.flat_params, engine.config.offload_ratio))
+        return sum(
+            fp.master.numel() * fp.master.element_size() * (1 + len(_state_keys(rule, optimizer, fp)))
+            + _grad_file_numel(fp, device) * torch.empty((), dtype=_grad_file_dtype(fp, device)).element_size()
+            for fp in offloaded_flat_params(context.flat_params, context.config.offload_ratio)
+        )
 
     def _move_masters_to_files(self, directory: RunDirectory) -> None:
         for index, fp in enumerate(self.flat_params):
@@ -125,61 +142,82 @@ class HostOptimizer:
             for key in _state_keys(self.rule, self.optimizer, fp):
                 files[key] = directory.new_file(f"flat{index}.{key}", numel, dtype)
             files["master"].write_converted(fp.master)
-            fp.master = files["master"].view
-            self.files[id(fp)] = files
-            if _grad_file_numel(fp, self.engine):
-                self.grad_files[id(fp)] = directory.new_file(f"flat{index}.grad", numel,
-                                                             _grad_file_dtype(fp, self.engine))
+            fp.relocate_master(files["master"].view)
+            self.files[fp.index] = files
+            if _grad_file_numel(fp, self.device):
+                grad_file = self.grad_files[fp.index] = directory.new_file(
+                    f"flat{index}.grad", numel, _grad_file_dtype(fp, self.device)
+                )
                 if not self.copies_grads:
                     if fp.grad_shard is not None:
-                        self.grad_files[id(fp)].write_converted(fp.grad_shard)
-                    fp.grad_shard = self.grad_files[id(fp)].view
+                        grad_file.write_converted(fp.grad_shard)
+                    fp.relocate_grad_shard(grad_file.view)
 
     def _make_swapper(self, cfg) -> NvmeSwapper:
         keys = tuple(dict.fromkeys(k for files in self.files.values() for k in files if k != "master"))
         master_dtypes = {fp.master.dtype for fp in self.flat_params}
         staging_dtypes = {sink.dtype for sink in self.sinks.values() if sink.needs_staging}
         if len(master_dtypes) > 1 or len(staging_dtypes) > 1:
-            raise NotImplementedError(f"NVMe offload needs one master dtype and one parameter dtype across flat "
-                                      f"buffers, got {master_dtypes} and {staging_dtypes}")
+            raise NotImplementedError(
+                f"NVMe offload needs one master dtype and one parameter dtype across flat "
+                f"buffers, got {master_dtypes} and {staging_dtypes}"
+            )
         largest = max(fp.master.numel() for fp in self.flat_params)
         numel = NvmeSwapper.sub_group_numel_for(largest, cfg.sub_group_size, cfg.buffer_size)
-        return NvmeSwapper(self.rule, keys, numel, cfg.buffer_count, master_dtypes.pop(),
-                           staging_dtypes.pop() if staging_dtypes else None, self.pool, self.pin)
+        return NvmeSwapper(
+            self.rule,
+            keys,
+            numel,
+            cfg.buffer_count,
+            master_dtypes.pop(),
+            staging_dtypes.pop() if staging_dtypes else None,
+            self.pool,
+            self.pin,
+        )
 
-    def _adopt_loaded_state(self, fp: "FlatParam", state: dict) -> None:
+    def _adopt_loaded_state(self, fp: FlatParam, state: dict) -> None:
         """``optimizer.load_state_dict`` (a checkpoint restore) replaces state tensors with in-memory ones: write
         them to the files and put the files' maps back in their place."""
-        for key, file in self.files[id(fp)].items():
+        for key, file in self.files[fp.index].items():
             value = state.get(key)
             if key != "master" and torch.is_tensor(value) and value is not file.view:
                 file.write_converted(value)
                 state[key] = file.view
 
-    def _sub_groups(self, fp: "FlatParam", group: dict, state: dict, grad: torch.Tensor) -> list[SubGroup]:
-        files = self.files[id(fp)]
+    def _sub_groups(self, fp: FlatParam, group: dict, state: dict, grad: torch.Tensor) -> list[SubGroup]:
+        files = self.files[fp.index]
         self._adopt_loaded_state(fp, state)
         first = prepare_state(self.rule, self.optimizer, group, state, lambda key, fill: files[key].view)
         keys, hyper = self.rule.keys(group), self.rule.hyper(group, self.optimizer)
         initial = {key: self.rule.initial(key, self.optimizer) for key in keys}
         size, numel = self.swapper.sub_group_numel, fp.master.numel()
-        return [SubGroup(files, keys, lo, min(numel, lo + size), grad, hyper, state.get("step"), first, initial,
-                         self.sinks[id(fp)]) for lo in range(0, numel, size)]
+        return [
+            SubGroup(
+                files,
+                keys,
+                lo,
+                min(numel, lo + size),
+                grad,
+                hyper,
+                state.get("step"),
+                first,
+                initial,
+                self.sinks[fp.index],
+            )
+            for lo in range(0, numel, size)
+        ]
 
     # -- gradients ----------------------------------------------------------------------------------------------
-    def _host_grad(self, fp: "FlatParam") -> torch.Tensor:
-        if id(fp) in self.grad_files:
-            return self.grad_files[id(fp)].view
-        if id(fp) not in self._host_grads:
-            self._host_grads[id(fp)] = torch.empty(fp.master.numel(), dtype=fp.master_dtype, pin_memory=self.pin)
-        return self._host_grads[id(fp)]
+    def _host_grad(self, fp: FlatParam) -> torch.Tensor:
+        if fp.index in self.grad_files:
+            return self.grad_files[fp.index].view
+        if fp.index not in self._host_grads:
+            self._host_grads[fp.index] = torch.empty(fp.master.numel(), dtype=fp.master_dtype, pin_memory=self.pin)
+        return self._host_grads[fp.index]
 
-    def on_reduced(self, fp: "FlatParam") -> None:
-        """Start copying ``fp``'s reduced gradient shard to the host (see [Gradients to the host])."""
-        if not self.copies_grads or id(fp) not in self.ids or not self.engine.reducer.sync:
-            return
-        source = self.engine.reducer.reduced_grad(fp)
-        if source.dtype != fp.master_dtype:
+    def on_reduced(self, fp: FlatParam, source: torch.Tensor) -> None:
+        """Start copying ``source``, ``fp``'s reduced gradient shard, to the host (see [Gradients to the host])."""
+        if not self.copies_grads or fp.index not in self.indices or source.dtype != fp.master_dtype:
             return
         self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
         with torch.cuda.stream(self._stream):
@@ -187,53 +225,62 @@ class HostOptimizer:
             done = torch.cuda.Event()
             done.record(self._stream)
         source.record_stream(self._stream)
-        self._early_copies[id(fp)] = (done, source, source._version)
+        self._early_copies[fp.index] = _EarlyCopy(done, source, source._version)
 
-    def host_grad(self, fp: "FlatParam", grad: torch.Tensor) -> torch.Tensor:
+    def host_grad(self, fp: FlatParam, grad: torch.Tensor) -> torch.Tensor:
         """The gradient the host step reads for ``fp``: ``grad`` itself unless it is offloaded from a device."""
-        if not self.copies_grads or id(fp) not in self.ids:
+        if not self.copies_grads or fp.index not in self.indices:
             return grad
-        early = self._early_copies.pop(id(fp), None)
+        early = self._early_copies.pop(fp.index, None)
         if early is not None:
-            early[0].synchronize()
+            early.done.synchronize()
         host = self._host_grad(fp)
-        if early is None or early[1] is not grad or early[2] != grad._version:
+        if early is None or early.source is not grad or early.version != grad._version:
             host.copy_(grad)
         return host
 
     # -- step ---------------------------------------------------------------------------------------------------
-    def step(self, grads: dict[int, torch.Tensor]) -> set[int]:
-        """Step the offloaded flat parameters that have a host kernel, writing their updated parameters back;
-        returns their ids (none without a kernel: then the caller's ``optimizer.step()`` does it)."""
+    def step(self, grads: list[torch.Tensor]) -> set[int]:
+        """Step the offloaded flat parameters that have a host kernel (``grads`` by ``fp.index``), writing their
+        updated parameters back; returns their indices (none without a kernel: the caller's
+        ``optimizer.step()`` does it)."""
         if self.rule is None:
             return set()
         sub_groups = []
         for fp in self.flat_params:
             group, state = self.optimizer.param_groups[fp.group_index], self.optimizer.state[fp.master]
             if self.swapper is not None:
-                sub_groups += self._sub_groups(fp, group, state, grads[id(fp)])
+                sub_groups += self._sub_groups(fp, group, state, grads[fp.index])
             else:
-                self._step_in_memory(fp, group, state, grads[id(fp)])
+                self._step_in_memory(fp, group, state, grads[fp.index])
         if sub_groups:
             self.swapper.run(sub_groups)
-        return set(self.ids)
+        return set(self.indices)
 
-    def _step_in_memory(self, fp: "FlatParam", group: dict, state: dict, grad: torch.Tensor) -> None:
+    def _step_in_memory(self, fp: FlatParam, group: dict, state: dict, grad: torch.Tensor) -> None:
         master = fp.master
 
         def allocate(key: str, fill: float | None) -> torch.Tensor:
-            return torch.full((master.numel(),), 0.0 if fill is None else fill, dtype=master.dtype,
-                              pin_memory=self.pin)
+            return torch.full((master.numel(),), 0.0 if fill is None else fill, dtype=master.dtype, pin_memory=self.pin)
 
         first = prepare_state(self.rule, self.optimizer, group, state, allocate)
-        keys, hyper, sink = self.rule.keys(group), self.rule.hyper(group, self.optimizer), self.sinks[id(fp)]
-        size = min(self.engine.config.sub_group_size, master.numel())
+        keys, hyper, sink = self.rule.keys(group), self.rule.hyper(group, self.optimizer), self.sinks[fp.index]
+        size = min(self.config.sub_group_size, master.numel())
         for lo in range(0, master.numel(), size):
             hi = min(master.numel(), lo + size)
             staging = self._staging_for(hi - lo, sink.dtype) if sink.needs_staging else None
             out = sink.target(lo, hi, staging)
-            tiled_update(self.pool, self.rule, hyper, master[lo:hi], grad[lo:hi],
-                         [state[key][lo:hi] for key in keys], state.get("step"), first, out)
+            tiled_update(
+                self.pool,
+                self.rule,
+                hyper,
+                master[lo:hi],
+                grad[lo:hi],
+                [state[key][lo:hi] for key in keys],
+                state.get("step"),
+                first,
+                out,
+            )
             sink.after_update(lo, hi, out)
             sink.write_behind(lo, hi, staging)
 
@@ -247,19 +294,24 @@ class HostOptimizer:
         """Storage address -> "host" or "nvme" for every tensor this offload placed."""
         placed = {file.view.untyped_storage().data_ptr(): "nvme" for file in self.grad_files.values()}
         for fp in self.flat_params:
-            files = self.files.get(id(fp), {})
+            files = self.files.get(fp.index, {})
             for file in files.values():
                 placed[file.view.untyped_storage().data_ptr()] = "nvme"
             separate = fp.master.untyped_storage().data_ptr() != fp.master_region().untyped_storage().data_ptr()
             tensors = [fp.master] if separate else []  # else it is the parameters, which the report counts there
             tensors += [v for v in self.optimizer.state.get(fp.master, {}).values() if torch.is_tensor(v)]
-            if not self.copies_grads and fp.grad_shard is not None and (
-                    fp.grad_full is None or fp.grad_full.untyped_storage().data_ptr()
-                    != fp.grad_shard.untyped_storage().data_ptr()):
+            if (
+                not self.copies_grads
+                and fp.grad_shard is not None
+                and (
+                    fp.grad_full is None
+                    or fp.grad_full.untyped_storage().data_ptr() != fp.grad_shard.untyped_storage().data_ptr()
+                )
+            ):
                 tensors.append(fp.grad_shard)  # the host step reads it in place
             for tensor in tensors:
                 placed.setdefault(tensor.untyped_storage().data_ptr(), "host")
-        for kind, tensor in self.own_tensors():
+        for _, tensor in self.own_tensors():
             placed.setdefault(tensor.untyped_storage().data_ptr(), "host")
         return placed
 
@@ -271,8 +323,11 @@ class HostOptimizer:
         owned += [("buffers", t) for t in (self.swapper.buffer_tensors() if self.swapper else [])]
         for fp in self.flat_params:
             present = {id(v) for v in self.optimizer.state.get(fp.master, {}).values()}
-            owned += [("optimizer", f.view) for key, f in self.files.get(id(fp), {}).items()
-                      if key != "master" and id(f.view) not in present]
+            owned += [
+                ("optimizer", f.view)
+                for key, f in self.files.get(fp.index, {}).items()
+                if key != "master" and id(f.view) not in present
+            ]
         return owned
 
     def all_files(self) -> list[SwapFile]:

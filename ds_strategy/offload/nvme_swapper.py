@@ -5,9 +5,12 @@ Each rank of each run creates its own directory ``<nvme_path>/ds_strategy-offloa
 and holds an exclusive ``flock`` on its ``owner.lock`` for as long as the process lives; the kernel drops the lock
 when the process dies, however it dies. A run never opens a directory it did not create, so it cannot mistake
 another run's files for its own state. At setup every rank sweeps ``nvme_path`` for directories whose lock it can
-take (their owner is gone) and removes them, as well as directories without a lock file older than an hour (a run
-killed between ``mkdir`` and locking). Teardown (``ZeroEngine.remove_hooks``) removes the rank's own directory,
-and so does interpreter exit if teardown never ran.
+take (their owner is gone) and removes them. A directory is built, and its lock taken, under a hidden staging
+name (``.ds_strategy-offload-...creating``) that the sweep does not take for a run's, and only then renamed into
+place: a rank starting at the same moment can never find a directory whose lock file exists but is not yet held,
+take that lock and delete a live run's files (ranks started together by a forking launcher did). Staging and
+unlocked directories older than an hour (a run killed while creating one) are removed too. Teardown
+(``ZeroEngine.remove_hooks``) removes the rank's own directory, and so does interpreter exit if teardown never ran.
 
 Note: [Files, page cache and the tensors others see]
 Files are written and read with ``os.pwritev``/``os.preadv`` (buffered, large, 4 KiB-aligned, sequential ranges,
@@ -19,6 +22,7 @@ bytes. The step never touches the maps, so they cost no resident memory; whoever
 it in, and ``trim`` (after every step) unmaps those pages again (``MADV_DONTNEED``, harmless on a shared file
 map: dirty pages stay in the page cache and reach the file).
 """
+
 from __future__ import annotations
 
 import collections
@@ -35,6 +39,7 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -44,6 +49,7 @@ log = logging.getLogger(__name__)
 
 PREFIX = "ds_strategy-offload-"
 LOCK_NAME = "owner.lock"
+STAGING_SUFFIX = ".creating"
 UNLOCKED_STALE_AFTER_S = 3600.0
 ALIGN_ELEMENTS = 1024  # sub-groups start at multiples of this: 4 KiB-aligned file offsets for fp32
 
@@ -64,7 +70,7 @@ class RunDirectory:
         self._finalizer = weakref.finalize(self, _remove_directory, path, lock_fd)
 
     @classmethod
-    def create(cls, root: str | os.PathLike, rank: int, nbytes: int) -> "RunDirectory":
+    def create(cls, root: str | os.PathLike, rank: int, nbytes: int) -> RunDirectory:
         """Check ``root`` can hold ``nbytes`` and create the directory; raises :class:`OffloadSetupError`."""
         root = Path(root)
         need = f"rank {rank} needs {_gib(nbytes)} of NVMe offload files there"
@@ -76,13 +82,15 @@ class RunDirectory:
             raise OffloadSetupError(f"nvme_path {str(root)!r} is not a directory; {need}")
         remove_stale_directories(root)
         _require_free(root, nbytes, need)
-        path = root / f"{PREFIX}{socket.gethostname()}-{os.getpid()}-rank{rank}-{uuid.uuid4().hex[:8]}"
+        name = f"{PREFIX}{socket.gethostname()}-{os.getpid()}-rank{rank}-{uuid.uuid4().hex[:8]}"
+        path, staging = root / name, root / f".{name}{STAGING_SUFFIX}"
         try:
-            path.mkdir()
-            lock_fd = os.open(path / LOCK_NAME, os.O_CREAT | os.O_RDWR, 0o600)
+            staging.mkdir()
+            lock_fd = os.open(staging / LOCK_NAME, os.O_CREAT | os.O_RDWR, 0o600)
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # before the sweep can see it: [What a crash ...]
+            staging.rename(path)
         except OSError as error:
             raise OffloadSetupError(f"nvme_path {str(root)!r} is not writable ({error.strerror}); {need}") from error
-        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.write(lock_fd, f"pid {os.getpid()} on {socket.gethostname()}, rank {rank}, since {time.ctime()}\n".encode())
         return cls(path, lock_fd)
 
@@ -90,15 +98,17 @@ class RunDirectory:
         """Check that ``nbytes`` more fit beside what is here already; raises :class:`OffloadSetupError`."""
         _require_free(self.path.parent, nbytes, f"rank {rank} needs {_gib(nbytes)} more of NVMe offload files there")
 
-    def new_file(self, name: str, numel: int, dtype: torch.dtype) -> "SwapFile":
+    def new_file(self, name: str, numel: int, dtype: torch.dtype) -> SwapFile:
         """A file of ``numel`` elements with its blocks allocated now, so a full disk fails here, not mid-training."""
         try:
             return SwapFile(self.path / name, numel, dtype)
         except OSError as error:
             nbytes = numel * torch.empty((), dtype=dtype).element_size()
             self.close()
-            raise OffloadSetupError(f"nvme_path {str(self.path.parent)!r}: cannot allocate {_gib(nbytes)} for "
-                                    f"{name} ({error.strerror}); free space went below what this run needs") from error
+            raise OffloadSetupError(
+                f"nvme_path {str(self.path.parent)!r}: cannot allocate {_gib(nbytes)} for "
+                f"{name} ({error.strerror}); free space went below what this run needs"
+            ) from error
 
     def close(self) -> None:
         """Remove the directory and everything in it, and release the lock."""
@@ -116,14 +126,24 @@ def _remove_directory(path: Path, lock_fd: int) -> None:
     os.close(lock_fd)
 
 
+def _unlocked_too_long(entry: Path) -> bool:
+    try:
+        return time.time() - entry.stat().st_mtime > UNLOCKED_STALE_AFTER_S
+    except FileNotFoundError:  # renamed into place or removed by another rank meanwhile
+        return False
+
+
 def remove_stale_directories(root: Path) -> None:
     """Remove the offload directories of runs that are gone (see [What a crash leaves behind])."""
+    for staging in root.glob(f".{PREFIX}*{STAGING_SUFFIX}"):
+        if _unlocked_too_long(staging):
+            shutil.rmtree(staging, ignore_errors=True)
     for entry in root.glob(PREFIX + "*"):
         lock = entry / LOCK_NAME
         try:
             fd = os.open(lock, os.O_RDWR)
         except FileNotFoundError:
-            if time.time() - entry.stat().st_mtime > UNLOCKED_STALE_AFTER_S:
+            if _unlocked_too_long(entry):
                 shutil.rmtree(entry, ignore_errors=True)
             continue
         except OSError:
@@ -189,7 +209,7 @@ class SwapFile:
         Each chunk is a copy: exporting ``src``'s own storage to numpy would make it non-resizable, and a stage-3
         full buffer (whose shard is written here) must be freed by resizing it to zero."""
         for lo in range(0, src.numel(), chunk):
-            piece = src[lo:lo + chunk].to(device="cpu", dtype=self.dtype, copy=True).contiguous()
+            piece = src[lo : lo + chunk].to(device="cpu", dtype=self.dtype, copy=True).contiguous()
             self.write(piece, start + lo)
 
     def trim(self) -> None:
@@ -229,6 +249,14 @@ class SubGroup:
     writes: list[Future] = field(default_factory=list)
 
 
+class _Read(NamedTuple):
+    """A sub-group being read into its buffer: the update waits on ``future`` (see [The pipeline])."""
+
+    group: SubGroup
+    buffer: SwapBuffer
+    future: Future
+
+
 class NvmeSwapper:
     """Streams sub-groups of offloaded state through ``buffer_count`` host buffers during the optimizer step.
 
@@ -240,15 +268,26 @@ class NvmeSwapper:
     write is on its way to the disk (in the page cache, being written back).
     """
 
-    def __init__(self, rule: UpdateRule, keys: tuple[str, ...], sub_group_numel: int, buffer_count: int,
-                 master_dtype: torch.dtype, staging_dtype: torch.dtype | None, pool: TilePool, pin: bool):
+    def __init__(
+        self,
+        rule: UpdateRule,
+        keys: tuple[str, ...],
+        sub_group_numel: int,
+        buffer_count: int,
+        master_dtype: torch.dtype,
+        staging_dtype: torch.dtype | None,
+        pool: TilePool,
+        pin: bool,
+    ):
         self.rule, self.pool = rule, pool
         self.sub_group_numel = sub_group_numel
-        self.buffers = [SwapBuffer({key: torch.empty(sub_group_numel, dtype=master_dtype, pin_memory=pin)
-                                    for key in ("master",) + keys},
-                                   None if staging_dtype is None else
-                                   torch.empty(sub_group_numel, dtype=staging_dtype, pin_memory=pin))
-                        for _ in range(buffer_count)]
+        self.buffers = [
+            SwapBuffer(
+                {key: torch.empty(sub_group_numel, dtype=master_dtype, pin_memory=pin) for key in ("master",) + keys},
+                None if staging_dtype is None else torch.empty(sub_group_numel, dtype=staging_dtype, pin_memory=pin),
+            )
+            for _ in range(buffer_count)
+        ]
         self.io = ThreadPoolExecutor(buffer_count, thread_name_prefix="ds_strategy_nvme_io")
         self.read_ahead = max(1, buffer_count - 2)
 
@@ -268,7 +307,7 @@ class NvmeSwapper:
         free: queue.SimpleQueue[SwapBuffer] = queue.SimpleQueue()
         for buffer in self.buffers:
             free.put(buffer)
-        reads: collections.deque = collections.deque()
+        reads: collections.deque[_Read] = collections.deque()
         upcoming = iter(sub_groups)
         writes: list[Future] = []
 
@@ -276,7 +315,7 @@ class NvmeSwapper:
             group = next(upcoming, None)
             if group is not None:
                 buffer = free.get()
-                reads.append((group, buffer, self.io.submit(self._read, group, buffer)))
+                reads.append(_Read(group, buffer, self.io.submit(self._read, group, buffer)))
 
         for _ in range(self.read_ahead):
             start_next_read()
@@ -305,8 +344,17 @@ class NvmeSwapper:
         master = buffer.tensors["master"][:n]
         staging = None if buffer.staging is None else buffer.staging[:n]
         out = group.sink.target(group.lo, group.hi, staging)
-        tiled_update(self.pool, self.rule, group.hyper, master, group.grad[group.lo:group.hi],
-                     [buffer.tensors[key][:n] for key in group.keys], group.step, group.first, out)
+        tiled_update(
+            self.pool,
+            self.rule,
+            group.hyper,
+            master,
+            group.grad[group.lo : group.hi],
+            [buffer.tensors[key][:n] for key in group.keys],
+            group.step,
+            group.first,
+            out,
+        )
         group.sink.after_update(group.lo, group.hi, out)
 
     def _write(self, group: SubGroup, buffer: SwapBuffer) -> None:

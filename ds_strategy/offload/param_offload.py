@@ -5,6 +5,7 @@ it through ``FlatParam.gather_source()``: on a CUDA device a copy to the device,
 itself (the host is the device: zero-copy; an NVMe shard is then read through its memory map by the collective,
 see :mod:`.nvme_swapper`).
 """
+
 from __future__ import annotations
 
 import functools
@@ -15,8 +16,8 @@ import torch
 from .nvme_swapper import RunDirectory, SwapFile
 
 if TYPE_CHECKING:
-    from ..zero.engine import ZeroEngine
     from ..zero.flat_param import FlatParam
+    from ..zero.step_runner import StepContext
 
 
 def host_copy(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
@@ -28,7 +29,7 @@ def host_copy(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
     return copy
 
 
-def _device_copy(fp: "FlatParam", device: torch.device) -> torch.Tensor:
+def _device_copy(fp: FlatParam, device: torch.device) -> torch.Tensor:
     return fp.shard.to(device, non_blocking=fp.shard.is_pinned())
 
 
@@ -39,7 +40,7 @@ class ShardFiles:
     offload takes them, the whole model's shards (4 bytes per parameter / N in fp32) would be resident at once
     at the end of construction. Stored here, each shard goes to its file as soon as it is cut, so construction
     holds one unit's full buffer and nothing that grows with the model. The directory is created at the first
-    shard and handed to :class:`~.engine_offload.EngineOffload`, which checks the free space for the rest.
+    shard and adopted by :class:`~.offloaded_step.OffloadedStep`, which checks the free space for the rest.
     """
 
     def __init__(self, root: str, rank: int):
@@ -47,13 +48,13 @@ class ShardFiles:
         self.directory: RunDirectory | None = None
         self.files: dict[int, SwapFile] = {}
 
-    def store(self, fp: "FlatParam", values: torch.Tensor) -> torch.Tensor:
+    def store(self, fp: FlatParam, values: torch.Tensor) -> torch.Tensor:
         """Write ``values`` (``fp``'s new shard) to a file of its own; returns the file's memory map."""
         if self.directory is None:
             self.directory = RunDirectory.create(self.root, self.rank, values.numel() * values.element_size())
         file = self.directory.new_file(f"shard{len(self.files)}.param", values.numel(), values.dtype)
         file.write_converted(values)
-        self.files[id(fp)] = file
+        self.files[fp.index] = file
         return file.view
 
     def nbytes(self) -> int:
@@ -63,35 +64,34 @@ class ShardFiles:
 class ParamOffload:
     """Moves each partitioned flat parameter's ``shard`` to ``place`` ("cpu" or "nvme") and gathers from there."""
 
-    def __init__(self, engine: "ZeroEngine", place: str, directory: RunDirectory | None, pin: bool):
-        self.place = place
-        self.flat_params = [fp for fp in engine.flat_params if fp.policy.params]
-        stored = engine.shard_files.files if engine.shard_files is not None else {}
-        self.files: dict[int, SwapFile] = {}
-        for index, fp in enumerate(engine.flat_params):
-            if not fp.policy.params:
-                continue
-            if id(fp) in stored:  # written when its unit was materialised
-                self.files[id(fp)] = stored[id(fp)]
+    def __init__(self, context: StepContext, place: str, directory: RunDirectory | None, pin: bool):
+        self.flat_params = [fp for fp in context.flat_params if fp.policy.params]
+        stored = context.shard_store.files if isinstance(context.shard_store, ShardFiles) else {}
+        self.files: dict[int, SwapFile] = {}  # fp.index -> the file holding its shard
+        device = context.device
+        for fp in self.flat_params:
+            if fp.index in stored:  # written when its unit was materialised
+                self.files[fp.index] = stored[fp.index]
+                shard = fp.shard
             elif place == "nvme":
-                file = directory.new_file(f"flat{index}.param", fp.shard_numel, fp.compute_dtype)
+                file = self.files[fp.index] = directory.new_file(
+                    f"flat{fp.index}.param", fp.shard_numel, fp.compute_dtype
+                )
                 file.write_converted(fp.shard)
-                fp.shard = file.view  # fp.master, if it was the shard, stays the in-memory tensor
-                self.files[id(fp)] = file
+                shard = file.view
             else:
-                fp.shard = host_copy(fp.shard, pin)
-            if engine.device.type != "cpu":
-                fp.shard_source = functools.partial(_device_copy, fp, engine.device)
+                shard = host_copy(fp.shard, pin)
+            fp.relocate_shard(shard, functools.partial(_device_copy, fp, device) if device.type != "cpu" else None)
 
     @staticmethod
-    def nvme_bytes(engine: "ZeroEngine") -> int:
-        return sum(fp.shard_numel * fp.full.element_size() for fp in engine.flat_params if fp.policy.params)
+    def nvme_bytes(flat_params: list[FlatParam]) -> int:
+        return sum(fp.shard_numel * fp.full.element_size() for fp in flat_params if fp.policy.params)
 
-    def file_of(self, fp: "FlatParam") -> SwapFile | None:
-        return self.files.get(id(fp))
+    def file_of(self, fp: FlatParam) -> SwapFile | None:
+        return self.files.get(fp.index)
 
     def host_tensors(self) -> list[torch.Tensor]:
-        return [fp.shard for fp in self.flat_params if id(fp) not in self.files]
+        return [fp.shard for fp in self.flat_params if fp.index not in self.files]
 
     def trim(self) -> None:
         for file in self.files.values():
@@ -110,7 +110,7 @@ class ParamSink:
     device. "file": through a staging buffer into the NVMe parameter file.
     """
 
-    def __init__(self, fp: "FlatParam", master: torch.Tensor, file: SwapFile | None):
+    def __init__(self, fp: FlatParam, master: torch.Tensor, file: SwapFile | None):
         self.fp, self.file = fp, file
         self.region = fp.master_region()
         self._copied: dict[int, torch.cuda.Event] = {}

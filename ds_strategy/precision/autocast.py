@@ -1,4 +1,5 @@
 """The autocast region a ZeRO forward runs in, for each precision setting."""
+
 from __future__ import annotations
 
 import contextlib
@@ -15,7 +16,7 @@ def autocast_for(precision: str, device_type: str) -> contextlib.AbstractContext
     compute dtype); autocast is what lets fp32 inputs meet them in matmuls and keeps autocast's fp32 ops (losses,
     softmax on CPU) in fp32. Ops autocast does not list run in whatever dtype reaches them.
     """
-    dtype = ZeroConfig(precision=precision).compute_dtype
-    if dtype == torch.float32:
+    plan = ZeroConfig(precision=precision).plan
+    if not plan.autocasts:
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device_type, dtype=dtype)
+    return torch.autocast(device_type=device_type, dtype=plan.compute_dtype)

@@ -1,6 +1,6 @@
 """Unscale, overflow check and squared norm of every rank's gradient shards: one pass, one all-reduce.
 
-[Note: one pass, one collective per optimizer step]
+Note: [One pass, one collective per optimizer step]
 Before an fp16 step the engine must divide the gradients by the loss scale, learn whether any rank saw an
 inf/nan, and (for clipping) know the global gradient norm. ``ds_strategy.kernels.unscale_and_check`` does all
 three in one read of each flat shard (a Triton kernel on GPUs, its PyTorch reference on CPUs); this module runs it
@@ -10,6 +10,7 @@ stage 0 every rank already holds the whole averaged gradient, so the local sum i
 is summed. A rank sees a non-finite value only in its own shard, so without the all-reduce ranks would
 disagree about skipping and their parameters would diverge.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,8 +37,7 @@ class GradStats:
         return self.sq_norm.sqrt()
 
 
-def unscale_and_check_shards(grads: list[torch.Tensor], inv_scale: float, collectives,
-                             sharded: bool) -> GradStats:
+def unscale_and_check_shards(grads: list[torch.Tensor], inv_scale: float, collectives, sharded: bool) -> GradStats:
     """Multiply each flat gradient in ``grads`` by ``inv_scale`` in place and return the agreed statistics.
 
     ``sharded``: each rank holds different gradient elements (ZeRO stage >= 1), so squared norms are summed

@@ -1,6 +1,6 @@
 """Loss scaling for fp16 training, following DeepSpeed's ``DynamicLossScaler`` schedule step for step.
 
-[Note: what the loss scaler does on overflow]
+Note: [What the loss scaler does on overflow]
 fp16 gradients underflow unless the loss is multiplied by a large scale before backward; too large a scale
 makes some gradient inf/nan instead. Each optimizer step, every rank unscales its gradient shard and checks
 it (``ds_strategy.kernels.unscale_and_check``); the engine sums ``found_inf`` over ranks, in the same
@@ -29,8 +29,9 @@ With a static ``loss_scale > 0`` the scale never changes; ``update`` only counts
 """
 
 import dataclasses
-import inspect
 from typing import Any
+
+from ..config import ZeroConfig
 
 
 @dataclasses.dataclass
@@ -46,45 +47,22 @@ class _ScalerState:
 
 
 class LossScaler:
-    """Static or dynamic (DeepSpeed-schedule) loss scale for fp16 training.
+    """Static or dynamic (DeepSpeed-schedule) loss scale for fp16 training, with ``config``'s loss-scaling fields.
 
-    Args:
-        loss_scale: a fixed scale when > 0; 0 selects dynamic scaling.
-        initial_scale_power: dynamic scaling starts at ``2**initial_scale_power``.
-        loss_scale_window: clean steps before the dynamic scale doubles.
-        hysteresis: overflows tolerated before the dynamic scale halves (DeepSpeed's ``delayed_shift``).
-        min_loss_scale: the dynamic scale never halves below this.
-        max_consecutive_min_scale_skips: consecutive overflows at ``min_loss_scale`` that abort training.
-        consecutive_hysteresis: refill the hysteresis on every clean step, not only when the scale grows.
+    ``loss_scale`` > 0 is a fixed scale, 0 selects dynamic scaling starting at ``2**initial_scale_power``; the
+    other fields are described in :class:`~ds_strategy.config.ZeroConfig`, which defaults and validates them
+    (so this class does neither).
     """
 
-    def __init__(self, loss_scale: float = 0.0, initial_scale_power: int = 16, loss_scale_window: int = 1000,
-                 hysteresis: int = 2, min_loss_scale: float = 1.0, max_consecutive_min_scale_skips: int = 10,
-                 consecutive_hysteresis: bool = False):
-        _require(loss_scale >= 0, "loss_scale", loss_scale, ">= 0 (0 selects dynamic scaling)")
-        _require(isinstance(initial_scale_power, int), "initial_scale_power", initial_scale_power, "an int")
-        _require(loss_scale_window >= 1, "loss_scale_window", loss_scale_window, ">= 1")
-        _require(hysteresis >= 1, "hysteresis", hysteresis, ">= 1")
-        _require(min_loss_scale > 0, "min_loss_scale", min_loss_scale, "> 0")
-        _require(max_consecutive_min_scale_skips >= 1, "max_consecutive_min_scale_skips",
-                 max_consecutive_min_scale_skips, ">= 1")
-        self.dynamic = loss_scale == 0
-        self.loss_scale_window = int(loss_scale_window)
-        self.hysteresis = int(hysteresis)
-        self.min_loss_scale = float(min_loss_scale)
-        self.max_consecutive_min_scale_skips = int(max_consecutive_min_scale_skips)
-        self.consecutive_hysteresis = bool(consecutive_hysteresis)
-        initial_scale = 2.0**initial_scale_power if self.dynamic else float(loss_scale)
+    def __init__(self, config: ZeroConfig):
+        self.dynamic = config.loss_scale == 0
+        self.loss_scale_window = config.loss_scale_window
+        self.hysteresis = config.hysteresis
+        self.consecutive_hysteresis = config.consecutive_hysteresis
+        self.min_loss_scale = config.min_loss_scale
+        self.max_consecutive_min_scale_skips = config.max_consecutive_min_scale_skips
+        initial_scale = 2.0**config.initial_scale_power if self.dynamic else config.loss_scale
         self._state = _ScalerState(cur_scale=initial_scale, cur_hysteresis=self.hysteresis)
-
-    @classmethod
-    def from_config(cls, cfg: Any) -> "LossScaler":
-        """Build from any object with attributes named like this constructor's arguments.
-
-        Attributes the object lacks keep the constructor's defaults, so the defaults are stated only here.
-        """
-        names = inspect.signature(cls).parameters
-        return cls(**{name: getattr(cfg, name) for name in names if hasattr(cfg, name)})
 
     @property
     def scale(self) -> float:
@@ -119,7 +97,8 @@ class LossScaler:
             raise RuntimeError(
                 f"fp16 gradients overflowed on {self.max_consecutive_min_scale_skips} consecutive steps with the "
                 f"loss scale already at min_loss_scale={self.min_loss_scale}; training cannot make progress. "
-                "Look for inf/nan in the loss or data, lower min_loss_scale, or train in bf16.")
+                "Look for inf/nan in the loss or data, lower min_loss_scale, or train in bf16."
+            )
         state.consecutive_min_scale_skips = state.consecutive_min_scale_skips + 1 if at_min_scale else 0
         if state.cur_hysteresis <= 1:
             state.cur_scale = max(state.cur_scale / 2, self.min_loss_scale)
@@ -148,9 +127,3 @@ class LossScaler:
         if set(state_dict) != expected:
             raise KeyError(f"loss scaler state_dict has keys {sorted(state_dict)}, expected {sorted(expected)}")
         self._state = _ScalerState(**state_dict)
-
-
-def _require(ok: bool, name: str, value: Any, allowed: str) -> None:
-    """Raise ``ValueError`` naming the argument, its value and what is allowed, unless ``ok``."""
-    if not ok:
-        raise ValueError(f"LossScaler {name}={value!r} is invalid; it must be {allowed}")

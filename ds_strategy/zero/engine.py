@@ -1,4 +1,5 @@
 """ZeroEngine: one engine for ZeRO stages 0-3, independent of any training framework."""
+
 from __future__ import annotations
 
 import contextlib
@@ -16,14 +17,16 @@ from ..comm.quantized import reduce_scatter_quantized
 from ..comm.sequence_check import CollectiveSequenceCheck
 from ..config import ZeroConfig
 from ..precision import GradStats, LossScaler, unscale_and_check_shards
-from .flat_param import FlatParam, ShardPolicy
+from ..profiler_ranges import profiler_range
+from .flat_param import FlatParam
 from .grad_reducer import GradReducer
 from .hpz import WeightGather, hpz_collectives
 from .memory_report import WorkingSetPeak, memory_report, unit_bounded_sizes
-from .optimizer_retarget import param_group_index, retarget_optimizer
+from .optimizer_retarget import check_optimizer_is_elementwise, param_group_index, retarget_optimizer
 from .param_gatherer import ParamGatherer
 from .placement import place_units
 from .sharded_init import materialise_sharded
+from .step_runner import StepContext, StepRunner, StepRunnerFactory, runner_factory
 from .unit import ShardedState, Unit
 from .wrap_policy import select_unit_modules
 
@@ -52,60 +55,98 @@ class ZeroEngine:
     """Shards a module's trainable parameters, gradients and optimizer state across the ranks of a process group.
 
     The module is cut into units (see :mod:`.wrap_policy`); each unit's trainable parameters, split by optimizer
-    param group, live in :class:`FlatParam` buffers whose :class:`ShardPolicy` is derived from ``config.stage``.
+    param group, live in :class:`FlatParam` buffers whose :class:`ShardPolicy` comes from ``config.plan``.
     The host framework drives it with ``backward`` (or a plain ``loss.backward()``), ``clip_grad_norm_``,
     ``step`` and ``no_sync``; nothing here knows about Lightning, Fabric or Accelerate.
     """
 
-    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, config: ZeroConfig,
-                 process_group=None, device: torch.device | str | None = None):
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        config: ZeroConfig,
+        process_group=None,
+        device: torch.device | str | None = None,
+        step_runner: StepRunnerFactory | None = None,
+    ):
+        """``step_runner``: where the optimizer step runs (see :mod:`.step_runner`); by default on the device, or
+        the registered offload runner when ``config`` offloads. The order below is the order of construction:
+        communication first (units gather through it), then units and their flat buffers, placed or initialised
+        on the device; then the step runner, which may move shards and masters off the device, before the
+        optimizer is pointed at the masters (once, wherever they now live); then the stage-3 gatherer and the
+        gradient reducer, which calls both from autograd's hooks."""
         self.module = module
         self.optimizer = optimizer
         self.config = config
+        self.plan = plan = config.plan
         self.process_group = process_group
         self.device = torch.device(device) if device is not None else _device_of(module)
+        if optimizer is not None:
+            check_optimizer_is_elementwise(optimizer)
         backend = dist.get_backend(process_group) if dist.is_initialized() else "gloo"
-        self.collectives = Collectives(process_group, use_all_reduce=config.gradient_collective(backend) == "all_reduce",
-                                       timeout=config.collective_timeout)
+        self.collectives = Collectives(
+            process_group,
+            use_all_reduce=plan.gradient_collective(backend) == "all_reduce",
+            timeout=config.collective_timeout,
+        )
         self.rank, self.world_size = self.collectives.rank, self.collectives.world_size
-        self.shard_files = None
-        if config.offload_params == "nvme" and config.partitions_parameters:  # shards go to files as units are built
-            from ..offload.param_offload import ShardFiles
-            self.shard_files = ShardFiles(config.nvme_path, self.rank)
-        self.units = self._build_units()
+        self._setup_weight_gathering()
+        factory = step_runner or runner_factory(config)
+        shard_store = factory.shard_store(config, self.rank)
+        self.units = self._build_units(shard_store)
         self.flat_params = [fp for unit in self.units for fp in unit.flat_params]
         self._materialise()
-        self.working_set = WorkingSetPeak(self.flat_params)
-        sizes = unit_bounded_sizes(config, self.units)
-        self.reducer = GradReducer(self.flat_params, self.collectives, overlap=config.overlap_comm,
-                                   bucket_numel=sizes.reduce_bucket, comm_dtype=config.gradient_communication_dtype,
-                                   working_set=self.working_set)
-        self.loss_scaler = LossScaler.from_config(config) if config.uses_loss_scaling else None
-        self._grad_stats: GradStats | None = None
-        self._master_grads: list[torch.Tensor] | None = None
-        self.reducer.register_hooks()
-        self._setup_communication()
-        self.gatherer = None
-        if config.partitions_parameters:  # without overlap_comm nothing is prefetched: units gather on demand
-            self.gatherer = ParamGatherer(self.units, self.units[0], config.reshard_after_forward,
-                                          sizes.prefetch if config.overlap_comm else 0, sizes.max_live,
-                                          self.working_set)
-            self.reducer.on_launched = self._on_flat_param_launched
-            self.reducer.on_backward_end = self._end_of_backward
-        self._launched_per_unit: dict[int, int] = {}
-        self._unit_of_fp = {id(fp): unit for unit in self.units for fp in unit.flat_params}
-        self._hooks = [self.units[0].module.register_forward_pre_hook(lambda module, args: self.before_forward())]
-        self._hooks += [module.register_forward_pre_hook(self._gather_root_for)
-                        for module in _modules_owning(self.module, self.units[0].partitioned)]
+        self._start_sequence_check()  # after construction's broadcasts: it compares training traffic only
+        for fp in self.flat_params:
+            fp.allocate_grads(plan.comm_dtype, self.collectives.use_all_reduce)
+        self.step_runner: StepRunner = factory(
+            StepContext(self.flat_params, optimizer, config, self.device, self.rank, shard_store)
+        )
         if optimizer is not None:
             retarget_optimizer(optimizer, self.flat_params)
-        self.offload = None
-        if config.offloads:
-            from ..offload.engine_offload import EngineOffload  # that package imports this one
-            self.offload = EngineOffload(self)
+        self.working_set = WorkingSetPeak(self.flat_params)
+        sizes = unit_bounded_sizes(config, self.units)
+        self.loss_scaler = LossScaler(config) if plan.loss_scaling else None
+        self._grad_stats: GradStats | None = None
+        self._master_grads: list[torch.Tensor] | None = None
+        self.gatherer = None
+        if plan.partitions_parameters:  # without overlap_comm nothing is prefetched: units gather on demand
+            self.gatherer = ParamGatherer(
+                self.units,
+                self.units[0],
+                config.reshard_after_forward,
+                sizes.prefetch if config.overlap_comm else 0,
+                sizes.max_live,
+                self.working_set,
+            )
+        self._unit_of = [unit for unit in self.units for _ in unit.flat_params]  # by fp.index
+        self._launched_per_unit: dict[Unit, int] = {}
+        qgz = (
+            functools.partial(reduce_scatter_quantized, self.collectives, bits=config.zero_quantized_gradients_bits)
+            if config.zero_quantized_gradients
+            else None
+        )
+        self.reducer = GradReducer(
+            self.flat_params,
+            self.collectives,
+            overlap=config.overlap_comm,
+            bucket_numel=sizes.reduce_bucket,
+            comm_dtype=plan.comm_dtype,
+            working_set=self.working_set,
+            on_launched=self._on_flat_param_launched if self.gatherer is not None else None,
+            on_backward_end=self._end_of_backward if self.gatherer is not None else None,
+            on_reduced=self.step_runner.on_reduced,
+            quantized_reduce_scatter=qgz,
+        )
+        self.reducer.register_hooks()
+        self._hooks = [self.units[0].module.register_forward_pre_hook(lambda module, args: self.before_forward())]
+        self._hooks += [
+            module.register_forward_pre_hook(self._gather_root_for)
+            for module in _modules_owning(self.module, self.units[0].partitioned)
+        ]
 
     # -- construction -------------------------------------------------------------------------------------------
-    def _build_units(self) -> list[Unit]:
+    def _build_units(self, shard_store) -> list[Unit]:
         """Root first, then the unit modules in module order; a parameter shared by two units goes to the root."""
         chosen = select_unit_modules(self.module, self.config.unit_modules, self.config.unit_min_params)
         owners: dict[int, list[int]] = {}
@@ -118,17 +159,24 @@ class ZeroEngine:
             if not p.requires_grad:
                 continue
             if self.optimizer is not None and id(p) not in group_of:
-                raise ValueError(f"parameter {name!r} requires grad but is in no optimizer param group; "
-                                 f"freeze it (requires_grad=False) or add it to the optimizer")
+                raise ValueError(
+                    f"parameter {name!r} requires grad but is in no optimizer param group; "
+                    f"freeze it (requires_grad=False) or add it to the optimizer"
+                )
             where = owners.get(id(p), [])
             members[where[0] + 1 if len(where) == 1 else 0].append((name, p))
         names = ["<root>"] + [name for name, _ in chosen]
         modules = [self.module] + [module for _, module in chosen]
-        return [Unit(name, module, self._flat_params_of(name, params, group_of), self.collectives)
-                for name, module, params in zip(names, modules, members)]
+        units, first = [], 0
+        store = shard_store.store if shard_store is not None else None
+        for name, module, params in zip(names, modules, members):
+            flat = self._flat_params_of(name, params, group_of, first, store)
+            units.append(Unit(name, module, flat, self.collectives, self.weight_gather))
+            first += len(flat)
+        return units
 
-    def _setup_communication(self) -> None:
-        """ZeRO++ hooks (qwZ and hpZ into the units, qgZ into the reducer) and the per-step sequence check."""
+    def _setup_weight_gathering(self) -> None:
+        """ZeRO++ groups and weight gathering (qwZ and hpZ), which the units are built with."""
         cfg = self.config
         self.comm_groups = {"world": self.collectives}
         if cfg.zero_hpz_partition_size > 1 and self.world_size > 1:
@@ -136,44 +184,47 @@ class ZeroEngine:
         self.weight_gather = None
         if cfg.zero_quantized_weights or "hpz" in self.comm_groups:
             self.weight_gather = WeightGather(self.collectives, self.comm_groups.get("hpz"), cfg.zero_quantized_weights)
-            for unit in self.units:
-                unit.weight_gather = self.weight_gather
-        if cfg.zero_quantized_gradients:
-            self.reducer.quantized_reduce_scatter = functools.partial(
-                reduce_scatter_quantized, self.collectives, bits=cfg.zero_quantized_gradients_bits)
+
+    def _start_sequence_check(self) -> None:
+        """The per-step comparison of the collectives each rank issued (``ds_strategy.comm.sequence_check``)."""
         self.sequence_check = None
         if dist.is_initialized() and self.world_size > 1:
             self.sequence_check = CollectiveSequenceCheck(list(self.comm_groups.values()))
             self.comm_groups["monitor"] = self.sequence_check.collectives
 
-    def _flat_params_of(self, unit_name: str, params: list[tuple[str, nn.Parameter]],
-                        group_of: dict[int, int]) -> list[FlatParam]:
+    def _flat_params_of(
+        self,
+        unit_name: str,
+        params: list[tuple[str, nn.Parameter]],
+        group_of: dict[int, int],
+        first_index: int,
+        shard_store,
+    ) -> list[FlatParam]:
         """One flat buffer per (param group, persistent?) among ``params``, in first-appearance order."""
-        cfg = self.config
-        threshold = int(cfg.param_persistence_threshold) if cfg.stage >= 3 else 0
+        plan = self.plan
         buckets: dict[tuple[int, bool], list[tuple[str, nn.Parameter]]] = {}
         for name, p in params:
-            key = (group_of.get(id(p), 0), p.numel() < threshold)
+            key = (group_of.get(id(p), 0), plan.is_persistent(p.numel()))
             buckets.setdefault(key, []).append((name, p))
         flat = []
         for (group, persistent), members in buckets.items():
-            policy = ShardPolicy.for_stage(cfg.stage, persistent=persistent)
-            fp = FlatParam(f"{unit_name}/group{group}{'/persistent' if persistent else ''}", members, group, policy,
-                           self.rank, self.world_size, device=self.device, **self._dtypes(members[0][1].dtype),
-                           shard_store=self.shard_files.store if self.shard_files is not None else None)
-            flat.append(fp)
+            policy = plan.persistent_sharding if persistent else plan.sharding
+            name = f"{unit_name}/group{group}{'/persistent' if persistent else ''}"
+            flat.append(
+                FlatParam(
+                    first_index + len(flat),
+                    name,
+                    members,
+                    group,
+                    policy,
+                    self.rank,
+                    self.world_size,
+                    plan.dtypes(members[0][1].dtype),
+                    self.device,
+                    shard_store=shard_store,
+                )
+            )
         return flat
-
-    def _dtypes(self, param_dtype: torch.dtype) -> dict[str, torch.dtype]:
-        """Compute (parameters, autograd's gradients), master (optimizer weights and state) and reduced-gradient
-        dtypes for ``config.precision``: "-mixed" keeps an fp32 master beside 16-bit compute weights, "-true"
-        keeps only the 16-bit copy, and "32-true" leaves the module's own dtype with an fp32 master. Reduced
-        gradient shards stay in the compute dtype unless ``grad_accum_dtype`` says otherwise."""
-        cfg = self.config
-        compute = param_dtype if cfg.precision == "32-true" else cfg.compute_dtype
-        master = compute if cfg.precision in ("bf16-true", "16-true") else torch.float32
-        accumulate = cfg.gradient_accumulation_dtype if cfg.grad_accum_dtype is not None else compute
-        return {"compute_dtype": compute, "grad_dtype": compute, "master_dtype": master, "grad_shard_dtype": accumulate}
 
     def _materialise(self) -> None:
         """Move the parameters into their flat buffers on the device one unit at a time, every rank starting from
@@ -200,9 +251,11 @@ class ZeroEngine:
         count = torch.tensor([float(built_on_meta)], device=self.device)
         dist.all_reduce(count, group=self.process_group)
         if 0 < count.item() < self.world_size:
-            raise ValueError(f"{int(count.item())} of {self.world_size} ranks built the model on the meta device "
-                             f"and the others did not; build it alike on every rank, or pass "
-                             f"sync_module_states=True to stream rank 0's model to ranks that built it on meta")
+            raise ValueError(
+                f"{int(count.item())} of {self.world_size} ranks built the model on the meta device "
+                f"and the others did not; build it alike on every rank, or pass "
+                f"sync_module_states=True to stream rank 0's model to ranks that built it on meta"
+            )
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Give an engine built without an optimizer (a model prepared before its optimizer) the one that trains it.
@@ -218,13 +271,18 @@ class ZeroEngine:
         for fp in self.flat_params:
             for slot, p in zip(fp.slots, fp.params):
                 if id(p) not in group_of:
-                    raise ValueError(f"parameter {slot.name!r} requires grad but is in no param group of the "
-                                     f"optimizer; freeze it (requires_grad=False) or add it to the optimizer")
+                    raise ValueError(
+                        f"parameter {slot.name!r} requires grad but is in no param group of the "
+                        f"optimizer; freeze it (requires_grad=False) or add it to the optimizer"
+                    )
         if len(group_of) != sum(len(fp.params) for fp in self.flat_params):
             raise ValueError("the optimizer holds parameters that are not trainable parameters of this model")
         if not self.can_attach(optimizer):
-            raise ValueError("the optimizer's param groups split this model's flat buffers (or its step is "
-                             "offloaded): prepare the model together with its optimizer")
+            raise ValueError(
+                "the optimizer's param groups split this model's flat buffers (or its step is "
+                "offloaded): prepare the model together with its optimizer"
+            )
+        check_optimizer_is_elementwise(optimizer)
         for fp in self.flat_params:
             fp.group_index = group_of[id(fp.params[0])]
         self.optimizer = optimizer
@@ -233,13 +291,15 @@ class ZeroEngine:
     def can_attach(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether :meth:`attach_optimizer` can take ``optimizer`` without laying the flat buffers out anew."""
         group_of = param_group_index(optimizer)
-        return self.config.offload_optimizer == "none" and all(
-            len({group_of.get(id(p)) for p in fp.params}) == 1 for fp in self.flat_params)
+        return not self.plan.offloads_optimizer and all(
+            len({group_of.get(id(p)) for p in fp.params}) == 1 for fp in self.flat_params
+        )
 
     def load_weights(self, path, prefix: str = "") -> None:
         """Load pretrained weights (Hugging Face safetensors, one file or sharded, or our consolidated file),
         each rank reading only its shards; see :mod:`ds_strategy.checkpoint.pretrained`."""
         from ..checkpoint.pretrained import load_weights  # that package imports this one
+
         load_weights(self, path, prefix)
 
     # -- forward ----------------------------------------------------------------------------------------------
@@ -253,14 +313,14 @@ class ZeroEngine:
 
     def _gather_root_for(self, module: nn.Module, args) -> None:
         """Note: [Root parameters outside the root's forward]
-          The root unit (parameters no single unit owns: embeddings, final norm, tied weights) is gathered by
-          the root module's forward pre-hook, or by ``before_forward`` from adapters whose step functions call
-          submodules instead (a LightningModule's ``training_step``). A step may also run a second forward after
-          a backward, which released the root (manual optimization: two backwards per step, GANs), without
-          either. So every module that holds root parameters gathers the root before it runs if it is sharded;
-          a sharded root means a forward is starting, so the prefetch position starts over too. Parameters read
-          outside any module's forward (``x @ module.weight`` in the step function) are not covered: call
-          ``before_forward`` first.
+        The root unit (parameters no single unit owns: embeddings, final norm, tied weights) is gathered by
+        the root module's forward pre-hook, or by ``before_forward`` from adapters whose step functions call
+        submodules instead (a LightningModule's ``training_step``). A step may also run a second forward after
+        a backward, which released the root (manual optimization: two backwards per step, GANs), without
+        either. So every module that holds root parameters gathers the root before it runs if it is sharded;
+        a sharded root means a forward is starting, so the prefetch position starts over too. Parameters read
+        outside any module's forward (``x @ module.weight`` in the step function) are not covered: call
+        ``before_forward`` first.
         """
         if self.units[0].sharded_state is ShardedState.SHARDED:
             self.before_forward()
@@ -316,20 +376,21 @@ class ZeroEngine:
         return {key: result[key] for key in order}
 
     def _end_of_backward(self) -> None:
-        self.gatherer.end_of_backward()
-        if self.weight_gather is not None:
-            self.weight_gather.drop_all()
+        with profiler_range("backward.end"):
+            self.gatherer.end_of_backward()
+            if self.weight_gather is not None:
+                self.weight_gather.drop_all()
 
     def _on_flat_param_launched(self, fp: FlatParam) -> None:
-        unit = self._unit_of_fp[id(fp)]
         if not fp.policy.params:
             return
-        count = self._launched_per_unit.get(id(unit), 0) + 1
+        unit = self._unit_of[fp.index]
+        count = self._launched_per_unit.get(unit, 0) + 1
         if count == len(unit.partitioned):
-            self._launched_per_unit.pop(id(unit), None)
+            self._launched_per_unit.pop(unit, None)
             self.gatherer.on_flat_params_reduced(unit)
         else:
-            self._launched_per_unit[id(unit)] = count
+            self._launched_per_unit[unit] = count
 
     # -- backward ---------------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -360,11 +421,14 @@ class ZeroEngine:
         Call after the step's last backward; ``clip_grad_norm_`` and ``step`` call it when they need it, and later
         calls until ``step`` return the same statistics without touching the gradients again.
         """
-        if self._grad_stats is None:
-            inv_scale = self.loss_scaler.inv_scale if self.loss_scaler is not None else 1.0
-            self._grad_stats = unscale_and_check_shards(self._optimizer_grads(), inv_scale, self.collectives,
-                                                        sharded=self.config.partitions_optimizer)
-        return self._grad_stats
+        with profiler_range("step.unscale"):
+            with profiler_range("step.unscale"):
+                if self._grad_stats is None:
+                    inv_scale = self.loss_scaler.inv_scale if self.loss_scaler is not None else 1.0
+                    self._grad_stats = unscale_and_check_shards(
+                        self._optimizer_grads(), inv_scale, self.collectives, sharded=self.plan.partitions_optimizer
+                    )
+                return self._grad_stats
 
     def _optimizer_grads(self) -> list[torch.Tensor]:
         """Each flat buffer's reduced gradient in its master's dtype: what clipping scales and the optimizer reads.
@@ -397,8 +461,10 @@ class ZeroEngine:
         """Each flat buffer's optimizer gradient or, where that is a slice of ``grad_full`` (stage 1 in one dtype
         with all-reduce), the whole ``grad_full``: the parameters' ``.grad`` view it, and must stay the same
         averaged gradient on every rank (Note: [Accumulation and reduction])."""
-        return [fp.grad_full if fp.grad_full is not None and _same_storage(grad, fp.grad_full) else grad
-                for fp, grad in zip(self.flat_params, self._optimizer_grads())]
+        return [
+            fp.grad_full if fp.grad_full is not None and _same_storage(grad, fp.grad_full) else grad
+            for fp, grad in zip(self.flat_params, self._optimizer_grads())
+        ]
 
     def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
         """Global ``norm_type``-norm of the unscaled gradients; the 2-norm comes from ``unscale_gradients``."""
@@ -413,7 +479,7 @@ class ZeroEngine:
         else:
             local = torch.stack([g.pow(norm_type).sum() for g in grads]).sum() if grads else torch.zeros(())
             op = dist.ReduceOp.SUM
-        if self.config.partitions_optimizer:
+        if self.plan.partitions_optimizer:
             self.collectives.all_reduce(local, op=op).wait()
         return local if math.isinf(norm_type) else local.pow(1.0 / norm_type)
 
@@ -427,49 +493,49 @@ class ZeroEngine:
         optimizer state stay as they were, the gradients are discarded and the loss scaler is updated (see
         :mod:`ds_strategy.precision.loss_scaler`). bf16 and fp32 training never skip.
 
-        Note: stage 1/2 parameter refresh. After the step each rank holds updated values only in its own shard.
+        Note: [Stage 1/2 parameter refresh]
+        After the step each rank holds updated values only in its own shard.
         The all-gathers that fill in the rest are launched for every unit at once and all waited on before
         ``step`` returns. Deferring the wait to the next forward would overlap them with compute, but any read
         of the parameters in between (a callback, a checkpoint, an EMA) would then see a buffer a collective is
         still writing; correctness wins. Under mixed precision ``copy_master_to_params`` first rounds the updated
         fp32 master into the 16-bit shard, so the all-gathers move 16-bit values.
         """
-        if self.sequence_check is not None:
-            self.sequence_check.verify()
-        if self.loss_scaler is not None:
-            overflow = self.unscale_gradients().found_inf
-            self.loss_scaler.update(overflow)
-            if overflow:
-                self.zero_grad()
-                return False
-        if self.offload is not None:  # host/NVMe step and copy-back; see ds_strategy.offload.engine_offload
-            self.offload.step(self._optimizer_grads())
-        else:
-            for fp, grad in zip(self.flat_params, self._optimizer_grads()):
-                fp.master.grad = grad
-            self.optimizer.step()
-            for fp in self.flat_params:
-                fp.master.grad = None
-                fp.copy_master_to_params()
-        self.zero_grad()  # the step consumes the gradients, as DeepSpeed's does: ``.grad`` is None until backward
-        if self.gatherer is not None:  # a unit still gathered (a forward after the last backward) is now stale
-            self.gatherer.release_all()
-        self._refresh_params()
-        return True
+        with profiler_range("step"):
+            with profiler_range("step"):
+                if self.sequence_check is not None:
+                    with profiler_range("step.sequence_check"):
+                        self.sequence_check.verify()
+                if self.loss_scaler is not None:
+                    overflow = self.unscale_gradients().found_inf
+                    self.loss_scaler.update(overflow)
+                    if overflow:
+                        self.zero_grad()
+                        return False
+                grads = self._optimizer_grads()
+                with profiler_range("step.optimizer"):
+                    self.step_runner.step(self.optimizer, grads)  # and the write-back (see .step_runner)
+                self.zero_grad()  # consumes the gradients, as DeepSpeed's step does: ``.grad`` is None till backward
+                if self.gatherer is not None:  # a unit still gathered (a forward after the last backward) is now stale
+                    self.gatherer.release_all()
+                self._refresh_params()
+                return True
 
     def _refresh_params(self) -> None:
         """All-gather the updated shards of the whole (never freed) buffers, at most ``allgather_bucket_size``
         elements in flight: past that, wait for what is in flight before launching more."""
-        in_flight = 0
-        for unit in self.units:
-            stale = [fp for fp in unit.flat_params if fp.policy.optimizer and not fp.policy.params]
-            size = sum(fp.padded_numel for fp in stale)
-            if in_flight and in_flight + size > self.config.allgather_bucket_size:
-                self.wait_for_params()
+        with profiler_range("step.refresh_params"):
+            with profiler_range("step.refresh_params"):
                 in_flight = 0
-            unit.refresh(stale)
-            in_flight += size
-        self.wait_for_params()
+                for unit in self.units:
+                    stale = [fp for fp in unit.flat_params if fp.policy.optimizer and not fp.policy.params]
+                    size = sum(fp.padded_numel for fp in stale)
+                    if in_flight and in_flight + size > self.config.allgather_bucket_size:
+                        self.wait_for_params()
+                        in_flight = 0
+                    unit.refresh(stale)
+                    in_flight += size
+                self.wait_for_params()
 
     def zero_grad(self) -> None:
         self._grad_stats = self._master_grads = None
@@ -494,15 +560,17 @@ class ZeroEngine:
     def summary(self) -> str:
         report = self.memory_report()
         mib = {k: sum(v.values()) / 2**20 for k, v in report.items()}
-        return (f"ZeRO stage {self.config.stage} on {self.world_size} ranks, {len(self.units)} units, "
-                f"{sum(fp.numel for fp in self.flat_params):,} trainable params; per rank: "
-                + ", ".join(f"{k} {v:.1f} MiB" for k, v in mib.items())
-                + (f"; {self.offload.describe(report)}" if self.offload is not None else ""))
+        placed = self.step_runner.describe(report)
+        return (
+            f"ZeRO stage {self.config.stage} on {self.world_size} ranks, {len(self.units)} units, "
+            f"{sum(fp.numel for fp in self.flat_params):,} trainable params; per rank: "
+            + ", ".join(f"{k} {v:.1f} MiB" for k, v in mib.items())
+            + (f"; {placed}" if placed else "")
+        )
 
     def remove_hooks(self) -> None:
         """Detach the engine from the module (teardown); also removes this rank's offload files."""
-        if self.offload is not None:
-            self.offload.close()
+        self.step_runner.close()
         self.reducer.remove_hooks()
         if self.gatherer is not None:
             self.gatherer.remove_hooks()

@@ -5,6 +5,7 @@ end to end in one 1-D buffer, padded so that every rank owns an equal contiguous
 become views into the full buffer; the optimizer sees only this rank's shard. Which of the three states (full
 parameters, gradients, optimizer state) are partitioned is a :class:`ShardPolicy`, so stages 0-3 are one code path.
 """
+
 from __future__ import annotations
 
 import math
@@ -14,25 +15,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .plan import FlatDtypes, ShardPolicy
 
-@dataclass(frozen=True)
-class ShardPolicy:
-    """What a flat buffer keeps partitioned across ranks (the ZeRO paper's P_os, P_g, P_p).
-
-    ``params``: the full buffer exists only while gathered (stage 3); otherwise every rank keeps it.
-    ``grads``: gradients are reduced into a 1/N shard as soon as they are produced (stage >= 2); otherwise a
-    full gradient buffer accumulates locally and is reduced once per optimizer step.
-    ``optimizer``: the optimizer updates only this rank's shard (stage >= 1); otherwise the whole buffer.
-    """
-
-    params: bool
-    grads: bool
-    optimizer: bool
-
-    @classmethod
-    def for_stage(cls, stage: int, persistent: bool = False) -> "ShardPolicy":
-        """Stage 3 parameters below the persistence threshold stay whole, like stage 2."""
-        return cls(params=stage >= 3 and not persistent, grads=stage >= 2, optimizer=stage >= 1)
+__all__ = ["FlatParam", "ParamSlot", "ShardPolicy"]
 
 
 @dataclass(frozen=True)
@@ -61,11 +46,20 @@ class FlatParam:
         reduced gradient the optimizer reads, is in ``master_dtype``.
     """
 
-    def __init__(self, name: str, params: list[tuple[str, nn.Parameter]], group_index: int, policy: ShardPolicy,
-                 rank: int, world_size: int, compute_dtype: torch.dtype, grad_dtype: torch.dtype,
-                 device: torch.device, master_dtype: torch.dtype = torch.float32,
-                 grad_shard_dtype: torch.dtype | None = None,
-                 shard_store: Callable[["FlatParam", torch.Tensor], torch.Tensor] | None = None):
+    def __init__(
+        self,
+        index: int,
+        name: str,
+        params: list[tuple[str, nn.Parameter]],
+        group_index: int,
+        policy: ShardPolicy,
+        rank: int,
+        world_size: int,
+        dtypes: FlatDtypes,
+        device: torch.device,
+        shard_store: Callable[[FlatParam, torch.Tensor], torch.Tensor] | None = None,
+    ):
+        self.index = index  # position in the engine's flat_params: the key of per-buffer state elsewhere
         self.name = name
         self.shard_store = shard_store  # (fp, values) -> where a partitioned shard lives; None: a clone in memory
         self.params = [p for _, p in params]
@@ -73,10 +67,10 @@ class FlatParam:
         self.policy = policy
         self.rank = rank
         self.world_size = world_size
-        self.compute_dtype = compute_dtype
-        self.grad_dtype = grad_dtype
-        self.master_dtype = master_dtype
-        self.grad_shard_dtype = grad_shard_dtype or grad_dtype
+        self.compute_dtype = dtypes.compute
+        self.grad_dtype = dtypes.compute
+        self.master_dtype = dtypes.master
+        self.grad_shard_dtype = dtypes.grad_shard
         self.slots: list[ParamSlot] = []
         offset = 0
         for pname, p in params:
@@ -87,13 +81,13 @@ class FlatParam:
         self.padded_numel = self.shard_numel * world_size
         self.shard_offset = rank * self.shard_numel
         self.device = device
-        self.full = torch.empty(self.padded_numel, dtype=compute_dtype, device=device)
+        self.full = torch.empty(self.padded_numel, dtype=self.compute_dtype, device=device)
         self.free_full()  # storage comes one unit at a time, when the unit is adopted (see zero.placement)
         self.shard: torch.Tensor
         self.master: torch.Tensor
         self.grad_full: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
-        self.shard_source = None  # set by ds_strategy.offload when ``shard`` is not on the device: () -> device copy
+        self._shard_source: Callable[[], torch.Tensor] | None = None  # see relocate_shard
 
     # -- construction -----------------------------------------------------------------------------------------
     def adopt_params(self) -> None:
@@ -113,8 +107,9 @@ class FlatParam:
         self.alloc_full()
         self.full.zero_()
         for p, view in zip(self.params, self.param_views()):
-            torch.utils.swap_tensors(p, nn.Parameter(torch.empty(0, dtype=view.dtype, device=view.device),
-                                                     requires_grad=p.requires_grad))
+            torch.utils.swap_tensors(
+                p, nn.Parameter(torch.empty(0, dtype=view.dtype, device=view.device), requires_grad=p.requires_grad)
+            )
             p.data = view
 
     def finish_sharding(self) -> None:
@@ -126,6 +121,39 @@ class FlatParam:
         if self.policy.params:
             self.point_params_at_empty()
             self.free_full()
+
+    def allocate_grads(self, comm_dtype: torch.dtype, all_reduce: bool) -> None:
+        """The gradient buffers the reducer accumulates into (see Note: [Accumulation and reduction] in
+        :mod:`.grad_reducer`): ``grad_full`` unless gradients are partitioned, and a stage-1 ``grad_shard`` that
+        is a view of it when an all-reduce in one dtype leaves the mean there. Partitioned gradients get their
+        shard at the first reduction (``reduced_grad_shard``), so building a model holds only parameter shards."""
+        if not self.policy.grads:
+            self.grad_full = torch.zeros(self.padded_numel, dtype=self.grad_dtype, device=self.device)
+        if self.policy.optimizer and not self.policy.grads:
+            if all_reduce and self.grad_dtype == self.grad_shard_dtype == comm_dtype:
+                self.grad_shard = self.grad_full.narrow(0, self.shard_offset, self.shard_numel)
+            else:
+                self.grad_shard = torch.zeros(self.shard_numel, dtype=self.grad_shard_dtype, device=self.device)
+
+    def reduced_grad_shard(self) -> torch.Tensor:
+        """``grad_shard``, allocated (zeroed) at its first use."""
+        if self.grad_shard is None:
+            self.grad_shard = torch.zeros(self.shard_numel, dtype=self.grad_shard_dtype, device=self.device)
+        return self.grad_shard
+
+    # -- offload: where the shard, master and gradient shard live ------------------------------------------------
+    def relocate_shard(self, shard: torch.Tensor, device_copy: Callable[[], torch.Tensor] | None = None) -> None:
+        """The parameter shard now lives in ``shard`` (host memory, or an NVMe file's map); ``device_copy``, when
+        given, returns the copy on the device that a gather sends. ``master``, if it was the old shard, stays."""
+        self.shard, self._shard_source = shard, device_copy
+
+    def relocate_master(self, master: torch.Tensor) -> None:
+        """The optimizer's master now lives in ``master`` (host memory, or an NVMe file's map)."""
+        self.master = master
+
+    def relocate_grad_shard(self, grad_shard: torch.Tensor) -> None:
+        """The reduced gradient shard now lives in ``grad_shard`` (an NVMe file's map, on a CPU device)."""
+        self.grad_shard = grad_shard
 
     def _make_master(self) -> torch.Tensor:
         source = self.shard if self.policy.optimizer else self.full
@@ -139,14 +167,14 @@ class FlatParam:
 
     def gather_source(self) -> torch.Tensor:
         """What an all-gather of ``full`` sends: ``shard``, or its device copy when the shard is offloaded."""
-        return self.shard if self.shard_source is None else self.shard_source()
+        return self.shard if self._shard_source is None else self._shard_source()
 
     def point_params_at_full(self) -> None:
         for p, view in zip(self.params, self.param_views()):
             p.data = view
 
     def point_params_at_empty(self) -> None:
-        """Note: outside a gather a partitioned parameter is an empty tensor, never stale memory."""
+        """Outside a gather a partitioned parameter is an empty tensor, never stale memory."""
         empty = torch.empty(0, dtype=self.compute_dtype, device=self.device)
         for p in self.params:
             p.data = empty
@@ -191,5 +219,7 @@ class FlatParam:
         return self.slot_pieces(self.shard_offset, self.shard_offset + self.shard_numel)
 
     def __repr__(self) -> str:
-        return (f"FlatParam({self.name}, numel={self.numel}, shard={self.shard_numel}x{self.world_size}, "
-                f"policy={self.policy})")
+        return (
+            f"FlatParam({self.name}, numel={self.numel}, shard={self.shard_numel}x{self.world_size}, "
+            f"policy={self.policy})"
+        )

@@ -1,7 +1,9 @@
 """Gradient reduction: from the gradients autograd produces to averaged gradients in the optimizer's region."""
+
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from enum import Enum
 from typing import NamedTuple
 
@@ -9,8 +11,11 @@ import torch
 from torch.autograd import Variable
 
 from ..comm.collectives import Collectives, PendingCollective
+from ..profiler_ranges import profiler_range
 from .flat_param import FlatParam
 from .memory_report import WorkingSetPeak
+
+QuantizedReduceScatter = Callable[..., PendingCollective]  # qgZ: (out fp32, full, label=...) -> PendingCollective
 
 
 class _Kind(Enum):
@@ -55,7 +60,8 @@ class GradReducer:
       size, the parameter's ``.grad`` is dropped, and once the flat buffer is complete the scratch is
       reduce-scattered and added into the fp32 ``grad_shard``. That costs one reduce-scatter per micro-batch.
 
-    Note: gradient dtypes under mixed precision. Autograd produces gradients in the compute dtype, and
+    Note: [Gradient dtypes under mixed precision]
+    Autograd produces gradients in the compute dtype, and
     ``grad_full`` (stage 0/1) keeps them so: 2 bytes per parameter in 16-bit training. They travel in
     ``comm_dtype`` (``ZeroConfig.gradient_communication_dtype``: fp32 for fp16 training, whose sums of scaled
     gradients would overflow fp16; bf16 for bf16 training): stage 2/3 scratch buffers are allocated in it, and a
@@ -66,12 +72,14 @@ class GradReducer:
     for the step and divides the loss scale out of that copy, never in fp16, which would underflow the small
     gradients that loss scaling exists to keep. At stage 0 the optimizer region is ``grad_full`` itself.
 
-    Note: collective order. Ranks must issue collectives in the same order or gloo/NCCL pair the wrong buffers.
+    Note: [Collective order]
+    Ranks must issue collectives in the same order or gloo/NCCL pair the wrong buffers.
     A flat buffer is reduced only after every flat buffer before it in the fixed ``order`` (reverse forward
     order) has been launched; the buffers still missing at the end of backward (unused parameters) are launched
     then, in that order, with zeros for what never arrived.
 
-    Note: bucket lifetime. A scratch buffer lives from the first gradient copied into it until its reduction
+    Note: [Bucket lifetime]
+    A scratch buffer lives from the first gradient copied into it until its reduction
     has been waited on and added into ``grad_shard``. At most ``bucket_numel`` elements of scratch are in flight:
     launching past that waits for the oldest reductions first. Everything is waited on at the end of backward,
     so the optimizer never reads a shard a reduction is still writing. At stage 0/1 the buffer in flight is
@@ -82,8 +90,25 @@ class GradReducer:
     is waited on as soon as it is launched, inside the hook that launched it, so at most one is ever in flight.
     """
 
-    def __init__(self, flat_params: list[FlatParam], collectives: Collectives, overlap: bool, bucket_numel: int,
-                 comm_dtype: torch.dtype | None = None, working_set: WorkingSetPeak | None = None):
+    def __init__(
+        self,
+        flat_params: list[FlatParam],
+        collectives: Collectives,
+        overlap: bool,
+        bucket_numel: int,
+        comm_dtype: torch.dtype | None = None,
+        working_set: WorkingSetPeak | None = None,
+        on_launched: Callable[[FlatParam], None] | None = None,
+        on_backward_end: Callable[[], None] | None = None,
+        on_reduced: Callable[[FlatParam, torch.Tensor], None] | None = None,
+        quantized_reduce_scatter: QuantizedReduceScatter | None = None,
+    ):
+        """``on_launched(fp)``: fp's reduction is in flight (stage 3 frees the unit's weights). ``on_backward_end()``:
+        every reduction of this backward has finished. ``on_reduced(fp, grad)``: a synced reduction into fp's
+        optimizer region finished and ``grad`` is final for the step (offload copies it to the host).
+        ``quantized_reduce_scatter``: qgZ, used instead of the plain reduce-scatter at stage 2/3.
+        ``flat_params`` are the engine's, in order (``fp.index`` is each one's position), their gradient buffers
+        allocated (``FlatParam.allocate_grads``)."""
         self.order = list(reversed(flat_params))
         self.collectives = collectives
         self.comm_dtype = comm_dtype
@@ -92,37 +117,17 @@ class GradReducer:
         self.sync = True
         self.peak_scratch_bytes = 0
         self.working_set = working_set or WorkingSetPeak([])  # told of every scratch allocation and free
+        self.on_launched = on_launched
+        self.on_backward_end = on_backward_end
+        self.on_reduced = on_reduced
+        self.quantized_reduce_scatter = quantized_reduce_scatter
         self._slot_of = {id(p): (fp, i) for fp in flat_params for i, p in enumerate(fp.params)}
-        self._ready_count = {id(fp): 0 for fp in flat_params}
-        self._scratch: dict[int, torch.Tensor] = {}
+        self._ready_count = [0] * len(flat_params)
+        self._scratch: dict[int, torch.Tensor] = {}  # fp.index -> scratch buffer
         self._next = 0
         self._in_flight: deque[_Reduction] = deque()
         self._callback_queued = False
         self._handles = []
-        self.on_launched = lambda fp: None
-        self.on_backward_end = lambda: None
-        self.on_reduced = lambda fp: None  # a reduction into fp's optimizer region finished (offload copies it)
-        self.quantized_reduce_scatter = None  # qgZ, set by the engine: (out fp32, full, label) -> PendingCollective
-        for fp in flat_params:
-            self._allocate(fp)
-
-    def _allocate(self, fp: FlatParam) -> None:
-        if not fp.policy.grads:
-            fp.grad_full = torch.zeros(fp.padded_numel, dtype=fp.grad_dtype, device=fp.device)
-        if fp.policy.optimizer and not fp.policy.grads:
-            same_dtype = fp.grad_dtype == fp.grad_shard_dtype == self._comm_dtype(fp)
-            if self.collectives.use_all_reduce and same_dtype:
-                fp.grad_shard = fp.grad_full.narrow(0, fp.shard_offset, fp.shard_numel)
-            else:
-                fp.grad_shard = torch.zeros(fp.shard_numel, dtype=fp.grad_shard_dtype, device=fp.device)
-
-    @staticmethod
-    def _grad_shard(fp: FlatParam) -> torch.Tensor:
-        """Partitioned gradients get their shard at the first reduction, so building a model (stage 3 from
-        the meta device) holds nothing but the parameter shards."""
-        if fp.grad_shard is None:
-            fp.grad_shard = torch.zeros(fp.shard_numel, dtype=fp.grad_shard_dtype, device=fp.device)
-        return fp.grad_shard
 
     def _comm_dtype(self, fp: FlatParam) -> torch.dtype:
         return self.comm_dtype or fp.grad_dtype
@@ -139,28 +144,30 @@ class GradReducer:
 
     # -- backward ----------------------------------------------------------------------------------------------
     def _on_grad(self, param: torch.Tensor) -> None:
-        fp, index = self._slot_of[id(param)]
-        if not self._callback_queued:
-            Variable._execution_engine.queue_callback(self._end_of_backward)
-            self._callback_queued = True
-        slot = fp.slots[index]
-        grad = param.grad
-        if fp.policy.grads:
-            self._scratch_for(fp).narrow(0, slot.offset, slot.numel).copy_(grad.reshape(-1))
-            param.grad = None
-        else:
-            view = fp.grad_full.narrow(0, slot.offset, slot.numel).view(slot.shape)
-            if grad.data_ptr() != view.data_ptr():
-                view.add_(grad)
-                param.grad = view
-        self._ready_count[id(fp)] += 1
-        self._launch_ready()
+        with profiler_range("grad.hook"):
+            with profiler_range("grad.hook"):
+                fp, index = self._slot_of[id(param)]
+                if not self._callback_queued:
+                    Variable._execution_engine.queue_callback(self._end_of_backward)
+                    self._callback_queued = True
+                slot = fp.slots[index]
+                grad = param.grad
+                if fp.policy.grads:
+                    self._scratch_for(fp).narrow(0, slot.offset, slot.numel).copy_(grad.reshape(-1))
+                    param.grad = None
+                else:
+                    view = fp.grad_full.narrow(0, slot.offset, slot.numel).view(slot.shape)
+                    if grad.data_ptr() != view.data_ptr():
+                        view.add_(grad)
+                        param.grad = view
+                self._ready_count[fp.index] += 1
+                self._launch_ready()
 
     def _scratch_for(self, fp: FlatParam) -> torch.Tensor:
-        scratch = self._scratch.get(id(fp))
+        scratch = self._scratch.get(fp.index)
         if scratch is None:
             scratch = torch.zeros(fp.padded_numel, dtype=self._comm_dtype(fp), device=fp.device)
-            self._scratch[id(fp)] = scratch
+            self._scratch[fp.index] = scratch
             live = self._scratch_bytes()
             self.peak_scratch_bytes = max(self.peak_scratch_bytes, live)
             self.working_set.observe(live)
@@ -172,67 +179,83 @@ class GradReducer:
     def _launch_ready(self, force: bool = False) -> None:
         while self._next < len(self.order):
             fp = self.order[self._next]
-            if not force and self._ready_count[id(fp)] < len(fp.params):
+            if not force and self._ready_count[fp.index] < len(fp.params):
                 return
             self._next += 1
             if fp.policy.grads or self.sync:
                 self._launch(fp)
 
     def _launch(self, fp: FlatParam) -> None:
-        world = self.collectives.world_size
-        if fp.policy.grads:
-            scratch = self._scratch_for(fp)
-            if self.quantized_reduce_scatter is not None:
-                out = torch.empty(fp.shard_numel, dtype=torch.float32, device=scratch.device)
-                pending = self.quantized_reduce_scatter(out, scratch, label=f"gradients of {fp.name}")
-            else:
-                out = (scratch.narrow(0, fp.shard_offset, fp.shard_numel) if self.collectives.use_all_reduce
-                       else torch.empty(fp.shard_numel, dtype=scratch.dtype, device=scratch.device))
-                pending = self.collectives.reduce_scatter(out, scratch, label=f"gradients of {fp.name}")
-            launched = _Reduction(pending, fp, out, _Kind.SCATTERED, scratch.numel())
-        elif fp.policy.optimizer and not self.collectives.use_all_reduce:
-            send = fp.grad_full.to(self._comm_dtype(fp))
-            out = (fp.grad_shard if fp.grad_shard.dtype == send.dtype
-                   else torch.empty(fp.shard_numel, dtype=send.dtype, device=send.device))
-            pending = self.collectives.reduce_scatter(out, send, label=f"gradients of {fp.name}")
-            launched = _Reduction(pending, fp, out, _Kind.SCATTERED_ONCE, 0)
-        else:
-            send = fp.grad_full.to(self._comm_dtype(fp))
-            pending = self.collectives.all_reduce(send, label=f"gradients of {fp.name}")
-            launched = _Reduction(pending, fp, send, _Kind.ALL_REDUCED, 0)
-        self._in_flight.append(launched)
-        self.on_launched(fp)
-        while self._in_flight and (not self.overlap or self._scratch_in_flight() > self.bucket_numel
-                                   or self._in_flight[0].pending.is_completed()):
-            self._finish_oldest(world)
+        with profiler_range("grad.reduce", fp.name):
+            with profiler_range("grad.reduce", fp.name):
+                world = self.collectives.world_size
+                if fp.policy.grads:
+                    scratch = self._scratch_for(fp)
+                    if self.quantized_reduce_scatter is not None:
+                        out = torch.empty(fp.shard_numel, dtype=torch.float32, device=scratch.device)
+                        pending = self.quantized_reduce_scatter(out, scratch, label=f"gradients of {fp.name}")
+                    else:
+                        out = (
+                            scratch.narrow(0, fp.shard_offset, fp.shard_numel)
+                            if self.collectives.use_all_reduce
+                            else torch.empty(fp.shard_numel, dtype=scratch.dtype, device=scratch.device)
+                        )
+                        pending = self.collectives.reduce_scatter(out, scratch, label=f"gradients of {fp.name}")
+                    launched = _Reduction(pending, fp, out, _Kind.SCATTERED, scratch.numel())
+                elif fp.policy.optimizer and not self.collectives.use_all_reduce:
+                    send = fp.grad_full.to(self._comm_dtype(fp))
+                    out = (
+                        fp.grad_shard
+                        if fp.grad_shard.dtype == send.dtype
+                        else torch.empty(fp.shard_numel, dtype=send.dtype, device=send.device)
+                    )
+                    pending = self.collectives.reduce_scatter(out, send, label=f"gradients of {fp.name}")
+                    launched = _Reduction(pending, fp, out, _Kind.SCATTERED_ONCE, 0)
+                else:
+                    send = fp.grad_full.to(self._comm_dtype(fp))
+                    pending = self.collectives.all_reduce(send, label=f"gradients of {fp.name}")
+                    launched = _Reduction(pending, fp, send, _Kind.ALL_REDUCED, 0)
+                self._in_flight.append(launched)
+                if self.on_launched is not None:
+                    self.on_launched(fp)
+                while self._in_flight and (
+                    not self.overlap
+                    or self._scratch_in_flight() > self.bucket_numel
+                    or self._in_flight[0].pending.is_completed()
+                ):
+                    self._finish_oldest(world)
 
     def _scratch_in_flight(self) -> int:
         return sum(reduction.scratch_numel for reduction in self._in_flight)
 
     def _finish_oldest(self, world: int) -> None:
-        reduction = self._in_flight.popleft()
-        reduction.pending.wait()
-        fp, out = reduction.fp, reduction.out
-        if reduction.kind is _Kind.SCATTERED:
-            self._grad_shard(fp).add_(out, alpha=1.0 / world)
-            del self._scratch[id(fp)]
-            self.working_set.observe(self._scratch_bytes())
-        elif reduction.kind is _Kind.ALL_REDUCED:
-            _store_all_reduced(fp, out, world)
-        else:
-            _store_mean(fp.grad_shard, out, world)
-            for p in fp.params:  # grad_full keeps this rank's own sum; no rank may read it as the gradient
-                p.grad = None
-        self.on_reduced(fp)
+        with profiler_range("grad.finish", self._in_flight[0].fp.name):
+            with profiler_range("grad.finish", self._in_flight[0].fp.name):
+                reduction = self._in_flight.popleft()
+                reduction.pending.wait()
+                fp, out = reduction.fp, reduction.out
+                if reduction.kind is _Kind.SCATTERED:
+                    fp.reduced_grad_shard().add_(out, alpha=1.0 / world)
+                    del self._scratch[fp.index]
+                    self.working_set.observe(self._scratch_bytes())
+                elif reduction.kind is _Kind.ALL_REDUCED:
+                    _store_all_reduced(fp, out, world)
+                else:
+                    _store_mean(fp.grad_shard, out, world)
+                    for p in fp.params:  # grad_full keeps this rank's own sum; no rank may read it as the gradient
+                        p.grad = None
+                if self.on_reduced is not None and self.sync:
+                    self.on_reduced(fp, self.reduced_grad(fp))
 
     def _end_of_backward(self) -> None:
-        self._launch_ready(force=True)
-        self.wait_all()
-        self._next = 0
-        for key in self._ready_count:
-            self._ready_count[key] = 0
-        self._callback_queued = False
-        self.on_backward_end()
+        with profiler_range("backward.end"):
+            self._launch_ready(force=True)
+            self.wait_all()
+            self._next = 0
+            self._ready_count = [0] * len(self._ready_count)
+            self._callback_queued = False
+            if self.on_backward_end is not None:
+                self.on_backward_end()
 
     def wait_all(self) -> None:
         """Finish every reduction in flight (the optimizer must not read a shard still being written)."""
@@ -242,7 +265,7 @@ class GradReducer:
     # -- optimizer step ----------------------------------------------------------------------------------------
     def reduced_grad(self, fp: FlatParam) -> torch.Tensor:
         """The averaged gradient of the region the optimizer updates (shard, or whole buffer at stage 0)."""
-        return self._grad_shard(fp) if fp.policy.optimizer else fp.grad_full
+        return fp.reduced_grad_shard() if fp.policy.optimizer else fp.grad_full
 
     def zero_grads(self, fp: FlatParam) -> None:
         if fp.grad_full is not None:

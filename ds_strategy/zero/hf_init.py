@@ -24,6 +24,7 @@ device the flat buffers live on (CPU here; on CUDA, a build under ``torch.device
 model's ``all_tied_weights_keys``) are initialised into a scratch tensor standing in for the tied target, as a
 normal build initialises the untied target before ``tie_weights()`` replaces it.
 """
+
 from __future__ import annotations
 
 import copy
@@ -112,8 +113,10 @@ def _construction_draws(model: nn.Module) -> tuple[list[Draw], list[int]]:
             if tensor is not None:
                 owner_of.setdefault(id(tensor), i)
     index = {name: i for i, (name, _) in enumerate(rebuilt.named_modules(remove_duplicate=False))}
-    replaced = [(index[name.rpartition(".")[0]], rebuilt.get_parameter(name).shape)
-                for name in getattr(rebuilt, "all_tied_weights_keys", {}) or {}]
+    replaced = [
+        (index[name.rpartition(".")[0]], rebuilt.get_parameter(name).shape)
+        for name in getattr(rebuilt, "all_tied_weights_keys", {}) or {}
+    ]
     owners, previous = [], 0
     for draw in recorder.draws:
         if draw.target is not None and id(draw.target) in owner_of:

@@ -6,7 +6,8 @@ freed after forward, each rank keeps a *secondary* piece of the full weights, 1/
 its position within the group. The backward all-gather then runs over the group alone, from the secondary
 pieces: no inter-node traffic for weights in backward, for k/N x the memory of the primary shard on top of it.
 
-Note: secondary partition lifetime. A secondary piece is cut from the gathered weights when a unit is freed
+Note: [Secondary partition lifetime]
+A secondary piece is cut from the gathered weights when a unit is freed
 after a forward that autograd will run backward through (grad enabled), and dropped when the unit is freed
 after its backward, at the end of backward for units whose backward never ran, and by ``drop_all`` (the engine
 calls it at the end of every backward, before every optimizer step, and on ``reshard``). So it never outlives
@@ -19,6 +20,7 @@ Both gathers go through :class:`~ds_strategy.comm.collectives.Collectives`, one 
 accounting is per group (``engine.comm_stats("hpz")``). Every rank must create the same process groups in the
 same order, so :func:`hpz_collectives` calls ``dist.new_group`` for every group on every rank.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,8 +34,10 @@ from .flat_param import FlatParam
 def hpz_collectives(world: Collectives, partition_size: int) -> Collectives:
     """Collectives over this rank's group of ``partition_size`` consecutive ranks of ``world``'s group."""
     if world.world_size % partition_size:
-        raise ValueError(f"ZeroConfig.zero_hpz_partition_size={partition_size} must divide the world size "
-                         f"{world.world_size}; hpZ groups are made of that many consecutive ranks")
+        raise ValueError(
+            f"ZeroConfig.zero_hpz_partition_size={partition_size} must divide the world size "
+            f"{world.world_size}; hpZ groups are made of that many consecutive ranks"
+        )
     if world.group is not None and world.group is not dist.group.WORLD:
         raise ValueError("zero_hpz_partition_size > 1 needs the engine on the default process group")
     mine = None
@@ -59,14 +63,15 @@ class WeightGather:
     # -- gather -------------------------------------------------------------------------------------------------
     def launch(self, fp: FlatParam, label: str, exact: bool = False) -> PendingCollective:
         """Launch the all-gather of ``fp.full``; ``exact`` gathers unquantised from the primary shards."""
-        secondary = self._secondary.get(id(fp))
+        secondary = self._secondary.get(fp.index)
         if secondary is not None and not exact:
             return self._gather_in_group(fp, secondary, f"{label} [hpZ group]")
         if not self.quantized or exact:
             return self.world.all_gather(fp.full, fp.gather_source(), label=label)
-        keep = (lambda packets: self._received.__setitem__(id(fp), packets)) if self.group is not None else None
-        return all_gather_int8(self.world, fp.full, fp.gather_source(), label=label, block_size=self.block_size,
-                               keep_packets=keep)
+        keep = (lambda packets: self._received.__setitem__(fp.index, packets)) if self.group is not None else None
+        return all_gather_int8(
+            self.world, fp.full, fp.gather_source(), label=label, block_size=self.block_size, keep_packets=keep
+        )
 
     def _gather_in_group(self, fp: FlatParam, secondary: torch.Tensor, label: str) -> PendingCollective:
         if not self.quantized:
@@ -75,24 +80,24 @@ class WeightGather:
         pending = self.group.all_gather(packets, secondary, label=f"{label} [int8]")
         return pending.then(lambda: decode_int8_packets(fp.full, packets, self.world.world_size, self.block_size))
 
-    # -- secondary pieces (see the module's Note) ---------------------------------------------------------------
+    # -- secondary pieces (see Note: [Secondary partition lifetime]) ------------------------------------------
     def before_free(self, fp: FlatParam, keep_for_backward: bool) -> None:
         """Called while ``fp.full`` is still gathered, just before it is freed."""
-        received = self._received.pop(id(fp), None)
+        received = self._received.pop(fp.index, None)
         if not keep_for_backward or self.group is None:
-            self._secondary.pop(id(fp), None)
+            self._secondary.pop(fp.index, None)
             return
-        if id(fp) in self._secondary:
+        if fp.index in self._secondary:
             return
         k, position = self.group.world_size, self.group.rank
         if self.quantized:
             if received is None:  # gathered exactly (export): nothing of forward's weights to keep
                 return
             per_group_rank = self.world.world_size // k
-            piece = received[position * per_group_rank:(position + 1) * per_group_rank]
+            piece = received[position * per_group_rank : (position + 1) * per_group_rank]
         else:
             piece = fp.full.view(k, -1)[position]
-        self._secondary[id(fp)] = piece.reshape(-1).clone()
+        self._secondary[fp.index] = piece.reshape(-1).clone()
 
     def drop_all(self) -> None:
         self._secondary.clear()

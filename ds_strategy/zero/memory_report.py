@@ -13,6 +13,7 @@ formula x 1.05 + two largest units' parameter and gradient bytes, by constructio
 reducer waits for the oldest reduction before scratch passes the bound, and the gatherer never prefetches past
 it. ``tests/test_memory_bounds.py`` checks this with reductions slowed on purpose.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
@@ -38,7 +39,7 @@ class WorkingSetSizes(NamedTuple):
     max_live: int  # gathered elements alive at once, beyond which prefetching stops (gathers on demand go ahead)
 
 
-def unit_bounded_sizes(config: "ZeroConfig", units: list["Unit"]) -> WorkingSetSizes:
+def unit_bounded_sizes(config: ZeroConfig, units: list[Unit]) -> WorkingSetSizes:
     """``config``'s sizes with "units" resolved (see [The bound the peak is held to]): the largest unit's
     gradient scratch in flight; one unit prefetched, and then at most the root and two units gathered."""
     scratch = max((sum(fp.padded_numel for fp in u.flat_params if fp.policy.grads) for u in units), default=0)
@@ -49,7 +50,9 @@ def unit_bounded_sizes(config: "ZeroConfig", units: list["Unit"]) -> WorkingSetS
         max_live = min(max_live, root + 2 * gathered)
     return WorkingSetSizes(
         max(1, scratch) if config.reduce_bucket_size == UNITS else int(config.reduce_bucket_size),
-        gathered if config.prefetch_bucket_size == UNITS else int(config.prefetch_bucket_size), max_live)
+        gathered if config.prefetch_bucket_size == UNITS else int(config.prefetch_bucket_size),
+        max_live,
+    )
 
 
 class WorkingSetPeak:
@@ -59,7 +62,7 @@ class WorkingSetPeak:
     gather: the only moments the sum can grow. ``peak`` holds both parts at the moment of the largest sum.
     """
 
-    def __init__(self, flat_params: list["FlatParam"]):
+    def __init__(self, flat_params: list[FlatParam]):
         self.partitioned = [fp for fp in flat_params if fp.policy.params]
         self.scratch_bytes = 0
         self.peak = {"params": 0, "buffers": 0}
@@ -85,7 +88,7 @@ def _place(tensor: torch.Tensor, compute_device: torch.device) -> str:
     return "host" if tensor.device.type == "cpu" and compute_device.type != "cpu" else "device"
 
 
-def memory_report(engine: "ZeroEngine", peak: bool = False) -> dict[str, dict[str, int]]:
+def memory_report(engine: ZeroEngine, peak: bool = False) -> dict[str, dict[str, int]]:
     """``{"params"|"grads"|"optimizer"|"buffers": {"device"|"host"|"nvme": bytes}}`` for this rank.
 
     params: the compute-dtype parameters this rank holds (full buffers while gathered, shards otherwise, plus
@@ -97,13 +100,12 @@ def memory_report(engine: "ZeroEngine", peak: bool = False) -> dict[str, dict[st
     of now: the persistent states as they are now, plus the gathered stage-3 buffers and the gradient scratch
     live together at their largest (see [The bound the peak is held to]).
 
-    With offload, what ``engine.offload`` placed is reported where it put it (on a CPU-only run too, where host
-    and device are the same memory), plus the tensors only it holds (host gradient copies, staging buffers).
+    With offload, what ``engine.step_runner`` placed is reported where it put it (on a CPU-only run too, where
+    host and device are the same memory), plus the tensors only it holds (host gradient copies, staging buffers).
     """
     device = engine.flat_params[0].device if engine.flat_params else torch.device("cpu")
     report = {kind: dict.fromkeys(PLACES, 0) for kind in ("params", "grads", "optimizer", "buffers")}
-    offload = getattr(engine, "offload", None)
-    placed = offload.places() if offload is not None else {}
+    placed = engine.step_runner.places()
 
     def add(kind: str, tensor: torch.Tensor | None) -> None:
         if tensor is not None:
@@ -118,8 +120,11 @@ def memory_report(engine: "ZeroEngine", peak: bool = False) -> dict[str, dict[st
         if fp.policy.params:
             add("params", fp.shard)
         add("grads", fp.grad_full)
-        shared = fp.grad_full is not None and fp.grad_shard is not None and (
-            fp.grad_shard.untyped_storage().data_ptr() == fp.grad_full.untyped_storage().data_ptr())
+        shared = (
+            fp.grad_full is not None
+            and fp.grad_shard is not None
+            and (fp.grad_shard.untyped_storage().data_ptr() == fp.grad_full.untyped_storage().data_ptr())
+        )
         if fp.grad_shard is not None and not shared:
             add("grads", fp.grad_shard)
         if fp.master.untyped_storage().data_ptr() != fp.master_region().untyped_storage().data_ptr():
@@ -138,7 +143,6 @@ def memory_report(engine: "ZeroEngine", peak: bool = False) -> dict[str, dict[st
         report["buffers"]["device"] += engine.working_set.peak["buffers"]
     else:
         report["buffers"]["device"] += engine.reducer.peak_scratch_bytes
-    if offload is not None:
-        for kind, tensor in offload.own_tensors():
-            add(kind, tensor)
+    for kind, tensor in engine.step_runner.own_tensors():
+        add(kind, tensor)
     return report

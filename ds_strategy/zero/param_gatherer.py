@@ -1,6 +1,6 @@
 """Stage 3: gather each unit's parameters just in time for its forward and backward, prefetch the next, free after.
 
-Note: when a gathered buffer may be freed.
+Note: [When a gathered buffer may be freed]
   After forward: only with ``reshard_after_forward`` and not for the unit that ran last (backward needs it
   first). Autograd may have saved views of the parameters; they share the full buffer's storage, which is
   resized to zero and later re-filled in place by the backward gather, so they are valid again when read.
@@ -13,11 +13,13 @@ Note: when a gathered buffer may be freed.
   During activation-checkpoint recomputation the unit is in BACKWARD and gathered; its forward hooks then
   neither free it nor change its state.
 
-Note: prefetch order. The first forward records the order in which units run; later steps gather unit k+1
+Note: [Prefetch order]
+The first forward records the order in which units run; later steps gather unit k+1
 while unit k computes (reverse order in backward). Every rank issues the same gathers in the same order, since
 they run the same model. If a later forward deviates from the recorded order (data-dependent control flow),
 prefetching is switched off with a one-time warning and units are gathered on demand, which is always safe.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -25,6 +27,7 @@ import warnings
 import torch
 from torch.utils._pytree import tree_flatten
 
+from ..profiler_ranges import profiler_range
 from .memory_report import WorkingSetPeak
 from .unit import ShardedState, TrainingState, Unit
 
@@ -32,8 +35,15 @@ from .unit import ShardedState, TrainingState, Unit
 class ParamGatherer:
     """Forward/backward hooks that drive the stage-3 units' gather, prefetch and release."""
 
-    def __init__(self, units: list[Unit], root: Unit, reshard_after_forward: bool, prefetch_numel: int,
-                 max_live_numel: int, working_set: WorkingSetPeak):
+    def __init__(
+        self,
+        units: list[Unit],
+        root: Unit,
+        reshard_after_forward: bool,
+        prefetch_numel: int,
+        max_live_numel: int,
+        working_set: WorkingSetPeak,
+    ):
         self.units = [u for u in units if u.partitioned and u is not root]
         self.root = root
         self.reshard_after_forward = reshard_after_forward
@@ -43,7 +53,7 @@ class ParamGatherer:
         self._recording = True
         self._position = 0
         self._prefetch_enabled = True
-        self._backward_started: set[int] = set()
+        self._backward_started: set[Unit] = set()
         self.peak_gathered_numel = 0
         self.working_set = working_set
         self._handles = []
@@ -61,11 +71,13 @@ class ParamGatherer:
         return sum(u.gathered_numel for u in self.units) + self.root.gathered_numel
 
     def _gather(self, unit: Unit, wait: bool) -> None:
-        unit.gather()
-        if wait:
-            unit.wait_gathered()
-        self.peak_gathered_numel = max(self.peak_gathered_numel, self.gathered_numel())
-        self.working_set.observe()
+        with profiler_range("unit.gather", unit.name):
+            with profiler_range("unit.gather", unit.name):
+                unit.gather()
+                if wait:
+                    unit.wait_gathered()
+                self.peak_gathered_numel = max(self.peak_gathered_numel, self.gathered_numel())
+                self.working_set.observe()
 
     # -- forward ---------------------------------------------------------------------------------------------
     def before_root_forward(self) -> None:
@@ -75,25 +87,31 @@ class ParamGatherer:
 
     def _make_pre_forward(self, unit: Unit):
         def hook(module, args):
-            if unit.training_state is TrainingState.BACKWARD:  # activation-checkpoint recomputation
-                self._gather(unit, wait=True)
-                return
-            self._track_order(unit)
-            self._gather(unit, wait=True)
-            unit.set_training_state(TrainingState.FORWARD)
-            self._prefetch(self._upcoming_forward(unit))
+            with profiler_range("unit.pre_forward", unit.name):
+                with profiler_range("unit.pre_forward", unit.name):
+                    if unit.training_state is TrainingState.BACKWARD:  # activation-checkpoint recomputation
+                        self._gather(unit, wait=True)
+                        return
+                    self._track_order(unit)
+                    self._gather(unit, wait=True)
+                    unit.set_training_state(TrainingState.FORWARD)
+                    self._prefetch(self._upcoming_forward(unit))
+
         return hook
 
     def _make_post_forward(self, unit: Unit):
         def hook(module, args, output):
-            if unit.training_state is TrainingState.BACKWARD:
-                return
-            unit.set_training_state(TrainingState.IDLE)
-            if torch.is_grad_enabled():
-                self._register_pre_backward(unit, output)
-            last = bool(self.order) and unit is self.order[-1] and not self._recording
-            if not torch.is_grad_enabled() or (self.reshard_after_forward and not last):
-                unit.release(keep_for_backward=torch.is_grad_enabled())
+            with profiler_range("unit.post_forward", unit.name):
+                with profiler_range("unit.post_forward", unit.name):
+                    if unit.training_state is TrainingState.BACKWARD:
+                        return
+                    unit.set_training_state(TrainingState.IDLE)
+                    if torch.is_grad_enabled():
+                        self._register_pre_backward(unit, output)
+                    last = bool(self.order) and unit is self.order[-1] and not self._recording
+                    if not torch.is_grad_enabled() or (self.reshard_after_forward and not last):
+                        unit.release(keep_for_backward=torch.is_grad_enabled())
+
         return hook
 
     def _track_order(self, unit: Unit) -> None:
@@ -105,25 +123,24 @@ class ParamGatherer:
                 return
         expected = self.order[self._position] if self._position < len(self.order) else None
         if expected is not unit and self._prefetch_enabled:
-            warnings.warn(f"ZeRO-3: unit {unit.name} ran out of the recorded order (expected "
-                          f"{expected.name if expected else 'no more units'}); prefetching is off from now on and "
-                          f"units are gathered on demand", stacklevel=4)
+            warnings.warn(
+                f"ZeRO-3: unit {unit.name} ran out of the recorded order (expected "
+                f"{expected.name if expected else 'no more units'}); prefetching is off from now on and "
+                f"units are gathered on demand",
+                stacklevel=4,
+            )
             self._prefetch_enabled = False
         self._position += 1
-
-    def end_forward_recording(self) -> None:
-        """Called at the first backward or step: the forward order seen so far is the order to replay."""
-        self._recording = False
 
     def _upcoming_forward(self, unit: Unit) -> list[Unit]:
         if self._recording or not self._prefetch_enabled or unit not in self.order:
             return []
-        return self.order[self.order.index(unit) + 1:]
+        return self.order[self.order.index(unit) + 1 :]
 
     def _upcoming_backward(self, unit: Unit) -> list[Unit]:
         if not self._prefetch_enabled or unit not in self.order:
             return []
-        return list(reversed(self.order[:self.order.index(unit)]))
+        return list(reversed(self.order[: self.order.index(unit)]))
 
     def _prefetch(self, candidates: list[Unit]) -> None:
         """Launch gathers for upcoming units within the prefetch and live-parameter budgets."""
@@ -142,13 +159,15 @@ class ParamGatherer:
         tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
 
         def hook(grad):
-            if id(unit) not in self._backward_started:
-                self._backward_started.add(id(unit))
-                self._recording = False
-                unit.set_training_state(TrainingState.BACKWARD)
-                self._gather(unit, wait=True)
-                self._prefetch(self._upcoming_backward(unit))
-            return grad
+            with profiler_range("unit.pre_backward", unit.name):
+                with profiler_range("unit.pre_backward", unit.name):
+                    if unit not in self._backward_started:
+                        self._backward_started.add(unit)
+                        self._recording = False
+                        unit.set_training_state(TrainingState.BACKWARD)
+                        self._gather(unit, wait=True)
+                        self._prefetch(self._upcoming_backward(unit))
+                    return grad
 
         for t in tensors:
             t.register_hook(hook)
@@ -160,7 +179,10 @@ class ParamGatherer:
             unit.set_training_state(TrainingState.IDLE)
 
     def end_of_backward(self) -> None:
-        """Free every unit but the root, which stays gathered until the optimizer step (see the module's Note)."""
+        """Free every unit but the root, which stays gathered until the optimizer step.
+
+        See Note: [When a gathered buffer may be freed].
+        """
         for unit in self.units:
             if unit.training_state is TrainingState.BACKWARD or unit.sharded_state is not ShardedState.SHARDED:
                 unit.wait_gathered()

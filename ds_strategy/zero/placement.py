@@ -10,6 +10,7 @@ memory therefore peaks at one unit above the shards. Stage 0-2 keep every full b
 ``sync_module_states`` the ranks that built the model on the meta device allocate instead of copying and receive
 rank 0's values in the same broadcasts.
 """
+
 from __future__ import annotations
 
 import torch

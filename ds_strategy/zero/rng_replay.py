@@ -9,6 +9,7 @@ every tensor replaced by its shape and dtype, and the tensor it writes. ``Draw.r
 a scratch tensor of that shape, which advances the generator exactly as the original call did; the scratch is
 dropped at once, so replaying a whole model's draws holds one tensor at a time.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -20,12 +21,35 @@ from torch.overrides import TorchFunctionMode
 
 # The torch operations that consume a generator; a mode sees only the outermost call, so ``kaiming_uniform_``
 # is recorded as itself, not as the ``uniform_`` it calls.
-RANDOM_OPS = frozenset({
-    "uniform_", "normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
-    "trunc_normal_", "orthogonal_", "sparse_", "random_", "exponential_", "geometric_", "cauchy_", "log_normal_",
-    "bernoulli_", "bernoulli", "rand", "randn", "randint", "randperm", "normal", "multinomial", "rand_like",
-    "randn_like", "randint_like",
-})
+RANDOM_OPS = frozenset(
+    {
+        "uniform_",
+        "normal_",
+        "kaiming_uniform_",
+        "kaiming_normal_",
+        "xavier_uniform_",
+        "xavier_normal_",
+        "trunc_normal_",
+        "orthogonal_",
+        "sparse_",
+        "random_",
+        "exponential_",
+        "geometric_",
+        "cauchy_",
+        "log_normal_",
+        "bernoulli_",
+        "bernoulli",
+        "rand",
+        "randn",
+        "randint",
+        "randperm",
+        "normal",
+        "multinomial",
+        "rand_like",
+        "randn_like",
+        "randint_like",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -47,9 +71,12 @@ class Draw:
 
     def replay(self, device: torch.device) -> None:
         """Advance the generator of ``device`` as the original call advanced it, on scratch tensors."""
+
         def real(value: Any) -> Any:
-            return torch.empty(value.shape, dtype=value.dtype, device=device) if isinstance(value, TensorSpec) \
-                else value
+            return (
+                torch.empty(value.shape, dtype=value.dtype, device=device) if isinstance(value, TensorSpec) else value
+            )
+
         kwargs = {key: real(value) for key, value in self.kwargs.items() if key != "device"}
         if self.func.__name__ in _FACTORIES:
             kwargs["device"] = device
@@ -72,8 +99,9 @@ class DrawRecorder(TorchFunctionMode):
         if getattr(func, "__name__", "") in RANDOM_OPS:
             inplace = func.__name__.endswith("_") and not func.__name__.endswith("_like")
             target = (args[0] if args else kwargs.get("tensor")) if inplace else None
-            self.draws.append(Draw(func, tuple(_spec(a) for a in args), {k: _spec(v) for k, v in kwargs.items()},
-                                   target))
+            self.draws.append(
+                Draw(func, tuple(_spec(a) for a in args), {k: _spec(v) for k, v in kwargs.items()}, target)
+            )
         return func(*args, **kwargs)
 
 

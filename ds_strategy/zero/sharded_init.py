@@ -12,6 +12,7 @@ shards, never the full model. Buffers and frozen parameters, which every rank ke
 before the first initialiser whose module contains them. An initialiser must fill tensors in place; one that
 gives a parameter new storage (``module.to_empty(...)``) has its values copied back into the flat buffer.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -24,8 +25,9 @@ from .rng_replay import set_generator_state
 from .unit import Unit
 
 
-def reset_parameters_initialisers(root: nn.Module, units: list[Unit],
-                                  skip: tuple[nn.Module, ...] = ()) -> list[Initialiser]:
+def reset_parameters_initialisers(
+    root: nn.Module, units: list[Unit], skip: tuple[nn.Module, ...] = ()
+) -> list[Initialiser]:
     """In module order, the outermost modules below the root whose ``reset_parameters`` initialises parameters
     of exactly one unit, skipping modules whose parameters are already covered (a tied LM head whose weight the
     embedding already initialised) and the subtrees in ``skip`` (initialised otherwise)."""
@@ -49,21 +51,31 @@ def reset_parameters_initialisers(root: nn.Module, units: list[Unit],
     visit(root)
     missing = [name for name, p in root.named_parameters() if id(p) in unit_of and id(p) not in covered]
     if missing:
-        raise ValueError(f"cannot materialise parameters built on the meta device: no module with "
-                         f"reset_parameters() initialises {missing[:5]}{' ...' if len(missing) > 5 else ''}. "
-                         f"Give their modules a reset_parameters() method, pass param_init_fn, or build the "
-                         f"model normally.")
+        raise ValueError(
+            f"cannot materialise parameters built on the meta device: no module with "
+            f"reset_parameters() initialises {missing[:5]}{' ...' if len(missing) > 5 else ''}. "
+            f"Give their modules a reset_parameters() method, pass param_init_fn, or build the "
+            f"model normally."
+        )
     return plan
 
 
 def param_init_fn_initialisers(root: nn.Module, param_init_fn: Callable[[nn.Module], None]) -> list[Initialiser]:
     """``param_init_fn(module)`` for every module owning parameters or buffers itself, in module order."""
-    return [Initialiser(module, lambda module=module: param_init_fn(module)) for module in root.modules()
-            if any(t is not None for t in [*module._parameters.values(), *module._buffers.values()])]
+    return [
+        Initialiser(module, lambda module=module: param_init_fn(module))
+        for module in root.modules()
+        if any(t is not None for t in [*module._parameters.values(), *module._buffers.values()])
+    ]
 
 
-def materialise_sharded(root: nn.Module, units: list[Unit], broadcast, device: torch.device,
-                        param_init_fn: Callable[[nn.Module], None] | None = None) -> None:
+def materialise_sharded(
+    root: nn.Module,
+    units: list[Unit],
+    broadcast,
+    device: torch.device,
+    param_init_fn: Callable[[nn.Module], None] | None = None,
+) -> None:
     """Run the initialisers unit by unit; ``broadcast(tensor)`` makes every rank hold rank 0's values."""
     final_rng_state = None
     if param_init_fn is not None:
@@ -98,8 +110,10 @@ def materialise_sharded(root: nn.Module, units: list[Unit], broadcast, device: t
         set_generator_state(device, final_rng_state)
     still_meta = [name for name, t in [*root.named_buffers(), *root.named_parameters()] if t.is_meta]
     if still_meta:
-        raise ValueError(f"no initialiser gave storage to {still_meta[:5]}{' ...' if len(still_meta) > 5 else ''} "
-                         f"(built on the meta device); create them on a real device or pass param_init_fn")
+        raise ValueError(
+            f"no initialiser gave storage to {still_meta[:5]}{' ...' if len(still_meta) > 5 else ''} "
+            f"(built on the meta device); create them on a real device or pass param_init_fn"
+        )
 
 
 def _hf_initialisers(root: nn.Module, device: torch.device) -> tuple[list[Initialiser], torch.Tensor | None]:

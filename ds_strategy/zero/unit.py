@@ -1,4 +1,5 @@
 """A unit: a module whose flat parameters are gathered and released together, with a named state machine."""
+
 from __future__ import annotations
 
 import enum
@@ -6,7 +7,9 @@ import enum
 from torch import nn
 
 from ..comm.collectives import Collectives, PendingCollective
+from ..profiler_ranges import profiler_range
 from .flat_param import FlatParam
+from .hpz import WeightGather
 
 
 class ShardedState(enum.Enum):
@@ -32,17 +35,25 @@ _LEGAL = {
 class Unit:
     """The flat parameters of one module (all its param groups) plus their gather state.
 
-    Note: gather lifetime. ``gather()`` launches the all-gathers into the full buffers and returns at once;
+    Note: [Gather lifetime]
+    ``gather()`` launches the all-gathers into the full buffers and returns at once;
     ``wait_gathered()`` must run before any parameter of the unit is read, because until then the full buffers
     (which the parameters view) are being written by the collective. Under stage 3 ``release()`` frees the full
     buffers and points the parameters at empty tensors; it is only legal once nothing that autograd saved still
     needs them (after forward with ``reshard_after_forward``, or after the unit's backward has finished).
 
-    ``weight_gather`` (ZeRO++, set by the engine when qwZ or hpZ is on) decides how partitioned buffers are
-    gathered and may keep a secondary piece when they are freed; see :mod:`.hpz`. None: plain all-gathers.
+    ``weight_gather`` (ZeRO++, when qwZ or hpZ is on) decides how partitioned buffers are gathered and may keep
+    a secondary piece when they are freed; see :mod:`.hpz`. None: plain all-gathers.
     """
 
-    def __init__(self, name: str, module: nn.Module, flat_params: list[FlatParam], collectives: Collectives):
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        flat_params: list[FlatParam],
+        collectives: Collectives,
+        weight_gather: WeightGather | None = None,
+    ):
         self.name = name
         self.module = module
         self.flat_params = flat_params
@@ -52,7 +63,7 @@ class Unit:
         self.training_state = TrainingState.IDLE
         self._pending: list[PendingCollective] = []
         self._refreshing: list[PendingCollective] = []
-        self.weight_gather = None
+        self.weight_gather = weight_gather
 
     @property
     def numel(self) -> int:
@@ -90,8 +101,11 @@ class Unit:
         for fp in self.partitioned:
             fp.alloc_full()
             label = f"unit {self.name} ({fp.name})"
-            self._pending.append(self.weight_gather.launch(fp, label, exact) if self.weight_gather is not None
-                                 else self.collectives.all_gather(fp.full, fp.gather_source(), label=label))
+            self._pending.append(
+                self.weight_gather.launch(fp, label, exact)
+                if self.weight_gather is not None
+                else self.collectives.all_gather(fp.full, fp.gather_source(), label=label)
+            )
         self.sharded_state = ShardedState.GATHERING
 
     def wait_gathered(self, exact: bool = False) -> None:
@@ -111,15 +125,17 @@ class Unit:
 
         ``keep_for_backward``: autograd will run this unit's backward (under hpZ a secondary piece is kept).
         """
-        if not self.partitioned or self.sharded_state is ShardedState.SHARDED:
-            return
-        assert not self._pending, f"unit {self.name}: release while a gather is in flight"
-        for fp in self.partitioned:
-            if self.weight_gather is not None:
-                self.weight_gather.before_free(fp, keep_for_backward)
-            fp.point_params_at_empty()
-            fp.free_full()
-        self.sharded_state = ShardedState.SHARDED
+        with profiler_range("unit.free", self.name):
+            with profiler_range("unit.free", self.name):
+                if not self.partitioned or self.sharded_state is ShardedState.SHARDED:
+                    return
+                assert not self._pending, f"unit {self.name}: release while a gather is in flight"
+                for fp in self.partitioned:
+                    if self.weight_gather is not None:
+                        self.weight_gather.before_free(fp, keep_for_backward)
+                    fp.point_params_at_empty()
+                    fp.free_full()
+                self.sharded_state = ShardedState.SHARDED
 
     def __repr__(self) -> str:
         return f"Unit({self.name!r}, numel={self.numel}, {self.sharded_state.value}/{self.training_state.value})"

@@ -1,4 +1,5 @@
 """Where a model is cut into units: the modules whose parameters are gathered, reduced and freed together."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -7,8 +8,10 @@ from torch import nn
 
 
 def _class_matches(module: nn.Module, targets: tuple) -> bool:
-    return any((isinstance(t, str) and type(module).__name__ == t) or (isinstance(t, type) and isinstance(module, t))
-               for t in targets)
+    return any(
+        (isinstance(t, str) and type(module).__name__ == t) or (isinstance(t, type) and isinstance(module, t))
+        for t in targets
+    )
 
 
 def _own_param_count(module: nn.Module) -> int:
@@ -31,7 +34,9 @@ def detect_block_class(root: nn.Module) -> type | None:
     return max(repeated, key=lambda item: (item[0], item[1]))[2] if repeated else None
 
 
-def select_unit_modules(root: nn.Module, unit_modules: tuple = (), unit_min_params: int = 0) -> list[tuple[str, nn.Module]]:
+def select_unit_modules(
+    root: nn.Module, unit_modules: tuple = (), unit_min_params: int = 0
+) -> list[tuple[str, nn.Module]]:
     """Named submodules that become units, outermost first in module order; the root unit is implicit.
 
     ``unit_modules`` (classes or class names) wins; else ``unit_min_params`` > 0 wraps, bottom up, every module

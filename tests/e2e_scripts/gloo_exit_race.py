@@ -9,6 +9,7 @@ while the interpreter finalizes and the process aborts with "terminate called wi
 1 run in 10 on 2 loaded cores; ``benchmarks/clean_exit.py`` counts). ``ours`` first builds a ``Collectives``, as
 every ZeroEngine does, which destroys the process groups at exit: it must always exit 0.
 """
+
 import sys
 
 import torch

@@ -6,6 +6,7 @@
 Each package's Trainer accepts only its own classes, so the module, callback and Trainer all come from the named
 package. Writes the examples' ``summary.json`` to OUT_DIR.
 """
+
 import importlib
 import sys
 from pathlib import Path
@@ -42,16 +43,30 @@ class CharGPT(pl.LightningModule):
 
 class Recorder(pl.Callback):
     def on_train_start(self, trainer, pl_module):
-        self.summary = RunSummary(f"{package} strategy={strategy_name!r}", BATCH * CONFIG.block_size * trainer.world_size)
+        self.summary = RunSummary(
+            f"{package} strategy={strategy_name!r}", BATCH * CONFIG.block_size * trainer.world_size
+        )
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.summary.record(trainer.strategy.reduce(pl_module.last_loss, reduce_op="mean").item())
 
 
 recorder = Recorder()
-trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy_name, max_steps=30, logger=False,
-                     enable_checkpointing=False, enable_progress_bar=False, callbacks=[recorder])
+trainer = pl.Trainer(
+    accelerator="cpu",
+    devices=2,
+    strategy=strategy_name,
+    max_steps=30,
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    callbacks=[recorder],
+)
 module = CharGPT()
 trainer.fit(module, char_loader(CONFIG, 200_000, BATCH))
-recorder.summary.finish(trainer.strategy.memory_report(), trainer.strategy.config.stage,
-                        sum(p.numel() for p in module.parameters()), out_dir)
+recorder.summary.finish(
+    trainer.strategy.memory_report(),
+    trainer.strategy.config.stage,
+    sum(p.numel() for p in module.parameters()),
+    out_dir,
+)

@@ -1,0 +1,133 @@
+"""OffloadedStep: the engine's step runner (``ds_strategy.zero.step_runner``) when something lives off the device.
+
+Built from a :class:`~ds_strategy.zero.step_runner.StepContext` (flat parameters, optimizer, config, device,
+rank) and nothing else of the engine. It places parameter shards (:class:`ParamOffload`) and optimizer work
+(:class:`HostOptimizer`) on the host or in NVMe files, which share one run directory, and then answers the
+engine's five calls: ``on_reduced`` (start a gradient's copy to the host), ``step`` (the host step, the user's
+``optimizer.step()`` for what stayed on the device, and the write-back), ``places`` / ``own_tensors`` /
+``describe`` (reports) and ``close`` (teardown: threads stopped, NVMe files removed).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import ZeroConfig
+from ..profiler_ranges import profiler_range
+from ..zero.flat_param import FlatParam
+from ..zero.memory_report import PLACES
+from ..zero.step_runner import StepContext, step_on_device
+from .host_optimizer import HostOptimizer
+from .nvme_swapper import RunDirectory
+from .param_offload import ParamOffload, ShardFiles
+
+
+class OffloadedStep:
+    """Parameter shards and optimizer work placed off the device, and the NVMe directory they share."""
+
+    @staticmethod
+    def shard_store(config: ZeroConfig, rank: int) -> ShardFiles | None:
+        """Stage-3 NVMe parameter shards go to files as the engine cuts them (see :class:`ShardFiles`)."""
+        if config.offload_params == "nvme" and config.plan.partitions_parameters:
+            return ShardFiles(config.nvme_path, rank)
+        return None
+
+    def __init__(self, context: StepContext):
+        cfg = self.config = context.config
+        self.flat_params = context.flat_params
+        pin = cfg.pin_memory and context.device.type == "cuda"
+        has_optimizer = context.optimizer is not None and cfg.plan.offloads_optimizer
+        nvme_bytes = ParamOffload.nvme_bytes(context.flat_params) if cfg.offload_params == "nvme" else 0
+        nvme_bytes += HostOptimizer.nvme_bytes(context) if has_optimizer and cfg.offload_optimizer == "nvme" else 0
+        shard_files = context.shard_store
+        if isinstance(shard_files, ShardFiles) and shard_files.directory is not None:
+            self.directory = shard_files.directory
+            self.directory.require(context.rank, nvme_bytes - shard_files.nbytes())
+        else:
+            self.directory = RunDirectory.create(cfg.nvme_path, context.rank, nvme_bytes) if nvme_bytes else None
+        self.params: ParamOffload | None = None
+        self.host: HostOptimizer | None = None
+        self._closed = False
+        try:
+            if cfg.offload_params != "none":
+                self.params = ParamOffload(context, cfg.offload_params, self.directory, pin)
+            if has_optimizer:
+                self.host = HostOptimizer(context, self.directory, self.params, pin)
+        except BaseException:
+            self.close()
+            raise
+
+    def on_reduced(self, fp: FlatParam, grad: torch.Tensor) -> None:
+        with profiler_range("offload.grad_to_host", fp.name):
+            with profiler_range("offload.grad_to_host", fp.name):
+                if self.host is not None:
+                    self.host.on_reduced(fp, grad)
+
+    def step(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> None:
+        """The host (or NVMe) step of the offloaded flat parameters, the user's ``optimizer.step()`` for the rest,
+        and every updated parameter written back where the forward pass reads it."""
+        with profiler_range("offload.step"):
+            with profiler_range("offload.step"):
+                stepped: set[int] = set()
+                if self.host is not None:
+                    grads = [self.host.host_grad(fp, grad) for fp, grad in zip(self.flat_params, grads)]
+                    stepped = self.host.step(grads)
+                rest = [(fp, grad) for fp, grad in zip(self.flat_params, grads) if fp.index not in stepped]
+                step_on_device(optimizer, rest, self._write_params)
+                self.trim()
+
+    def _write_params(self, fp: FlatParam) -> None:
+        with profiler_range("offload.params_to_device", fp.name):
+            with profiler_range("offload.params_to_device", fp.name):
+                file = self.params.file_of(fp) if self.params is not None else None
+                if file is not None:
+                    file.write_converted(fp.master)
+                else:
+                    fp.copy_master_to_params()
+
+    def trim(self) -> None:
+        """Drop pages of the NVMe files' memory maps that a checkpoint or gather touched from resident memory."""
+        if self.params is not None:
+            self.params.trim()
+        if self.host is not None:
+            self.host.trim()
+
+    # -- reporting ------------------------------------------------------------------------------------------------
+    def places(self) -> dict[int, str]:
+        placed = {}
+        if self.params is not None:
+            placed.update({file.view.untyped_storage().data_ptr(): "nvme" for file in self.params.files.values()})
+            placed.update({t.untyped_storage().data_ptr(): "host" for t in self.params.host_tensors()})
+        if self.host is not None:
+            placed.update(self.host.places())
+        return placed
+
+    def own_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return self.host.own_tensors() if self.host is not None else []
+
+    def describe(self, report: dict[str, dict[str, int]]) -> str:
+        """Where everything lives, for the setup log line."""
+        cfg, parts = self.config, []
+        if self.host is not None:
+            parts.append(
+                f"optimizer state of {len(self.host.flat_params)}/{len(self.flat_params)} flat "
+                f"buffers on {cfg.offload_optimizer} ({self.host.kernel_name})"
+            )
+        if self.params is not None:
+            parts.append(f"parameter shards on {cfg.offload_params}")
+        if self.directory is not None:
+            parts.append(f"files in {self.directory.path}")
+        totals = {place: sum(by_place[place] for by_place in report.values()) / 2**20 for place in PLACES}
+        return "offload: " + ", ".join(parts) + "; " + ", ".join(f"{p} {mib:.1f} MiB" for p, mib in totals.items())
+
+    def close(self) -> None:
+        """Release threads and files and remove this rank's NVMe directory (teardown; later calls do nothing)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.host is not None:
+            self.host.close()
+        if self.params is not None:
+            self.params.close()
+        if self.directory is not None:
+            self.directory.close()

@@ -1,0 +1,33 @@
+"""Named ``torch.profiler`` ranges, so that a user's trace shows where ZeRO spends its time, by name.
+
+Note: [Profiler range names]
+Every range is ``ds_strategy::<what>`` or ``ds_strategy::<what>[<which>]``, ``<which>`` naming the unit, flat
+buffer or collective label:
+
+- ``unit.pre_forward[unit]``, ``unit.post_forward[unit]``, ``unit.pre_backward[unit]``: the gatherer's module
+  hooks (stage 3), and inside them ``unit.gather[unit]`` (launching and, when needed now, waiting for a unit's
+  all-gathers) and ``unit.free[unit]``.
+- ``grad.hook``: a parameter's post-accumulate-grad hook; ``grad.reduce[buffer]``: launching a flat buffer's
+  reduction; ``grad.finish[buffer]``: waiting for it and storing the mean; ``backward.end``: the engine's work when
+  backward is over.
+- ``comm.<kind>[label]`` and ``comm.wait.<kind>[label]`` for every collective the engine issues (all_reduce,
+  reduce_scatter, all_gather, all_to_all, broadcast): launching it, and the time blocked on it.
+- ``step``, with ``step.sequence_check``, ``step.unscale`` (unscale, inf check and norm), ``step.optimizer``
+  (the optimizer and the write-back, wherever it runs) and ``step.refresh_params`` (stage 1/2 all-gathers).
+- ``offload.grad_to_host[buffer]``, ``offload.step``, ``offload.params_to_device[buffer]``: the transfers and the
+  host step of ``offload_optimizer``/``offload_params``.
+
+Outside a profiler a range costs about a microsecond (``record_function`` checks whether profiling is on), which
+is why ranges sit on hooks and flat buffers, never on single elements.
+"""
+
+from __future__ import annotations
+
+from torch.profiler import record_function
+
+PREFIX = "ds_strategy::"
+
+
+def profiler_range(what: str, which: str = "") -> record_function:
+    """A ``with`` range named ``ds_strategy::what[which]`` (``[which]`` left out when empty)."""
+    return record_function(f"{PREFIX}{what}[{which}]" if which else f"{PREFIX}{what}")

@@ -1,0 +1,138 @@
+"""Where the optimizer step runs: the narrow protocol the engine owns, and its device implementation.
+
+Note: [One-way dependency between the engine and offload]
+  ``ZeroEngine`` decides *when* the optimizer steps (after the overflow check, before the parameter refresh);
+  a :class:`StepRunner` decides *where*: on the device, beside the shards (:class:`DeviceStep`, here), or on the
+  host / NVMe (``ds_strategy.offload``, which implements this protocol from a :class:`StepContext`: the flat
+  parameters, the optimizer, the config, the device and the rank, nothing else of the engine). The engine calls
+  the runner at five points and never asks which one it has: ``on_reduced`` inside backward (a reduced gradient
+  is final), ``step``, ``places`` / ``own_tensors`` / ``describe`` for reports, and ``close`` at teardown. So
+  ``ds_strategy.zero`` imports nothing from ``ds_strategy.offload``; offload registers its runner with
+  :func:`register_off_device_runner` when it is imported (``import ds_strategy`` does), and
+  :func:`runner_factory` hands the engine that factory when the config offloads.
+  Stage-3 NVMe parameter shards are written as units are built, before any runner exists; a factory may provide
+  a :class:`ShardStore` for that (``shard_store``), which its runner then adopts through the context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from ..config import ZeroConfig
+    from .flat_param import FlatParam
+
+
+class ShardStore(Protocol):
+    """Where partitioned parameter shards go as each unit is cut (``FlatParam.shard_store``)."""
+
+    def store(self, fp: FlatParam, values: torch.Tensor) -> torch.Tensor: ...
+
+
+class StepContext(NamedTuple):
+    """Everything a step runner may know of the engine that owns it."""
+
+    flat_params: list[FlatParam]
+    optimizer: torch.optim.Optimizer | None
+    config: ZeroConfig
+    device: torch.device
+    rank: int
+    shard_store: ShardStore | None  # what the factory's ``shard_store`` returned, if anything
+
+
+class StepRunner(Protocol):
+    """Runs the optimizer step over the flat parameters' masters, wherever those live."""
+
+    def on_reduced(self, fp: FlatParam, grad: torch.Tensor) -> None:
+        """``grad``, ``fp``'s reduced gradient, is final for this step (called inside backward, synced only)."""
+
+    def step(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> None:
+        """Step with ``grads`` (one per flat parameter, in engine order) and write updated values back to where
+        the forward pass reads them."""
+
+    def places(self) -> dict[int, str]:
+        """Storage address -> "host" / "nvme" for the tensors this runner moved off the device."""
+
+    def own_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """(memory-report kind, tensor) for what only this runner holds."""
+
+    def describe(self, report: dict[str, dict[str, int]]) -> str:
+        """Where things live, for the setup summary; empty when nothing is off the device."""
+
+    def close(self) -> None:
+        """Release threads and files (teardown; later calls do nothing)."""
+
+
+class StepRunnerFactory(Protocol):
+    def shard_store(self, config: ZeroConfig, rank: int) -> ShardStore | None: ...
+
+    def __call__(self, context: StepContext) -> StepRunner: ...
+
+
+def step_on_device(
+    optimizer: torch.optim.Optimizer,
+    pairs: list[tuple[FlatParam, torch.Tensor]],
+    write_back: Callable[[FlatParam], None],
+) -> None:
+    """The user's ``optimizer.step()`` over the masters of ``pairs`` (flat parameter, gradient), then each
+    master written back by ``write_back``. Called even when ``pairs`` is empty, for the optimizer's hooks and
+    its LR scheduler's bookkeeping."""
+    for fp, grad in pairs:
+        fp.master.grad = grad
+    optimizer.step()
+    for fp, _ in pairs:
+        fp.master.grad = None
+        write_back(fp)
+
+
+class DeviceStep:
+    """The optimizer steps beside the shards; updated fp32 masters are rounded into the 16-bit shards."""
+
+    def __init__(self, context: StepContext):
+        self.flat_params = context.flat_params
+
+    @staticmethod
+    def shard_store(config: ZeroConfig, rank: int) -> None:
+        return None
+
+    def on_reduced(self, fp: FlatParam, grad: torch.Tensor) -> None:
+        pass
+
+    def step(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> None:
+        step_on_device(optimizer, list(zip(self.flat_params, grads)), lambda fp: fp.copy_master_to_params())
+
+    def places(self) -> dict[int, str]:
+        return {}
+
+    def own_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return []
+
+    def describe(self, report: dict[str, dict[str, int]]) -> str:
+        return ""
+
+    def close(self) -> None:
+        pass
+
+
+_off_device: StepRunnerFactory | None = None
+
+
+def register_off_device_runner(factory: StepRunnerFactory) -> None:
+    """Make ``factory`` the runner of every engine whose config offloads (``ds_strategy.offload`` calls this)."""
+    global _off_device
+    _off_device = factory
+
+
+def runner_factory(config: ZeroConfig) -> StepRunnerFactory:
+    """The device runner, or the registered off-device one when ``config`` offloads anything."""
+    if not config.plan.offloads:
+        return DeviceStep
+    if _off_device is None:
+        raise RuntimeError(
+            "ZeroConfig offloads, but no off-device step runner is registered; import "
+            "ds_strategy.offload (importing ds_strategy does) before building the engine"
+        )
+    return _off_device
