@@ -46,6 +46,7 @@ _COMMUNICATION_DTYPES = {
 }
 _GRADIENT_REDUCTIONS = {name: name for name in ("auto", "reduce_scatter", "all_reduce")}
 _OFFLOAD_PLACES = {name: name for name in ("none", "cpu", "nvme")}
+_ACTIVATION_CHECKPOINTING = {name: name for name in ("none", "full", "selective")}
 
 
 class ZeroConfigError(ValueError):
@@ -148,7 +149,7 @@ class ZeroConfig:
             weights partitioned over groups of this many consecutive ranks (e.g. one node's GPUs), cut from
             the forward gather, so backward all-gathers stay inside the group. Costs 1/size of a unit's
             weights per rank from its forward to its backward; needs ``reshard_after_forward`` to matter, a
-            size that divides the world size, and the engine on the default process group.
+            size that divides the data-parallel world size (groups are consecutive data-parallel ranks).
 
     Reporting:
         log_comm_stats (default True): the Lightning strategy logs each optimizer step's communication
@@ -202,6 +203,41 @@ class ZeroConfig:
         max_consecutive_min_scale_skips (default 10): consecutive overflowing steps at the minimum scale
             after which training raises instead of silently skipping every step.
 
+    Model parallelism on one device mesh ``("dp", "sp", "tp")``, outer to inner (see ``ds_strategy.parallel``);
+    ZeRO shards over every rank that holds the same weights, data x sequence parallel, so N above is world size /
+    tensor_parallel_size:
+        tensor_parallel_size (default 1 = off): ranks that split each layer's weights (Megatron column/row
+            parallelism with DTensor). Consecutive ranks form a group. DeepSpeed's ``tensor_parallel.autotp_size``.
+        tensor_parallel_plan (default None): how the model is split. None: the user's own code does it (a
+            LightningModule's ``configure_model`` calling ``parallelize_module`` on ``self.device_mesh
+            ["tensor_parallel"]``, as for Lightning's ModelParallelStrategy, or Fabric's ``parallelize_fn``).
+            "auto": ds_strategy picks column/row parallel styles per linear layer for the decoder families it
+            knows (``ds_strategy.parallel.auto_plan``). A mapping: module name (fnmatch pattern) to a torch
+            ``ParallelStyle`` or one of the names "colwise", "rowwise", "sequence_parallel", "replicate".
+        sequence_parallel (default False; needs tensor_parallel_size > 1): Megatron sequence parallelism in the
+            tensor-parallel group: the auto plan splits norms and dropout along the sequence, and replicated
+            weights' partial gradients are summed over the group before ZeRO reduces them.
+        sequence_parallel_size (default 1 = off; not yet with tensor_parallel_size > 1): DeepSpeed-Ulysses
+            (``ds_strategy.parallel.ulysses``), unrelated to Megatron's ``sequence_parallel`` above: a group of
+            this many consecutive ranks reads the same batch, each rank keeps one slice of every sequence and the
+            full weights, and attention swaps the sequence split for a head split with all-to-alls. The
+            framework's sampler splits batches over data-parallel ranks only (world size / this), and the engine
+            multiplies the loss by this size for backward (Note: [Ulysses gradient scale]). DeepSpeed's
+            ``sequence_parallel_size``.
+
+    Activation memory (DeepSpeed's ``activation_checkpointing`` section; see ``ds_strategy.activation_memory``):
+        activation_checkpointing (default "none"): "none"; "full": each checkpointed unit (the outermost ZeRO
+            units) keeps only its input and recomputes its forward in backward (non-reentrant), one more forward
+            of compute; "selective": keeps matmul and attention outputs too and recomputes only the cheap ops
+            between them (torchtitan's op-level policy). Parameter names and stage-3 gathers stay as they are.
+        activation_checkpoint_interval (default 1): checkpoint only the k-th, 2k-th, ... unit, as torchtitan's
+            layer-level option counts (DeepSpeed's pipeline uses the name for one checkpoint per k layers).
+        partition_activations (default False): keep 1/W of each checkpointed input on each rank of the
+            tensor-parallel group and all-gather it for recomputation (DeepSpeed's name; a no-op without
+            tensor parallelism, as in DeepSpeed without a model-parallel unit).
+        cpu_checkpointing (default False): keep checkpointed inputs (or their 1/W pieces) in pinned host memory
+            until recomputation copies them back (DeepSpeed's name).
+
     The three sizes that accept "auto" keep the string until ``resolve_auto(hidden_size)`` substitutes
     DeepSpeed's formulas; engine code must resolve before reading them. "units" stays a string: the engine
     resolves it against its units (``ds_strategy.zero.memory_report.unit_bounded_sizes``).
@@ -249,6 +285,14 @@ class ZeroConfig:
     consecutive_hysteresis: bool = False
     min_loss_scale: float = 1.0
     max_consecutive_min_scale_skips: int = 10
+    tensor_parallel_size: int = 1
+    tensor_parallel_plan: str | Mapping[str, Any] | None = None
+    sequence_parallel: bool = False
+    sequence_parallel_size: int = 1
+    activation_checkpointing: str = "none"
+    activation_checkpoint_interval: int = 1
+    partition_activations: bool = False
+    cpu_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         checked = {
@@ -343,6 +387,20 @@ class ZeroConfig:
             "max_consecutive_min_scale_skips": _integer(
                 "max_consecutive_min_scale_skips", self.max_consecutive_min_scale_skips, 1
             ),
+            "tensor_parallel_size": _integer("tensor_parallel_size", self.tensor_parallel_size, 1),
+            "tensor_parallel_plan": _tensor_parallel_plan(self.tensor_parallel_plan),
+            "sequence_parallel": _needs_tensor_parallel(
+                "sequence_parallel", _flag("sequence_parallel", self.sequence_parallel), self.tensor_parallel_size
+            ),
+            "sequence_parallel_size": _sequence_parallel_size(self.sequence_parallel_size, self.tensor_parallel_size),
+            "activation_checkpointing": _choice(
+                "activation_checkpointing", self.activation_checkpointing, _ACTIVATION_CHECKPOINTING
+            ),
+            "activation_checkpoint_interval": _integer(
+                "activation_checkpoint_interval", self.activation_checkpoint_interval, 1
+            ),
+            "partition_activations": _flag("partition_activations", self.partition_activations),
+            "cpu_checkpointing": _flag("cpu_checkpointing", self.cpu_checkpointing),
         }
         for name, value in checked.items():
             object.__setattr__(self, name, value)
@@ -531,3 +589,35 @@ def _unit_modules(value: Any) -> tuple[type[torch.nn.Module] | str, ...]:
         if not (is_module_class or (isinstance(unit, str) and unit)):
             raise _reject("unit_modules", value, expected)
     return tuple(units)
+
+
+def _tensor_parallel_plan(value: Any) -> str | dict[str, Any] | None:
+    if value is None or value == AUTO:
+        return value
+    if isinstance(value, Mapping) and all(isinstance(key, str) and key for key in value):
+        return dict(value)
+    raise _reject(
+        "tensor_parallel_plan", value, 'None (the model parallelizes itself), "auto" or a mapping of module names'
+    )
+
+
+def _needs_tensor_parallel(name: str, value: bool, tensor_parallel_size: Any) -> bool:
+    if value and (not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 2):
+        raise ZeroConfigError(
+            name,
+            f"ZeroConfig.{name}=True is not allowed with tensor_parallel_size={tensor_parallel_size!r}; "
+            f"it needs tensor_parallel_size >= 2",
+        )
+    return value
+
+
+def _sequence_parallel_size(value: Any, tensor_parallel_size: Any) -> int:
+    """Ulysses alone: with tensor parallelism ZeRO would shard over a flattened dp x sp group, not built yet."""
+    size = _integer("sequence_parallel_size", value, 1)
+    if size > 1 and tensor_parallel_size != 1:
+        raise ZeroConfigError(
+            "sequence_parallel_size",
+            f"ZeroConfig.sequence_parallel_size={size} is not allowed with tensor_parallel_size="
+            f"{tensor_parallel_size!r}; Ulysses and tensor parallelism do not combine yet, set one of them to 1",
+        )
+    return size

@@ -8,8 +8,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from .activation_memory import apply_activation_checkpointing, remove_activation_checkpointing
 from .auto_values import hidden_size_of
 from .config import ZeroConfig
+from .parallel.mesh import ParallelMesh
+from .parallel.ulysses import gradient_scale
 from .zero.engine import ZeroEngine
 
 # Strategy names every adapter registers (Lightning, pytorch_lightning, Fabric, Hydra's ``strategy`` group), and
@@ -31,13 +34,30 @@ def build_engine(
     *,
     device: torch.device,
     log: Callable[[str], Any],
+    mesh: ParallelMesh | None = None,
 ) -> ZeroEngine:
-    """The one way the adapters build an engine: ``config``'s "auto" sizes resolved from ``module``'s hidden size
-    (before stage 3 shards it, when its parameters still have their shapes), the engine built on ``device``, and
-    its summary handed to ``log`` (the framework's rank-zero logger)."""
+    """The one way the adapters build an engine, in this order: ``config``'s "auto" sizes resolved from ``module``'s
+    hidden size, and its units checkpointed as ``config.activation_checkpointing`` says, both before stage 3
+    shards it (they read parameter shapes, and the checkpointed units must be the engine's units, which are chosen
+    from parameter counts); the engine built on ``device``; its summary handed to ``log`` (the framework's
+    rank-zero logger). Checkpointing replaces the units' ``forward`` only, so the engine finds the same names and
+    its hooks see one forward per unit (Note: [Activation checkpointing under stage 3]). With a ``mesh`` the
+    engine shards over its ZeRO group (data x sequence parallel) and multiplies the loss by the sequence-parallel
+    size for backward (Note: [Ulysses gradient scale]), and ``partition_activations`` splits checkpointed inputs
+    over its tensor-parallel group; without one (or with tp=1) inputs stay whole, as DeepSpeed does without a
+    model-parallel unit.
+    """
     if config.has_auto_values:
         config = config.resolve_auto(hidden_size_of(module))
-    engine = ZeroEngine(module, optimizer, config, device=device)
+    from_mesh = {}
+    if mesh is not None:
+        from_mesh = {
+            "process_group": mesh.zero_group,
+            "tensor_parallel_group": mesh.tp_group,
+            "loss_multiplier": gradient_scale(mesh.sp_size),
+        }
+    apply_activation_checkpointing(module, config, from_mesh.get("tensor_parallel_group"))
+    engine = ZeroEngine(module, optimizer, config, device=device, **from_mesh)
     log(engine.summary())
     return engine
 
@@ -69,6 +89,7 @@ class EngineOwnerMixin:
         if self.engine is not None:
             self.engine.reshard()
             self.engine.remove_hooks()
+            remove_activation_checkpointing(self.engine.module)
         else:  # setup failed: the error already raised must not be followed by another from moving meta tensors
             _drop_meta_tensors(getattr(self, "lightning_module", None))
         super().teardown()

@@ -16,6 +16,9 @@ buffer or collective label:
   (the optimizer and the write-back, wherever it runs) and ``step.refresh_params`` (stage 1/2 all-gathers).
 - ``offload.grad_to_host[buffer]``, ``offload.step``, ``offload.params_to_device[buffer]``: the transfers and the
   host step of ``offload_optimizer``/``offload_params``.
+- ``activation.forward[unit]`` and ``activation.recompute[unit]``: a checkpointed unit's forward and its
+  recomputation in backward; ``activation.save_input[unit]`` and ``activation.load_input[unit]``: partitioning or
+  copying its input to the host, and the all-gather or copy back (``ds_strategy.activation_memory``).
 
 Outside a profiler a range costs about a microsecond (``record_function`` checks whether profiling is on), which
 is why ranges sit on hooks and flat buffers, never on single elements.

@@ -172,8 +172,8 @@ def entry_point_env(name: str, probe_threads: bool = False) -> dict:
 
 
 def thread_listings(result: subprocess.CompletedProcess) -> list[str]:
-    """What the thread probe printed, one listing per process of the run."""
-    return re.findall(r"threads at exit of pid \d+: (\[.*\])", result.stderr)
+    """What the thread probe printed, one listing per process of the run (two processes may print on one line)."""
+    return re.findall(r"threads at exit of pid \d+: (\[[^\]]*\])", result.stderr)
 
 
 def gloo_threads_at_exit(result: subprocess.CompletedProcess) -> list[str]:

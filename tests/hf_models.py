@@ -11,8 +11,8 @@ VOCAB, SEQ = 128, 16
 
 
 def config(name: str, **overrides):
-    """GPT-2 (tied embeddings, Conv1D), Llama (rotary buffers, GQA) and Mixtral (a mixture of experts); no
-    dropout, so that runs drawing from the generator in different orders still compute the same losses."""
+    """GPT-2 (tied embeddings, Conv1D), the Llama family (rotary buffers, GQA) and Mixtral (a mixture of experts);
+    no dropout, so that runs drawing from the generator in different orders still compute the same losses."""
     common = {"vocab_size": VOCAB, "bos_token_id": 0, "eos_token_id": 0}
     if name == "gpt2":
         shape = {
@@ -34,12 +34,21 @@ def config(name: str, **overrides):
         "max_position_embeddings": SEQ,
         **common,
     }
-    if name == "llama":
-        return transformers.LlamaConfig(**{**shape, **overrides})
+    if name in _LLAMA_FAMILY:
+        return getattr(transformers, _LLAMA_FAMILY[name])(**{**shape, **overrides})
     return transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **{**shape, **overrides})
 
 
-MODEL_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
+# Same decoder layout as Llama: Mistral and Qwen2 (biased q/k/v) and Qwen3 (per-head q_norm/k_norm).
+_LLAMA_FAMILY = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
+MODEL_CLASSES = {
+    "gpt2": "GPT2LMHeadModel",
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
 
 
 def build(name: str, meta: bool = False, seed: int = 0, **overrides) -> transformers.PreTrainedModel:

@@ -1,5 +1,6 @@
 """benchmarks/compare.py's machinery, on the tiny GPT for one timed step: every system trains the same model, and the
-bytes it counts agree with each algorithm's known volume and with the engine's own accounting."""
+bytes it counts agree with each algorithm's known volume and with the engine's own accounting. The same for
+benchmarks/tensor_parallel.py (ZeRO against Lightning's ModelParallelStrategy) at tp=2 on 2 ranks."""
 
 import json
 import sys
@@ -81,3 +82,34 @@ def test_model_states_per_rank_follow_each_systems_sharding(document):
     assert document["ddp"]["model_state_bytes"] == 16 * psi
     assert document["fsdp2"]["model_state_bytes"] == pytest.approx(8 * psi, rel=0.01)
     assert document["zero2"]["model_state_bytes"] == pytest.approx(10 * psi, rel=0.01)  # 4 + 4/2 + 8/2
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel_run(tmp_path_factory):
+    """benchmarks/tensor_parallel.py at its smallest: 2 ranks, tp=2, ours and Lightning's, one timed step."""
+    out = tmp_path_factory.mktemp("tp-results")
+    argv = ["--quick", "--world-size", "2", "--tp", "2", "--systems", "zero-tp2,lightning-tp2", "--timeout", "300"]
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import tensor_parallel
+
+        assert tensor_parallel.main([*argv, "--out-dir", str(out), "--name", "smoke"]) == 0
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    assert (out / "smoke.md").read_text().count("| 1 x 2 |") == 2
+    return json.loads((out / "smoke.json").read_text())
+
+
+def test_tensor_parallel_benchmark_trains_the_same_model_as_lightning_with_the_formulas_states(tensor_parallel_run):
+    """Both systems see the same GPT, plan and batches; at dp=1 each rank holds 16 bytes per parameter of its
+    tensor-parallel share (fp32 weight, gradient, two Adam moments), which is less than the whole model."""
+    rows = {row["name"]: row for row in tensor_parallel_run["systems"]}
+    assert set(rows) == {"zero-tp2", "lightning-tp2"}
+    psi_local = rows["zero-tp2"]["psi_local"]
+    for row in rows.values():
+        assert row["dp"] == 1 and len(row["step_seconds"]) == 1 and row["loss_delta"] < 1e-5
+        assert row["peak_rss_anon_bytes"] > 0 and row["psi_local"] == psi_local
+        assert row["formula_bytes"] == 16 * psi_local
+    assert tensor_parallel_run["params"] / 2 < psi_local < tensor_parallel_run["params"]
+    assert rows["lightning-tp2"]["model_state_bytes"] == 16 * psi_local
+    assert rows["zero-tp2"]["model_state_bytes"] == pytest.approx(16 * psi_local, rel=0.02)

@@ -2,13 +2,18 @@
 and loss scaler it was to be loaded into are left exactly as they were."""
 
 import copy
+import json
+import re
 
 import models
 import pytest
 import torch
-from checkpoint_runs import build, global_batches, train
+import torch.distributed as dist
+from checkpoint_runs import build, global_batches, saved_after_one_step, train
+from distributed import run_ranks
 
-from ds_strategy.checkpoint import CheckpointError, load, save
+from ds_strategy.checkpoint import CheckpointError, consolidate, load, save
+from ds_strategy.cli import main
 from ds_strategy.config import ZeroConfig
 from ds_strategy.models import GPT, GPTConfig
 from ds_strategy.zero.engine import ZeroEngine
@@ -43,7 +48,10 @@ def _assert_fails_leaving_target_untouched(path, target, match: str) -> None:
     before = _snapshot(engine)
     with pytest.raises(CheckpointError, match=match):
         load(path, model, engine)
-    after = _snapshot(engine)
+    _assert_unchanged(before, _snapshot(engine))
+
+
+def _assert_unchanged(before: dict, after: dict) -> None:
     assert all(torch.equal(a, b) for a, b in zip(before["masters"], after["masters"]))
     assert str(after["optimizer"]) == str(before["optimizer"])
     for key, state in before["optimizer"]["state"].items():
@@ -117,17 +125,77 @@ def test_corrupt_manifest_is_named(checkpoint, target):
     )
 
 
+def _garbled(data: bytes) -> bytes:
+    """``data`` with the 64 bytes from its middle inverted: the same size, other bytes."""
+    middle = len(data) // 2
+    return data[:middle] + bytes(b ^ 0xFF for b in data[middle : middle + 64]) + data[middle + 64 :]
+
+
 @pytest.mark.parametrize("damage", ["truncate", "empty", "garble"])
 @pytest.mark.parametrize("kind", ["manifest.json", "meta.pt", ".metadata"])
 def test_every_damaged_metadata_file_is_named(checkpoint, target, kind, damage):
     """Each file kind a checkpoint has besides the shards, cut short, emptied or with 64 bytes inverted."""
     file = checkpoint / kind
     data = file.read_bytes()
-    middle = len(data) // 2
-    damaged = {
-        "truncate": data[:middle],
-        "empty": b"",
-        "garble": data[:middle] + bytes(b ^ 0xFF for b in data[middle : middle + 64]) + data[middle + 64 :],
-    }
+    damaged = {"truncate": data[: len(data) // 2], "empty": b"", "garble": _garbled(data)}
     file.write_bytes(damaged[damage])
     _assert_fails_leaving_target_untouched(checkpoint, target, rf"ckpt/{kind}")
+
+
+DAMAGED_SHARD = r"__1_0\.distcp is damaged: its crc32 is 0x[0-9a-f]{8}, the manifest records 0x[0-9a-f]{8}"
+
+
+def save_then_load_with_rank1_shard_garbled(rank: int, world_size: int, path) -> str:
+    """Save a 2-rank zero2 checkpoint after one step, garble rank 1's shard file, and load it after one more step;
+    returns the load's error, having checked that it left the state of the second step as it was."""
+    torch.set_num_threads(1)
+    model, engine = build("zero2")
+    train(model, engine, global_batches()[:1])
+    save(path, model, engine)
+    train(model, engine, global_batches()[1:2])
+    if rank == 0:
+        shard = path / "__1_0.distcp"
+        shard.write_bytes(_garbled(shard.read_bytes()))
+    dist.barrier()
+    before = _snapshot(engine)
+    with pytest.raises(CheckpointError) as raised:
+        load(path, model, engine)
+    _assert_unchanged(before, _snapshot(engine))
+    engine.remove_hooks()
+    return str(raised.value)
+
+
+@pytest.fixture(scope="module")
+def garbled_two_rank_checkpoint(tmp_path_factory):
+    """The checkpoint with rank 1's shard garbled, and the error each rank's load of it raised."""
+    path = tmp_path_factory.mktemp("garbled") / "ckpt"
+    return path, run_ranks(save_then_load_with_rank1_shard_garbled, 2, path)
+
+
+def test_shard_with_bytes_garbled_at_its_size_fails_on_every_rank_naming_it(garbled_two_rank_checkpoint):
+    """Rank 1 reads the file; rank 0, which reads nothing from it, fails with it (DCP's read is collective)."""
+    path, (rank0, rank1) = garbled_two_rank_checkpoint
+    where = re.escape(str(path))
+    for message in (rank0, rank1):
+        assert re.fullmatch(rf"reading the checkpoint {where} failed on rank 1: {where}/{DAMAGED_SHARD}", message)
+
+
+def test_consolidation_refuses_a_garbled_shard_and_writes_nothing(garbled_two_rank_checkpoint, tmp_path, capsys):
+    path, _ = garbled_two_rank_checkpoint
+    with pytest.raises(CheckpointError, match=DAMAGED_SHARD):
+        consolidate(path, tmp_path / "model.pt")
+    assert main(["consolidate", str(path), str(tmp_path / "model.safetensors")]) == 1
+    assert "__1_0.distcp is damaged" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_checkpoint_written_before_checksums_still_loads(tmp_path, target):
+    """A manifest without ``checksums``, as every checkpoint had before them, loads unchecked."""
+    path, _, saved = saved_after_one_step(tmp_path / "ckpt")
+    manifest = path / "manifest.json"
+    raw = json.loads(manifest.read_text())
+    assert set(raw.pop("checksums")) == set(raw["files"])
+    manifest.write_text(json.dumps(raw))
+    model, engine = target
+    load(path, model, engine)
+    assert all(torch.equal(a.master, b.master) for a, b in zip(saved.flat_params, engine.flat_params))

@@ -98,6 +98,9 @@ def _peer_leaves(rank: int) -> dict:
     """Rank 1 closes its connections (as a process that dies does) while rank 0 waits in an all-reduce whose
     timeout is long."""
     group = dist.new_group(timeout=datetime.timedelta(seconds=PEER_TIMEOUT))
+    # Both sides have connected only once a collective on the group completed: a rank that closed the group while
+    # the other was still connecting would fail that one's new_group ("Connection closed by peer") instead.
+    dist.barrier(group=group)
     started = time.perf_counter()
     if rank == 1:
         dist.destroy_process_group(group)

@@ -15,6 +15,7 @@ from ds_strategy.deepspeed.key_tables import (
     FP16,
     OFFLOAD_OPTIMIZER,
     OFFLOAD_PARAM,
+    TENSOR_PARALLEL,
     ZERO_OPTIMIZATION,
 )
 from ds_strategy.deepspeed_config import (
@@ -27,7 +28,7 @@ from ds_strategy.micro_batch import check_micro_batch
 CORPUS = Path(__file__).parent / "data" / "deepspeed_configs"
 CONFIGS = sorted(CORPUS.glob("*.json"))
 # Configs DeepSpeed accepts that need a feature ds_strategy lacks: file -> the key the error must name.
-NEEDS_MISSING_FEATURE = {"LLaMA-Factory__examples__deepspeed__ds_z2_autotp_config.json": "tensor_parallel"}
+NEEDS_MISSING_FEATURE: dict[str, str] = {}
 HIDDEN = 64  # the hidden size "auto" bucket sizes are resolved for, by both sides
 # What Hugging Face's integration substitutes for "auto" (its trainer arguments), so DeepSpeed can read a config.
 HF_FILLS = {
@@ -93,6 +94,7 @@ def _expected_zero_fields(ds, raw) -> dict:
         "max_live_parameters": zero.max_live_parameters,
         "param_persistence_threshold": zero.param_persistence_threshold,
         "gradient_accumulation_steps": ds.gradient_accumulation_steps,
+        "tensor_parallel_size": max(ds.tensor_parallel_config.autotp_size, 1),
     }
     if zero.sub_group_size:
         expected["sub_group_size"] = zero.sub_group_size
@@ -152,6 +154,7 @@ def test_tables_have_a_rule_for_every_field_and_alias_of_deepspeeds_strict_secti
         DeepSpeedBF16Config,
         DeepSpeedFP16Config,
     )
+    from deepspeed.runtime.tensor_parallel.config import TPTrainingConfig
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
     from deepspeed.runtime.zero.offload_config import (
         DeepSpeedZeroOffloadOptimizerConfig,
@@ -164,6 +167,7 @@ def test_tables_have_a_rule_for_every_field_and_alias_of_deepspeeds_strict_secti
         (DeepSpeedBF16Config, BF16),
         (DeepSpeedZeroOffloadOptimizerConfig, OFFLOAD_OPTIMIZER),
         (DeepSpeedZeroOffloadParamConfig, OFFLOAD_PARAM),
+        (TPTrainingConfig, TENSOR_PARALLEL),
     ):
         names = {name for name, info in model.model_fields.items()} | {
             info.alias for info in model.model_fields.values() if info.alias
@@ -249,3 +253,15 @@ def test_micro_batch_is_checked_against_the_first_batch():
     check_micro_batch(config, {"input_ids": torch.zeros(4, 7), "labels": torch.zeros(4, 7)})
     with pytest.raises(ValueError, match=r"train_micro_batch_size_per_gpu=4 but the data loader's first batch holds 3"):
         check_micro_batch(config, (torch.zeros(3, 2), torch.zeros(3)))
+
+
+def test_autotp_size_turns_on_tensor_parallelism_with_the_auto_plan_as_deepspeeds_autotp_does():
+    config = config_from_deepspeed({"tensor_parallel": {"autotp_size": 2, "tp": {"tp_size": 2}}})
+    assert (config.tensor_parallel_size, config.tensor_parallel_plan) == (2, "auto")
+    assert config_from_deepspeed({"tensor_parallel": {"autotp_size": 0}}).tensor_parallel_size == 1
+
+
+def test_autotp_layer_specs_are_refused_naming_the_plan_to_use_instead():
+    specs = {"layer_specs": [{"patterns": [".*o_proj.weight$"], "partition_type": "row"}]}
+    with pytest.raises(ValueError, match=r"tensor_parallel\.partition_config=.* ZeroConfig\.tensor_parallel_plan"):
+        config_from_deepspeed({"tensor_parallel": {"autotp_size": 2, "partition_config": specs}})

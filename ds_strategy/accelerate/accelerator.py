@@ -20,12 +20,15 @@ from torch.optim import Optimizer
 
 from ..config import ZeroConfig
 from ..engine_owner import build_engine
+from ..parallel.mesh import ACCELERATE_NAMES, ParallelMesh, build_parallel_mesh
+from ..parallel.prepare import parallelize_for_config, parallelize_with_optimizer, refuse_sequence_parallel
 from ..precision import autocast_for
 from ..precision_flag import ACCELERATE_MIXED_PRECISION, reconcile_precision
 from ..zero.engine import ZeroEngine
 from .checkpointing import ZeroAcceleratorCheckpointing
 from .config_source import ENV_VAR, load_config
 from .dummy_objects import resolve_dummies
+from .parallelism import check_no_launcher_parallelism, with_parallelism
 
 # Accelerate's own sharding back-ends, by the constructor argument and the environment variable that enable them.
 _OTHER_SHARDING = {
@@ -56,10 +59,19 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
     On a machine without an accelerator the processes run on CPU (``cpu=True``) unless told otherwise: Accelerate
     forms a gloo process group for torchrun-launched ranks only in CPU mode, and ZeRO needs that group.
     Accelerate's own DeepSpeed, FSDP and Megatron-LM back-ends shard too, so configuring one is an error.
+
+    Tensor parallelism: ``parallelism_config=ParallelismConfig(tp_size=2)`` (or ``ZeroConfig.tensor_parallel_size``)
+    builds the mesh ``("dp_shard", "tp")`` (``torch_device_mesh``); ZeRO shards over ``dp_shard`` and the prepared
+    data loaders split batches over it only (see :mod:`.parallelism`). ``prepare`` splits a model that arrives
+    unsplit with ``ZeroConfig.tensor_parallel_plan``, "auto" when that is None (the decoder families
+    ``ds_strategy.parallel.auto_plan`` knows); a model whose parameters are already DTensors is left as it is.
+    An optimizer built before ``prepare`` is pointed at the split parameters.
     """
 
     def __init__(self, zero_config: ZeroConfig | Mapping | str | os.PathLike | None = None, **kwargs: Any):
         _reject_other_sharding(kwargs)
+        parallelism_config = kwargs.pop("parallelism_config", None)
+        check_no_launcher_parallelism(parallelism_config)
         config, self._deepspeed_sections = load_config(zero_config)
         if config.gradient_accumulation_steps != 1:
             steps = kwargs.setdefault("gradient_accumulation_steps", config.gradient_accumulation_steps)
@@ -77,10 +89,27 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
                 f"{self.distributed_type.value}; remove that from the accelerate config"
             )
         mixed = str(self.mixed_precision)
-        self.zero_config = reconcile_precision(
+        config = reconcile_precision(
             config, ACCELERATE_MIXED_PRECISION.get(mixed, mixed), "Accelerator(mixed_precision)"
         )
+        self.zero_config = with_parallelism(config, parallelism_config, self.num_processes)
+        refuse_sequence_parallel(self.zero_config, "ZeroAccelerator")
+        self.parallel_mesh: ParallelMesh | None = None
+        if self.zero_config.tensor_parallel_size > 1:
+            self.parallel_mesh = build_parallel_mesh(
+                self.device.type, self.zero_config.tensor_parallel_size, ACCELERATE_NAMES
+            )
         self.engines: list[ZeroEngine] = []
+
+    @property
+    def torch_device_mesh(self):
+        """With tensor parallelism the ``("dp_shard", "tp")`` mesh, which Accelerate's data loaders shard over."""
+        return self.parallel_mesh.mesh if self.parallel_mesh is not None else super().torch_device_mesh
+
+    @property
+    def data_parallel_size(self) -> int:
+        """The processes that read different batches: all of them, or one per tensor-parallel group."""
+        return self.parallel_mesh.dp_size if self.parallel_mesh is not None else self.num_processes
 
     # -- prepare ----------------------------------------------------------------------------------------------
     @property
@@ -108,7 +137,7 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
         of its ``optimizer``/``scheduler`` sections, their "auto" values filled as accelerate's DeepSpeed back-end
         fills them (see :mod:`.dummy_objects`); the real ones are prepared and returned.
         """
-        resolved = resolve_dummies(args, self._deepspeed_sections, self.num_processes, self.split_batches)
+        resolved = resolve_dummies(args, self._deepspeed_sections, self.data_parallel_size, self.split_batches)
         args = resolved.args
         placement = device_placement or [None] * len(args)
         result = list(args)
@@ -159,6 +188,8 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
 
     def _shard(self, model: nn.Module, optimizer: Optimizer | None, placement: bool | None) -> nn.Module:
         plan = self.zero_config.plan
+        if self.parallel_mesh is not None:
+            model = parallelize_with_optimizer(model, optimizer, self._parallelize)
         if (self.device_placement if placement is None else placement) and not plan.partitions_parameters:
             model.to(self.device)  # stage 3: the engine places one unit at a time (ds_strategy.zero.placement)
         if plan.converts_module:
@@ -171,8 +202,14 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
         model._is_accelerate_prepared = True
         return model
 
+    def _parallelize(self, model: nn.Module) -> nn.Module:
+        parallelize_for_config(model, self.parallel_mesh, self.zero_config, default_plan="auto")
+        return model
+
     def _build_engine(self, model: nn.Module, optimizer: Optimizer | None) -> ZeroEngine:
-        return build_engine(model, optimizer, self.zero_config, device=self.device, log=self.print)
+        return build_engine(
+            model, optimizer, self.zero_config, device=self.device, log=self.print, mesh=self.parallel_mesh
+        )
 
     def _attach(self, engine: ZeroEngine, optimizer: Optimizer) -> ZeroAcceleratedOptimizer:
         """Note: [An optimizer prepared after its model]
@@ -199,31 +236,31 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
     def _check_batch_sizes(self, loader: torch.utils.data.DataLoader) -> None:
         """The first data loader prepared is the training one (as Lightning's first batch is): its per-process
         batch must be the config's ``train_micro_batch_size_per_gpu`` and, with the accumulation steps and the
-        number of processes, make its ``train_batch_size``, or DeepSpeed's global batch would silently change."""
-        config = self.zero_config
+        number of data-parallel processes, make its ``train_batch_size``, or DeepSpeed's global batch would change."""
+        config, processes = self.zero_config, self.data_parallel_size
         if loader.batch_size is None or (
             config.train_batch_size is None and config.train_micro_batch_size_per_gpu is None
         ):
             return
-        micro = loader.batch_size // self.num_processes if self.split_batches else loader.batch_size
+        micro = loader.batch_size // processes if self.split_batches else loader.batch_size
         accumulation = self.gradient_accumulation_steps
         expected_micro = config.train_micro_batch_size_per_gpu
         if config.train_batch_size is not None:
-            resolved = config.resolve_batch_sizes(self.num_processes)
+            resolved = config.resolve_batch_sizes(processes)
             expected_micro = resolved.train_micro_batch_size_per_gpu
-            if micro * accumulation * self.num_processes != config.train_batch_size:
+            if micro * accumulation * processes != config.train_batch_size:
                 raise ValueError(
                     f"ZeroConfig.train_batch_size={config.train_batch_size} but the prepared data loader gives "
                     f"{micro} samples per process x gradient_accumulation_steps={accumulation} x "
-                    f"{self.num_processes} processes = {micro * accumulation * self.num_processes}; make the "
-                    f"loader's batch_size {expected_micro * (self.num_processes if self.split_batches else 1)} with "
+                    f"{processes} processes = {micro * accumulation * processes}; make the "
+                    f"loader's batch_size {expected_micro * (processes if self.split_batches else 1)} with "
                     f"gradient_accumulation_steps={resolved.gradient_accumulation_steps}, or change the config"
                 )
         if expected_micro is not None and micro != expected_micro:
             raise ValueError(
                 f"ZeroConfig.train_micro_batch_size_per_gpu={expected_micro} but the prepared data "
                 f"loader gives {micro} samples per process; make the loader's batch_size "
-                f"{expected_micro * (self.num_processes if self.split_batches else 1)} or change the "
+                f"{expected_micro * (processes if self.split_batches else 1)} or change the "
                 f"config"
             )
 

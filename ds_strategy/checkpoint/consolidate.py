@@ -15,12 +15,14 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from .directory import open_checkpoint, read_meta
 from .errors import CheckpointError
 from .flat_piece import quiet_single_process
 from .manifest import Kind, Manifest, StateKind, model_key, optimizer_key
+from .storage import METADATA, ChecksummedReader, dcp_failure
 
 SUFFIXES = (".pt", ".safetensors")
 
@@ -50,11 +52,13 @@ def consolidate(
     where, manifest = open_checkpoint(path)
     if not weights_only and manifest.optimizer_state is None:
         raise CheckpointError(f"{where} is a weights-only checkpoint: it has no optimizer state to consolidate")
-    reader = _MetadataOnceReader(where)
+    reader = _MetadataOnceReader(where, manifest.checksums)
     try:
         metadata = reader.read_metadata()
+    except CheckpointError:
+        raise
     except Exception as error:
-        raise CheckpointError(f"{where / '.metadata'} cannot be read: {error}") from error
+        raise CheckpointError(f"{where / METADATA} cannot be read: {error}") from error
     weights = _read_weights(reader, metadata, manifest, dtype, exclude_frozen_parameters)
     if weights_only:
         torch_payload: dict[str, Any] = weights
@@ -68,8 +72,9 @@ def consolidate(
     return out
 
 
-class _MetadataOnceReader(dcp.FileSystemReader):
-    """A FileSystemReader that parses DCP's ``.metadata`` once for all the one-tensor loads."""
+class _MetadataOnceReader(ChecksummedReader):
+    """A checksummed reader (each file is checked once) that parses DCP's ``.metadata`` once for all the
+    one-tensor loads."""
 
     def read_metadata(self) -> Metadata:
         if not hasattr(self, "_metadata"):
@@ -89,6 +94,8 @@ def _read(reader: _MetadataOnceReader, metadata: Metadata, key: str) -> Any:
     try:
         with quiet_single_process():
             dcp.load(target, storage_reader=reader, no_dist=True)
+    except CheckpointException as error:  # e.g. a damaged file: [Checksums of checkpoint files] in .storage
+        raise dcp_failure(error, f"reading {key!r} from {reader.path}") from None
     except Exception as error:
         raise CheckpointError(f"reading {key!r} from {reader.path} failed: {error}") from error
     return target[key]
@@ -120,7 +127,7 @@ def _read_optimizer(reader, metadata: Metadata, manifest: Manifest, where: Path)
             else _read(reader, metadata, optimizer_key(name, key))
             for key, kind in kinds.items()
         }
-    groups = read_meta(where)["param_groups"]
+    groups = read_meta(where, manifest)["param_groups"]
     for index, group in enumerate(groups):
         group["params"] = [
             name for name, entry in manifest.entries.items() if entry.kind is Kind.PARAMETER and entry.group == index

@@ -12,14 +12,15 @@ Layout of ``NAME/``::
 Note: [Atomic checkpoint directories]
 A checkpoint is written into the temporary sibling ``.NAME.partial`` and renamed to ``NAME`` only when complete:
 ``dcp.save`` returns on rank 0 only after every rank's shard file and DCP's ``.metadata`` are written and fsynced;
-then rank 0 writes ``meta.pt`` and, last, ``manifest.json``, which lists every file with its size and so is the
-completion marker. An existing ``NAME`` is replaced in three steps: rename it to ``.NAME.previous``, rename the
-partial to ``NAME``, delete the previous one. A process killed at any moment therefore leaves either the old
+then rank 0 writes ``meta.pt`` and, last, ``manifest.json``, which lists every file with its size and crc32 and
+so is the completion marker. An existing ``NAME`` is replaced in three steps: rename it to ``.NAME.previous``,
+rename the partial to ``NAME``, delete the previous one. A process killed at any moment therefore leaves either the old
 checkpoint at ``NAME`` or, between the two renames, no ``NAME`` and the complete old checkpoint at
 ``.NAME.previous``, which loading falls back to and the next save moves back into place. A leftover ``.partial``
-has no manifest, is never loaded, and is removed by the next save of the same name. Before reading, loading
-checks that the manifest parses and that every file it lists exists with its recorded size, so a missing or
-truncated shard is reported by name before any training state changes.
+has no manifest, is never loaded, and is removed by the next save of the same name; a save that fails with an
+error (a full disk: see :func:`abandon`) removes its own. Before reading, loading checks that the manifest parses
+and that every file it lists exists with its recorded size, so a missing or truncated shard is reported by name
+before any training state changes; each file's crc32 is checked as it is first read (:mod:`.storage`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import torch
 
 from .errors import CheckpointError
 from .manifest import Manifest
+from .storage import METADATA, crc32_of, os_error, verify
 
 MANIFEST = "manifest.json"
 META = "meta.pt"
@@ -57,13 +59,20 @@ def begin(path: Path) -> Path:
     return partial
 
 
-def finish(partial: Path, path: Path, manifest: Manifest, meta: dict[str, Any]) -> None:
-    """Write ``meta.pt`` and the manifest into the complete partial directory, then publish it at ``path``."""
-    _write_synced(partial / META, lambda f: torch.save(meta, f))
-    files = {p.name: p.stat().st_size for p in sorted(partial.iterdir()) if p.is_file()}
-    text = manifest.with_files(files).to_json()
-    _write_synced(partial / MANIFEST, lambda f: f.write(text.encode()))
-    _sync_directory(partial)
+def finish(partial: Path, path: Path, manifest: Manifest, meta: dict[str, Any], checksums: dict[str, int]) -> None:
+    """Write ``meta.pt`` and the manifest into the complete partial directory, then publish it at ``path``.
+
+    ``checksums`` holds the crc32 of every rank's shard files; rank 0 sums the files it wrote itself here."""
+    try:
+        _write_synced(partial / META, lambda f: torch.save(meta, f))
+        files = {p.name: p.stat().st_size for p in sorted(partial.iterdir()) if p.is_file()}
+        sums = {name: checksums[name] if name in checksums else crc32_of(partial / name) for name in files}
+        text = manifest.with_files(files, sums).to_json()
+        _write_synced(partial / MANIFEST, lambda f: f.write(text.encode()))
+        _sync_directory(partial)
+    except Exception:
+        abandon(partial)
+        raise
     _publish(partial, path)
 
 
@@ -85,6 +94,12 @@ def _recover(path: Path) -> None:
         _sync_directory(path.parent)
 
 
+def abandon(partial: Path) -> None:
+    """Remove the partial directory of a save that failed once no rank writes to it any more, so that a full disk
+    gets its space back: a later save may have another name and never remove it."""
+    shutil.rmtree(partial, ignore_errors=True)
+
+
 def remove(path: Path) -> None:
     """Delete a checkpoint so that no crash leaves a partly deleted one that still looks complete."""
     if path.is_dir() and not path.is_symlink():
@@ -104,10 +119,13 @@ def _remove_tree(path: Path) -> None:
 
 
 def _write_synced(path: Path, write) -> None:
-    with open(path, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+    except Exception as error:
+        raise CheckpointError(f"{path} cannot be written: {os_error(error)}") from error
 
 
 def _sync_directory(path: Path) -> None:
@@ -141,7 +159,7 @@ def open_checkpoint(path: str | os.PathLike) -> tuple[Path, Manifest]:
         )
     manifest_file = path / MANIFEST
     if not manifest_file.is_file():
-        interrupted = (path / ".metadata").exists() or path.name.endswith(".partial")
+        interrupted = (path / METADATA).exists() or path.name.endswith(".partial")
         what = (
             "an incomplete checkpoint (the save was interrupted before it finished)"
             if interrupted
@@ -190,8 +208,9 @@ def latest(root: Path) -> Path | None:
     return max(completed, key=lambda path: (completed[path], path.name), default=None)
 
 
-def read_meta(directory: Path) -> dict[str, Any]:
-    """Rank 0's ``meta.pt``: ``{"param_groups": [...] or None, "extra": {...}}``."""
+def read_meta(directory: Path, manifest: Manifest) -> dict[str, Any]:
+    """Rank 0's ``meta.pt``, checked against ``manifest``: ``{"param_groups": [...] or None, "extra": {...}}``."""
+    verify(directory / META, manifest.checksums.get(META))
     try:
         return torch.load(directory / META, map_location="cpu", weights_only=False)
     except Exception as error:

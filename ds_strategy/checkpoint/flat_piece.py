@@ -56,12 +56,41 @@ class FlatPiece:
         return [self._chunk()]
 
 
+@dataclass(frozen=True)
+class ScatteredPiece:
+    """Several pieces of one 1-D tensor that one rank holds (a tensor-parallel shard's runs in global coordinates,
+    Note: [Tensor-parallel pieces in global coordinates]); DCP sees one chunk per part."""
+
+    parts: tuple[FlatPiece, ...]
+
+    def size(self) -> torch.Size:
+        return self.parts[0].size()
+
+    def part_at(self, offset: int) -> FlatPiece:
+        return next(part for part in self.parts if part.offset == offset)
+
+    def __create_write_items__(self, fqn: str, obj: object) -> list[WriteItem]:
+        return [item for part in self.parts for item in part.__create_write_items__(fqn, part)]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [part._chunk() for part in self.parts]
+
+
+def _tensor_of(obj, index: MetadataIndex) -> torch.Tensor | None:
+    """The tensor a piece entry stands for at ``index`` (None: not a piece)."""
+    if isinstance(obj, FlatPiece):
+        return obj.tensor
+    if isinstance(obj, ScatteredPiece):
+        return obj.part_at(index.offset[0]).tensor
+    return None
+
+
 class PieceSavePlanner(DefaultSavePlanner):
     """DCP's default save planner, resolving a :class:`FlatPiece` entry to its tensor."""
 
     def lookup_object(self, index: MetadataIndex):
-        obj = self.state_dict[index.fqn]
-        return obj.tensor if isinstance(obj, FlatPiece) else super().lookup_object(index)
+        tensor = _tensor_of(self.state_dict[index.fqn], index)
+        return tensor if tensor is not None else super().lookup_object(index)
 
 
 class PieceLoadPlanner(DefaultLoadPlanner):
@@ -73,14 +102,14 @@ class PieceLoadPlanner(DefaultLoadPlanner):
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
         # DCP's set-up materialises meta tensors in place and, knowing only tensor types, replaces any other
         # _Checkpointable object by None; put the pieces back afterwards.
-        pieces = {key: value for key, value in state_dict.items() if isinstance(value, FlatPiece)}
+        pieces = {key: value for key, value in state_dict.items() if isinstance(value, (FlatPiece, ScatteredPiece))}
         super().set_up_planner(state_dict, metadata, is_coordinator)
         self.state_dict.update(pieces)
         self.original_state_dict.update(pieces)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        obj = self.state_dict[index.fqn]
-        return obj.tensor if isinstance(obj, FlatPiece) else super().lookup_tensor(index)
+        tensor = _tensor_of(self.state_dict[index.fqn], index)
+        return tensor if tensor is not None else super().lookup_tensor(index)
 
 
 @contextlib.contextmanager

@@ -1,10 +1,10 @@
 """``manifest.json``: a checkpoint's table of contents, written last so that it also marks the checkpoint complete.
 
 It names every entry of the module's ``state_dict`` (in ``state_dict`` order) with its kind and shape, says which
-optimizer state each trainable parameter has, lists the checkpoint's files with their sizes, and records what
-wrote it. The tensors themselves live in DCP's files under the keys :func:`model_key` and :func:`optimizer_key`,
-every one a 1-D tensor of the entry's ``numel`` elements (see :mod:`.flat_piece`), so the entry's shape is
-only here.
+optimizer state each trainable parameter has, lists the checkpoint's files with their sizes and crc32s (see
+[Checksums of checkpoint files] in :mod:`.storage`), and records what wrote it. The tensors themselves live in
+DCP's files under the keys :func:`model_key` and :func:`optimizer_key`, every one a 1-D tensor of the entry's
+``numel`` elements (see :mod:`.flat_piece`), so the entry's shape is only here.
 
 Note: [Tied and shared weights]
 A tensor reachable under several ``state_dict`` names (GPT's ``lm_head.weight`` is ``embed.wte.weight``) is
@@ -77,14 +77,18 @@ class Manifest:
     """Everything about a checkpoint except the tensors' values and rank 0's ``meta.pt``.
 
     ``optimizer_state`` maps each trainable parameter to its optimizer state keys; ``None`` for a weights-only
-    checkpoint. ``files`` maps each file of the checkpoint to its size in bytes. ``saved_by`` (world size,
-    stage, precision) is informational: nothing in the layout depends on it.
+    checkpoint. ``files`` maps each file of the checkpoint to its size in bytes, ``checksums`` to its crc32.
+    ``saved_by`` (world size, stage, precision) is informational: nothing in the layout depends on it.
+
+    ``checksums`` came later than version 1 without a new version: it only adds a check, so a reader that predates
+    it loads the checkpoint as before, and a version-1 manifest without it (written before) loads unchecked.
     """
 
     entries: dict[str, Entry]
     optimizer_state: dict[str, dict[str, StateKind]] | None = None
     saved_by: dict[str, Any] = field(default_factory=dict)
     files: dict[str, int] = field(default_factory=dict)
+    checksums: dict[str, int] = field(default_factory=dict)
 
     def source_of(self, name: str) -> str | None:
         """The entry whose data ``name`` reads (itself, or what it aliases); ``None`` if the checkpoint lacks it."""
@@ -93,8 +97,8 @@ class Manifest:
             return None
         return entry.alias_of if entry.kind is Kind.ALIAS else name
 
-    def with_files(self, files: dict[str, int]) -> Manifest:
-        return replace(self, files=dict(files))
+    def with_files(self, files: dict[str, int], checksums: dict[str, int]) -> Manifest:
+        return replace(self, files=dict(files), checksums=dict(checksums))
 
     def to_json(self) -> str:
         entries = {
@@ -107,6 +111,7 @@ class Manifest:
                 "version": VERSION,
                 "saved_by": self.saved_by,
                 "files": self.files,
+                "checksums": self.checksums,
                 "entries": entries,
                 "optimizer_state": self.optimizer_state,
             },
@@ -141,6 +146,7 @@ class Manifest:
                 optimizer_state,
                 dict(raw.get("saved_by", {})),
                 {str(k): int(v) for k, v in raw["files"].items()},
+                {str(k): int(v) for k, v in raw.get("checksums", {}).items()},
             )
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             raise CheckpointError(f"{where} is not a valid ds_strategy checkpoint manifest: {error}") from error

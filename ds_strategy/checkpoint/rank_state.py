@@ -5,10 +5,14 @@ For every flat parameter a rank writes the pieces of each named parameter inside
 "-true" 16-bit), and the same pieces of each elementwise optimizer state. Shard ranges partition the flat
 layout, so every element is written exactly once whatever the stage (at stage 0 each rank holds everything but
 still writes only its shard range). Rank 0 also writes the replicated tensors: frozen parameters and buffers.
+
+Under tensor parallelism a piece is stored in global coordinates (Note: [Tensor-parallel pieces in global
+coordinates]), and of a parameter every tensor-parallel rank holds whole, only tensor-parallel rank 0 writes it.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -17,7 +21,8 @@ from torch import nn
 
 from ..zero.engine import ZeroEngine
 from ..zero.flat_param import FlatParam, ParamSlot
-from .flat_piece import FlatPiece
+from .flat_piece import FlatPiece, ScatteredPiece
+from .global_layout import global_runs
 from .manifest import Entry, Kind, StateKind
 
 
@@ -26,11 +31,35 @@ def master_base(fp: FlatParam) -> int:
     return fp.shard_offset if fp.policy.optimizer else 0
 
 
-def piece_of(tensor: torch.Tensor, fp: FlatParam, slot: ParamSlot, start: int, length: int) -> FlatPiece:
+def piece_of(
+    tensor: torch.Tensor, fp: FlatParam, slot: ParamSlot, start: int, length: int
+) -> FlatPiece | ScatteredPiece:
     """The piece ``[start, start + length)`` of ``slot``'s parameter within ``tensor``, which is laid out like
-    ``fp.master``."""
-    local = slot.offset + start - master_base(fp)
-    return FlatPiece(tensor.narrow(0, local, length), start, slot.numel)
+    ``fp.master``, in the coordinates of the parameter's global flattening."""
+    local = slot.offset - master_base(fp)
+    if slot.tp is None or slot.tp.replicated:
+        return FlatPiece(tensor.narrow(0, local + start, length), start, slot.numel)
+    numel = math.prod(slot.tp.shape)
+    runs = global_runs(slot.tp, start, length)
+    parts = tuple(FlatPiece(tensor.narrow(0, local + lo, n), at, numel) for lo, at, n in runs)
+    return parts[0] if len(parts) == 1 else ScatteredPiece(parts)
+
+
+def global_shape(slot: ParamSlot) -> tuple[int, ...]:
+    """The shape a checkpoint stores ``slot``'s parameter under: the DTensor's global shape, else its own."""
+    return tuple(slot.tp.shape if slot.tp is not None else slot.shape)
+
+
+def writes_slot(engine: ZeroEngine, slot: ParamSlot) -> bool:
+    """Whether this rank writes its pieces of ``slot``: always, unless every tensor-parallel rank holds the same
+    ones (a replicated parameter), when tensor-parallel rank 0 alone does."""
+    if slot.tp is not None and not slot.tp.replicated:
+        return True
+    return _tensor_parallel_rank(engine) == 0
+
+
+def _tensor_parallel_rank(engine: ZeroEngine) -> int:
+    return engine.tp_collectives.rank if engine.tp_collectives is not None else 0
 
 
 def stored_names(engine: ZeroEngine) -> dict[tuple[int, str], str]:
@@ -54,7 +83,7 @@ def describe(module: nn.Module, engine: ZeroEngine | None = None) -> dict[str, E
         first[id(tensor)] = name
         if id(tensor) in flat:
             fp, slot = flat[id(tensor)]
-            entries[name] = Entry(Kind.PARAMETER, tuple(slot.shape), group=fp.group_index)
+            entries[name] = Entry(Kind.PARAMETER, global_shape(slot), group=fp.group_index)
         elif id(tensor) in parameters:
             entries[name] = Entry(Kind.PARAMETER if tensor.requires_grad else Kind.FROZEN, tuple(tensor.shape))
         else:
@@ -95,7 +124,8 @@ def model_state(module: nn.Module, engine: ZeroEngine | None = None) -> dict[str
         names = stored_names(engine)
         for fp in engine.flat_params:
             for slot, start, length in fp.shard_slots():
-                state[names[id(fp), slot.name]] = piece_of(fp.master, fp, slot, start, length)
+                if writes_slot(engine, slot):
+                    state[names[id(fp), slot.name]] = piece_of(fp.master, fp, slot, start, length)
     if _rank(engine) == 0:
         for name, tensor in replicated_tensors(module, engine).items():
             state[name] = tensor.detach().reshape(-1)
@@ -124,11 +154,13 @@ def optimizer_state(engine: ZeroEngine) -> dict[str, Any]:
     for fp in engine.flat_params:
         fp_state = engine.optimizer.state.get(fp.master, {})
         for slot, start, length in fp.shard_slots():
+            if not writes_slot(engine, slot):
+                continue
             entries = {}
             for key, value in fp_state.items():
                 if _state_kind(key, value, fp) is StateKind.ELEMENTWISE:
                     entries[key] = piece_of(value, fp, slot, start, length)
-                elif start == 0:
+                elif start == 0 and _tensor_parallel_rank(engine) == 0:
                     entries[key] = value
             state[names[id(fp), slot.name]] = entries
     groups = [{k: v for k, v in group.items() if k != "params"} for group in engine.optimizer.param_groups]
@@ -137,6 +169,8 @@ def optimizer_state(engine: ZeroEngine) -> dict[str, Any]:
 
 
 def _rank(engine: ZeroEngine | None) -> int:
-    if engine is not None:
+    """This rank in the checkpoint's group: the engine's, or the whole world's under tensor parallelism, whose
+    engine group holds one of several ranks with data-parallel rank 0."""
+    if engine is not None and engine.tp_collectives is None:
         return engine.rank
     return dist.get_rank() if dist.is_initialized() else 0

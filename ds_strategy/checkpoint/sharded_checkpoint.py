@@ -15,6 +15,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ..comm.process_exit import destroy_process_groups_at_exit
 from ..zero.engine import ZeroEngine
@@ -24,6 +25,7 @@ from .flat_piece import PieceLoadPlanner, PieceSavePlanner, quiet_single_process
 from .manifest import Manifest, model_key, optimizer_key
 from .rank_state import describe, describe_optimizer, model_state, optimizer_state
 from .restore import apply_restore, plan_restore
+from .storage import METADATA, ChecksummedReader, ChecksummedWriter, dcp_failure
 
 
 def save(
@@ -44,14 +46,19 @@ def save(
         optimizer,
         manifest_for(module, engine, with_optimizer),
         extra=extra,
-        process_group=engine.process_group if engine is not None else None,
+        process_group=_checkpoint_group(engine),
     )
 
 
 def manifest_for(module: nn.Module, engine: ZeroEngine | None, with_optimizer: bool) -> Manifest:
     """The manifest of a checkpoint of ``module`` (its files are added when written)."""
     if engine is not None:
-        saved_by = {"world_size": engine.world_size, "stage": engine.config.stage, "precision": engine.config.precision}
+        saved_by = {
+            "world_size": engine.world_size,
+            "tensor_parallel_size": engine.tp_collectives.world_size if engine.tp_collectives is not None else 1,
+            "stage": engine.config.stage,
+            "precision": engine.config.precision,
+        }
     else:
         saved_by = {"world_size": dist.get_world_size() if dist.is_initialized() else 1}
     return Manifest(describe(module, engine), describe_optimizer(engine) if with_optimizer else None, saved_by)
@@ -73,22 +80,29 @@ def write(
         tensors.update({optimizer_key(name, key): value for key, value in state.items()})
     partial = directory.partial_path(path)
     _on_rank0(lambda: directory.begin(path), process_group, f"preparing {partial}")
-    with quiet_single_process():
-        dcp.save(
-            tensors,
-            storage_writer=dcp.FileSystemWriter(partial),
-            planner=PieceSavePlanner(),
-            process_group=process_group,
-            no_dist=not dist.is_initialized(),
-        )
+    writer = ChecksummedWriter(partial)
+    try:
+        with quiet_single_process():
+            dcp.save(
+                tensors,
+                storage_writer=writer,
+                planner=PieceSavePlanner(),
+                process_group=process_group,
+                no_dist=not dist.is_initialized(),
+            )
+    except CheckpointException as error:  # raised on every rank, once every rank has stopped writing
+        if _rank(process_group) == 0:
+            directory.abandon(partial)
+        raise dcp_failure(error, f"writing the checkpoint {path}") from None
     if dist.is_initialized():
         destroy_process_groups_at_exit()  # [Why every process group is destroyed at exit]
+    checksums = _gathered_on_rank0(writer.checksums, process_group)
     meta = {
         "param_groups": optimizer["param_groups"] if optimizer else None,
         "loss_scaler": optimizer["loss_scaler"] if optimizer else None,
         "extra": extra or {},
     }
-    _on_rank0(lambda: directory.finish(partial, path, manifest, meta), process_group, f"publishing {path}")
+    _on_rank0(lambda: directory.finish(partial, path, manifest, meta, checksums), process_group, f"publishing {path}")
 
 
 def load(
@@ -108,12 +122,14 @@ def load(
     as it is.
     """
     where, manifest = directory.open_checkpoint(path)
-    reader = dcp.FileSystemReader(where)
+    reader = ChecksummedReader(where, manifest.checksums)
     try:
         metadata = reader.read_metadata()
+    except CheckpointError:
+        raise
     except Exception as error:
-        raise CheckpointError(f"{where / '.metadata'} cannot be read: {error}") from error
-    meta = directory.read_meta(where)
+        raise CheckpointError(f"{where / METADATA} cannot be read: {error}") from error
+    meta = directory.read_meta(where, manifest)
     restore = plan_restore(module, engine, manifest, metadata, meta, where, load_optimizer, strict)
     try:
         with quiet_single_process():
@@ -121,13 +137,23 @@ def load(
                 restore.targets,
                 storage_reader=reader,
                 planner=PieceLoadPlanner(),
-                process_group=engine.process_group if engine is not None else None,
+                process_group=_checkpoint_group(engine),
                 no_dist=not dist.is_initialized(),
             )
+    except CheckpointException as error:  # any rank's failure, e.g. a damaged file: see .storage
+        raise dcp_failure(error, f"reading the checkpoint {where}") from None
     except Exception as error:
         raise CheckpointError(f"reading the checkpoint {where} failed: {error}") from error
     apply_restore(restore, engine)
     return meta["extra"]
+
+
+def _checkpoint_group(engine: ZeroEngine | None):
+    """The ranks that write and read a checkpoint together: the engine's, or every rank under tensor parallelism
+    (each tensor-parallel rank holds different pieces of the same data-parallel shard)."""
+    if engine is None or engine.tp_collectives is not None:
+        return None
+    return engine.process_group
 
 
 def remove(path: str | os.PathLike) -> None:
@@ -141,11 +167,24 @@ def latest(root: str | os.PathLike) -> Path | None:
     return directory.latest(Path(root))
 
 
+def _rank(process_group) -> int:
+    return dist.get_rank(process_group) if dist.is_initialized() else 0
+
+
+def _gathered_on_rank0(checksums: dict[str, int], process_group) -> dict[str, int]:
+    """Every rank's ``checksums`` merged, on rank 0 (empty elsewhere)."""
+    if not dist.is_initialized():
+        return checksums
+    gathered = [None] * dist.get_world_size(process_group) if _rank(process_group) == 0 else None
+    dist.gather_object(checksums, gathered, group=process_group, group_dst=0)
+    return {name: crc for sums in gathered or () for name, crc in sums.items()}
+
+
 def _on_rank0(step: Callable[[], None], process_group, what: str) -> None:
     """Run ``step`` on rank 0 only and make every rank raise if it failed there, so that no rank is left waiting
     in the next collective."""
     distributed = dist.is_initialized()
-    rank = dist.get_rank(process_group) if distributed else 0
+    rank = _rank(process_group)
     error = None
     if rank == 0:
         try:

@@ -33,23 +33,24 @@ import torch.distributed as dist
 
 from .collectives import CollectiveMismatchError, Collectives
 from .process_exit import destroy_process_groups_at_exit
+from .subgroups import group_partition, new_groups_everywhere
 
 MAX_LOGGED = 4096
-_MONITOR_GROUPS: dict[tuple[int, ...], tuple[object, object]] = {}  # ranks -> (default group, monitor group)
+_MONITOR_GROUPS: dict[tuple, tuple[object, object]] = {}  # partition -> (default group, this rank's monitor group)
 
 
-def _monitor_group(ranks: list[int]):
-    """A gloo group over ``ranks`` used only for the check, one per set of ranks while the default group lives.
-
-    Like every ``new_group``, its first creation must happen on every rank of the default group, in the same
-    order as their other groups: engines are built on every rank.
+def _monitor_group(group):
+    """A gloo group over the ranks of ``group`` used only for the check, one per partition of the ranks while the
+    default group lives. Like every ``new_group``, its first creation happens on every rank of the default group,
+    for every rank's group alike (Note: [Creating groups inside a sub-group]): engines are built on every rank.
     """
-    world, group = _MONITOR_GROUPS.get(tuple(ranks), (None, None))
+    partition = tuple(group_partition(group))
+    world, monitor = _MONITOR_GROUPS.get(partition, (None, None))
     if world is not dist.group.WORLD:
-        group = dist.new_group(ranks, backend="gloo")
-        _MONITOR_GROUPS[tuple(ranks)] = (dist.group.WORLD, group)
+        monitor = new_groups_everywhere(list(partition), backend="gloo")
+        _MONITOR_GROUPS[partition] = (dist.group.WORLD, monitor)
         destroy_process_groups_at_exit(_MONITOR_GROUPS.clear)  # [Why every process group is destroyed at exit]
-    return group
+    return monitor
 
 
 class CollectiveSequenceCheck:
@@ -57,12 +58,7 @@ class CollectiveSequenceCheck:
 
     def __init__(self, sources: list[Collectives]):
         primary = sources[0]
-        ranks = (
-            dist.get_process_group_ranks(primary.group)
-            if primary.group is not None
-            else list(range(dist.get_world_size()))
-        )
-        self.collectives = Collectives(_monitor_group(ranks), timeout=primary.timeout)
+        self.collectives = Collectives(_monitor_group(primary.group), timeout=primary.timeout)
         self.rank = primary.rank
         self.checks = 0
         self._reset()

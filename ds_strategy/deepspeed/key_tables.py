@@ -13,6 +13,7 @@ from typing import Any
 from .rule_kinds import (
     AUTO,
     NO_DEFAULT,
+    Rule,
     Table,
     field,
     honoured,
@@ -214,6 +215,85 @@ COMPILE: Table = {
         )
     },
 }
+
+
+def _checkpoint_input(name: str, what: str) -> Rule:
+    """A key saying what an activation checkpoint keeps of its input; see Note: [DeepSpeed's
+    activation_checkpointing section]."""
+    note = f"`ZeroConfig.{name}` ({what}), applied once `ZeroConfig.activation_checkpointing` is on"
+    return mapped(note, False, lambda key, value: {name: value})
+
+
+# Note: [DeepSpeed's activation_checkpointing section]
+#   In DeepSpeed the section checkpoints nothing: it configures ``deepspeed.checkpointing.checkpoint`` for model
+#   code that calls it (Megatron's layers). So here too it only says what a checkpoint keeps of its input, and
+#   checkpointing is turned on by ``ZeroConfig.activation_checkpointing`` (e.g. ``from_deepspeed_config(path,
+#   activation_checkpointing="full")``). Turning it on whenever the section appears would recompute models that
+#   never asked for it (Hugging Face configs carry the section with every value false) and checkpoint twice the
+#   ones that checkpoint themselves (``gradient_checkpointing_enable()``).
+ACTIVATION_CHECKPOINTING: Table = {
+    "partition_activations": _checkpoint_input("partition_activations", "split over the tensor-parallel group"),
+    "cpu_checkpointing": _checkpoint_input("cpu_checkpointing", "kept in host memory"),
+    "number_checkpoints": no_op(None, "sizes DeepSpeed's contiguous buffer for partitioned checkpoint inputs"),
+    "contiguous_memory_optimization": no_op(
+        False, "DeepSpeed copies partitioned inputs into one preallocated buffer; here each is its own tensor"
+    ),
+    "synchronize_checkpoint_boundary": no_op(False, "a device synchronize around each checkpoint, for its timers"),
+    "profile": no_op(False, _LOGGING + " (recomputation shows as `ds_strategy::activation.recompute` ranges)"),
+}
+
+
+def _autotp_size(key: str, value: Any) -> dict[str, Any]:
+    """AutoTP needs no plan from the user, so neither does this: the auto plan splits the model (0 or 1: off)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value in (0, 1):
+        return {}
+    return {"tensor_parallel_size": value, "tensor_parallel_plan": "auto"}
+
+
+_TP_GROUP_KEYS = {"tp_size", "tp_grain_size"}  # DeepSpeed checks tp_size against autotp_size; grain: inference only
+TENSOR_PARALLEL: Table = {
+    "autotp_size": mapped(
+        '`ZeroConfig.tensor_parallel_size`, with `tensor_parallel_plan="auto"` (`ds_strategy.parallel.auto_plan`) '
+        "when above 1",
+        0,
+        _autotp_size,
+    ),
+    "dtype": no_op("torch.float16", "the compute dtype follows the fp16/bf16 sections", quiet=lambda value: True),
+    "tp_overlap_comm": no_op(False, "overlaps DeepSpeed's row-parallel all-reduce with compute; " + _SPEED_ONLY),
+    "vocab_parallel_lm_head": rejected(
+        None,
+        "the auto plan keeps lm_head whole; pass ZeroConfig.tensor_parallel_plan with an lm_head entry",
+        quiet=lambda value: value is not True,
+    ),
+    "vocab_parallel_ce_backend": no_op("torch", "picks DeepSpeed's vocabulary-parallel cross-entropy kernel"),
+    **{
+        name: rejected(
+            {},
+            "the tensor-parallel group comes from autotp_size (ds_strategy builds the mesh); tp_size and "
+            "tp_grain_size are accepted, mpu and tp_group are not",
+            quiet=lambda value: isinstance(value, dict) and set(value) <= _TP_GROUP_KEYS,
+        )
+        for name in ("tensor_parallel", "tp")
+    },
+    "injection_policy_tuple": rejected(
+        None, "DeepSpeed's injection policies are not read; pass ZeroConfig.tensor_parallel_plan"
+    ),
+    "partition_config": rejected(
+        None,
+        "DeepSpeed's regex layer specs are not translated; pass ZeroConfig.tensor_parallel_plan (module name "
+        'patterns to "colwise"/"rowwise")',
+    ),
+    "preset_model": honoured(
+        "the auto plan recognises the model's family itself (one it does not know fails at setup, naming it)", None
+    ),
+    "keep_module_on_host": no_op(
+        False, "where DeepSpeed loads checkpoints; `load_pretrained` reads each rank's shards only"
+    ),
+    **{
+        name: rejected(False, _NOT_IMPLEMENTED.format("inference kernel injection"))
+        for name in ("replace_with_kernel_inject", "kernel_inject")
+    },
+}
 _SECTION_BUILT = "built by `ds_strategy.deepspeed.optimizer_section` when the program defines no {}"
 DEEPSPEED: Table = {
     "train_batch_size": field("train_batch_size", NO_DEFAULT),
@@ -250,11 +330,7 @@ DEEPSPEED: Table = {
     "csv_monitor": no_op_section(_LOGGING),
     "comet": no_op_section(_LOGGING),
     "autotuning": no_op_section("DeepSpeed's autotuner; use `ds-strategy autotune`"),
-    "activation_checkpointing": no_op(
-        NO_DEFAULT,
-        "only affects code calling deepspeed.checkpointing; use torch.utils.checkpoint",
-        quiet=lambda value: not any(dict(value).values()) if isinstance(value, dict) else False,
-    ),
+    "activation_checkpointing": ACTIVATION_CHECKPOINTING,
     "checkpoint": no_op(
         NO_DEFAULT,
         "checkpoint tags, universal checkpoints and write pipelines are DeepSpeed's "
@@ -263,15 +339,17 @@ DEEPSPEED: Table = {
     ),
     "dataloader_drop_last": no_op(False, "DeepSpeed's own data loader; the framework's loader is used"),
     "vocabulary_size": no_op(None, "only used by DeepSpeed's sparse embeddings"),
-    "seq_parallel_communication_data_type": no_op("fp32", "no sequence parallelism"),
+    "seq_parallel_communication_data_type": no_op(
+        "fp32", "Ulysses all-to-alls move activations in their own dtype; gradients reduce in `communication_dtype`"
+    ),
     "use_data_before_expert_parallelism": no_op(False, "no expert parallelism"),
     "disable_python_gc": no_op(False, "garbage collection is left to Python"),
     "torch_autocast": rejected_section("use the framework's precision flag (or `ZeroConfig.precision`)"),
     "compile": COMPILE,
     "pipeline": rejected_section(_NOT_IMPLEMENTED.format("pipeline parallelism")),
-    "tensor_parallel": rejected_section(_NOT_IMPLEMENTED.format("tensor parallelism (AutoTP)")),
+    "tensor_parallel": TENSOR_PARALLEL,
     "expert_parallel": rejected_section(_NOT_IMPLEMENTED.format("expert parallelism")),
-    "sequence_parallel_size": rejected(1, _NOT_IMPLEMENTED.format("sequence parallelism (Ulysses)")),
+    "sequence_parallel_size": field("sequence_parallel_size", 1),
     "hybrid_engine": rejected_section(_NOT_IMPLEMENTED.format("the RLHF hybrid engine")),
     "sparse_attention": rejected_section(_NOT_IMPLEMENTED.format("sparse attention")),
     "compression_training": rejected_section(_NOT_IMPLEMENTED.format("compression training")),

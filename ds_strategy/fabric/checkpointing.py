@@ -116,8 +116,8 @@ class ZeroFabricCheckpointing:
 
 def _saved_entries(path: str) -> dict[str, Any]:
     """Rank 0's extra state of the checkpoint at ``path``, read after checking that the checkpoint is complete."""
-    where, _ = directory.open_checkpoint(path)
-    return directory.read_meta(where)["extra"]
+    where, manifest = directory.open_checkpoint(path)
+    return directory.read_meta(where, manifest)["extra"]
 
 
 def _is_marker(value: Any) -> bool:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.fabric.plugins.precision import Precision
@@ -20,10 +20,15 @@ from torch.optim import Optimizer
 from ..config import ZeroConfig
 from ..deepspeed_config import config_from_deepspeed
 from ..engine_owner import EngineOwnerMixin, build_engine
+from ..parallel.mesh import LIGHTNING_NAMES, ParallelMesh, build_parallel_mesh
+from ..parallel.prepare import parallelize_for_config, parallelize_with_optimizer, refuse_sequence_parallel
 from ..precision import autocast_for
 from ..precision_flag import reconcile_precision
 from ..zero.engine import ZeroEngine
 from .checkpointing import ZeroFabricCheckpointing
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy):
@@ -33,7 +38,9 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
     Subclasses Fabric's ``DDPStrategy`` for its launchers and process-group setup, but never wraps the model in
     DDP: ``fabric.setup(model, optimizer)`` builds a :class:`ZeroEngine`, which retargets the optimizer onto this
     rank's shards; ``fabric.backward``, ``fabric.clip_gradients``, ``fabric.no_backward_sync`` and
-    ``optimizer.step()`` go to the engine. Model and optimizer must be set up together, in one ``setup`` call.
+    ``optimizer.step()`` go to the engine. Set model and optimizer up together (``fabric.setup(model, optimizer)``)
+    or the model first (``fabric.setup_module``, or ``fabric.setup(model)`` alone) and then an optimizer over its
+    parameters (``fabric.setup_optimizers``), which the engine then takes on (``ZeroEngine.attach_optimizer``).
     Config fields are keyword arguments or a :class:`ZeroConfig` (so ``precision=`` here is the ZeroConfig
     field; a Fabric precision plugin goes in ``precision_plugin``).
 
@@ -44,6 +51,11 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
 
     ``fabric.save``/``fabric.load`` write and read a sharded checkpoint directory, each rank only its shards, and
     load at any world size or ZeRO stage (see :mod:`.checkpointing`).
+
+    Tensor parallelism (``tensor_parallel_size > 1``) takes Fabric's ``ModelParallelStrategy`` convention: a
+    ``parallelize_fn(module, device_mesh) -> module`` applied in setup, over the mesh ``("data_parallel",
+    "tensor_parallel")`` (also ``self.device_mesh``), or ``ZeroConfig.tensor_parallel_plan``. ZeRO shards over the
+    data-parallel group and ``fabric.setup_dataloaders`` splits batches over it only.
     """
 
     def __init__(
@@ -57,9 +69,15 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         start_method: str = "popen",
+        parallelize_fn: Callable[[nn.Module, DeviceMesh], nn.Module] | None = None,
         **config_fields: Any,
     ):
         self.config = ZeroConfig.build(config, **config_fields)
+        refuse_sequence_parallel(self.config, "the Fabric strategy")
+        if parallelize_fn is not None and self.config.tensor_parallel_size == 1:
+            raise ValueError("parallelize_fn needs tensor_parallel_size > 1 (the size of its tensor-parallel groups)")
+        self.parallelize_fn = parallelize_fn
+        self.parallel_mesh: ParallelMesh | None = None
         if self.config.gradient_accumulation_steps != 1:
             raise ValueError(
                 f"ZeroConfig.gradient_accumulation_steps={self.config.gradient_accumulation_steps} is not allowed "
@@ -103,18 +121,64 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
 
     # -- setup ------------------------------------------------------------------------------------------------
     def setup_environment(self) -> None:
+        """With tensor parallelism, the (dp, tp) mesh under ModelParallelStrategy's dimension names."""
         super().setup_environment()
         self.precision.device_type = self.root_device.type
+        if self.config.tensor_parallel_size > 1:
+            self.parallel_mesh = build_parallel_mesh(
+                self.root_device.type, self.config.tensor_parallel_size, LIGHTNING_NAMES
+            )
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The ``("data_parallel", "tensor_parallel")`` mesh, as ModelParallelStrategy's ``device_mesh``."""
+        if self.parallel_mesh is None:
+            raise RuntimeError("the device mesh exists after launch, and only with tensor_parallel_size > 1")
+        return self.parallel_mesh.mesh
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        """Batches are split over the data-parallel ranks; a tensor-parallel group reads the same ones."""
+        if self.parallel_mesh is None:
+            return super().distributed_sampler_kwargs
+        return {"num_replicas": self.parallel_mesh.dp_size, "rank": self.parallel_mesh.dp_rank}
 
     def setup_module_and_optimizers(
         self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any = None
     ) -> tuple[nn.Module, list[Optimizer], Any]:
         if len(optimizers) != 1:
             raise ValueError(f"ZeroFabricStrategy supports exactly one optimizer per model, got {len(optimizers)}")
+        return self._shard(module, optimizers[0]), optimizers, scheduler
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """The model alone (an optimizer may follow through ``fabric.setup_optimizers``)."""
+        return self._shard(module, None)
+
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """An optimizer over the parameters of the model set up before it; see ``ZeroEngine.attach_optimizer``."""
+        if self.engine is None:
+            raise ValueError("set the model up first (fabric.setup_module), then its optimizer")
+        self.engine.attach_optimizer(optimizer)
+        return optimizer
+
+    def _shard(self, module: nn.Module, optimizer: Optimizer | None) -> nn.Module:
+        """Tensor parallelism first (``parallelize_fn`` or the configured plan), then the engine over the result."""
         if self.engine is not None:
             raise ValueError("ZeroFabricStrategy shards one model; fabric.setup was already called with another")
-        self.engine = build_engine(module, optimizers[0], self.config, device=self.root_device, log=rank_zero_info)
-        return module, optimizers, scheduler
+        if self.parallel_mesh is not None:
+            module = parallelize_with_optimizer(module, optimizer, self._parallelize)
+        self.engine = build_engine(
+            module, optimizer, self.config, device=self.root_device, log=rank_zero_info, mesh=self.parallel_mesh
+        )
+        return module
+
+    def _parallelize(self, module: nn.Module) -> nn.Module:
+        if self.parallelize_fn is not None:
+            module = self.parallelize_fn(module, self.device_mesh)
+            if not isinstance(module, nn.Module):
+                raise TypeError(f"parallelize_fn must return an nn.Module, got {type(module).__name__}")
+        parallelize_for_config(module, self.parallel_mesh, self.config)
+        return module
 
     def module_init_context(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager:
         """``fabric.init_module(empty_init=True)`` under stage 3 builds on the meta device, and the engine
@@ -131,12 +195,6 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
         """Stage 3 never moves the whole model: the engine places it one unit at a time as it flattens it."""
         if not self.config.plan.partitions_parameters:
             super().module_to_device(module)
-
-    def setup_module(self, module: nn.Module) -> nn.Module:
-        raise NotImplementedError(self._err_msg_joint_setup_required())
-
-    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        raise NotImplementedError(self._err_msg_joint_setup_required())
 
     # -- training ---------------------------------------------------------------------------------------------
     def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:

@@ -19,6 +19,9 @@ from ..deepspeed.optimizer_section import OptimizerSections
 from ..deepspeed_config import read_deepspeed_config
 from ..engine_owner import EngineOwnerMixin, build_engine
 from ..micro_batch import check_micro_batch
+from ..parallel.mesh import LIGHTNING_NAMES, ParallelMesh, build_parallel_mesh
+from ..parallel.prepare import parallelize_for_config
+from ..parallel.ulysses import attend_with_ulysses
 from ..precision_flag import reconcile_precision
 from ..zero.engine import ZeroEngine
 from .checkpointing import ZeroCheckpointing
@@ -72,6 +75,7 @@ class ZeroStrategyMixin(EngineOwnerMixin):
             start_method=start_method,
         )
         self.engine: ZeroEngine | None = None
+        self.parallel_mesh: ParallelMesh | None = None
         self._comm_meter: StepCommMeter | None = None
 
     @classmethod
@@ -103,8 +107,32 @@ class ZeroStrategyMixin(EngineOwnerMixin):
         self._precision_plugin = plugin
 
     # -- setup ------------------------------------------------------------------------------------------------
+    def setup_environment(self) -> None:
+        """With tensor or sequence parallelism, the (dp, tp) or (dp, sp, tp) mesh under Lightning's names, as
+        ``self.device_mesh`` of the LightningModule, before ``configure_model`` runs (exactly as Lightning's
+        ModelParallelStrategy gives it; "sequence_parallel" is ours)."""
+        super().setup_environment()
+        if self.config.tensor_parallel_size > 1 or self.config.sequence_parallel_size > 1:
+            self.parallel_mesh = build_parallel_mesh(
+                self.root_device.type,
+                self.config.tensor_parallel_size,
+                LIGHTNING_NAMES,
+                sequence_parallel_size=self.config.sequence_parallel_size,
+            )
+            self.lightning_module._device_mesh = self.parallel_mesh.mesh
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        """Batches are split over the data-parallel ranks; a tensor- or sequence-parallel group reads the same ones."""
+        if self.parallel_mesh is None:
+            return super().distributed_sampler_kwargs
+        return {"num_replicas": self.parallel_mesh.dp_size, "rank": self.parallel_mesh.dp_rank}
+
     def setup(self, trainer) -> None:
         self.accelerator.setup(trainer)
+        parallelize_for_config(self.lightning_module, self.parallel_mesh, self.config)
+        if self.parallel_mesh is not None and self.parallel_mesh.sp_group is not None:
+            attend_with_ulysses(self.lightning_module, self.parallel_mesh.sp_group)
         self.model = self.precision_plugin.convert_module(self.model)
         if not self.config.plan.partitions_parameters:  # stage 3: the engine places one unit at a time (zero.placement)
             self.model_to_device()
@@ -118,10 +146,16 @@ class ZeroStrategyMixin(EngineOwnerMixin):
                     f"ZeroStrategy supports exactly one optimizer, configure_optimizers returned {len(self.optimizers)}"
                 )
             optimizer = self.optimizers[0]
-        config = self.config.resolve_batch_sizes(self.world_size)
+        dp_size = self.parallel_mesh.dp_size if self.parallel_mesh is not None else self.world_size
+        config = self.config.resolve_batch_sizes(dp_size)
         self._check_trainer_matches(trainer, config)
         self.engine = build_engine(
-            self.lightning_module, optimizer, config, device=self.root_device, log=rank_zero_info
+            self.lightning_module,
+            optimizer,
+            config,
+            device=self.root_device,
+            log=rank_zero_info,
+            mesh=self.parallel_mesh,
         )
         self._comm_meter = StepCommMeter(self.engine.comm_stats) if config.log_comm_stats else None
         self.precision_plugin.attach_engine(self.engine, self.lightning_module)

@@ -18,6 +18,7 @@ Note: [Initialisation order]
 """
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -86,22 +87,33 @@ def _init_linear(linear: nn.Linear, std: float) -> None:
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head self-attention where each position sees only itself and earlier positions."""
+    """Multi-head self-attention where each position sees only itself and earlier positions.
 
-    def __init__(self, config: GPTConfig):
+    The forward takes every shape from ``c_attn``'s output rather than from the config or the input, so a
+    tensor-parallel rank holding a slice of the heads, fed a slice of the sequence, runs it unchanged (see
+    ``ds_strategy.parallel.auto_plan``).
+
+    ``attention`` is called like ``F.scaled_dot_product_attention`` (the default); sequence parallelism passes
+    ``ds_strategy.parallel.ulysses.ulysses_sdpa(group)``, which attends over the whole sequence from a slice.
+    """
+
+    def __init__(self, config: GPTConfig, attention: Callable[..., torch.Tensor] | None = None):
         super().__init__()
         self.n_head = config.n_head
+        self.attention = attention or F.scaled_dot_product_attention
+        self.head_dim = config.n_embd // config.n_head
         self.dropout = config.dropout
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, embd = x.shape
-        q, k, v = self.c_attn(x).split(embd, dim=2)
-        q, k, v = (t.view(batch, seq, self.n_head, embd // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
-        y = y.transpose(1, 2).contiguous().view(batch, seq, embd)
+        qkv = self.c_attn(x)
+        batch, seq, _ = qkv.shape
+        q, k, v = qkv.chunk(3, dim=2)
+        q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        y = self.attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        y = y.transpose(1, 2).reshape(batch, seq, -1)
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -122,11 +134,11 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """One pre-norm transformer layer; the unit ZeRO-3 gathers and frees."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, attention: Callable[..., torch.Tensor] | None = None):
         super().__init__()
         self.config = config
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config, attention)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
@@ -154,8 +166,8 @@ class Embeddings(nn.Module):
         self.wpe = nn.Embedding(config.block_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device) if positions is None else positions
         return self.drop(self.wte(idx) + self.wpe(pos))
 
     def reset_parameters(self) -> None:
@@ -169,16 +181,17 @@ class GPT(nn.Module):
 
     Built under ``torch.device("meta")`` it stays unmaterialised; otherwise it is initialised on the default
     device. After moving a meta-built model with ``to_empty``, call ``tie_weights()`` and initialise the
-    units (see [Initialisation order]).
+    units (see [Initialisation order]). ``attention`` replaces every block's sdpa call (see
+    ``CausalSelfAttention``).
     """
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, attention: Callable[..., torch.Tensor] | None = None):
         super().__init__()
         self.config = config
         device = torch.get_default_device()
         with torch.device("meta"):
             self.embed = Embeddings(config)
-            self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+            self.blocks = nn.ModuleList(Block(config, attention) for _ in range(config.n_layer))
             self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
             self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.tie_weights()
@@ -199,15 +212,16 @@ class GPT(nn.Module):
         self.ln_f.reset_parameters()
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits for every position of ``idx`` (batch, seq), and the mean cross-entropy if ``targets`` given.
 
-        Targets equal to -1 are ignored.
+        Targets equal to -1 are ignored. ``positions`` (default 0..seq-1) are the tokens' places in the sequence,
+        which a sequence-parallel slice must give.
         """
         if idx.shape[1] > self.config.block_size:
             raise ValueError(f"sequence length {idx.shape[1]} exceeds block_size={self.config.block_size}")
-        x = self.embed(idx)
+        x = self.embed(idx, positions)
         for block in self.blocks:
             x = block(x)
         logits = self.lm_head(self.ln_f(x))

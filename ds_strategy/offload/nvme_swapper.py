@@ -26,6 +26,7 @@ map: dirty pages stay in the page cache and reach the file).
 from __future__ import annotations
 
 import collections
+import errno
 import fcntl
 import logging
 import mmap
@@ -56,6 +57,14 @@ ALIGN_ELEMENTS = 1024  # sub-groups start at multiples of this: 4 KiB-aligned fi
 
 class OffloadSetupError(RuntimeError):
     """NVMe offload cannot start: ``nvme_path`` is missing, not writable or too small for this rank's files."""
+
+
+class OffloadIOError(RuntimeError):
+    """An NVMe offload file could not be written or read during training (the disk filled up, or failed).
+
+    The step it happened in is incomplete, so the rank cannot go on: it raises, and its peers leave their next
+    collective naming it (see [How a failed rank ends the job] in :mod:`ds_strategy.comm.rank_failure`).
+    """
 
 
 def _gib(nbytes: int) -> str:
@@ -190,9 +199,12 @@ class SwapFile:
         buffer = memoryview(dst.view(torch.uint8).numpy())
         offset, done = start * self.itemsize, 0
         while done < len(buffer):
-            count = os.preadv(self.fd, [buffer[done:]], offset + done)
+            try:
+                count = os.preadv(self.fd, [buffer[done:]], offset + done)
+            except OSError as error:
+                raise self._failed("reading", len(buffer), offset, error) from error
             if count == 0:
-                raise OSError(f"{self.path}: unexpected end of file at byte {offset + done}")
+                raise OffloadIOError(f"{self.path}: unexpected end of file at byte {offset + done}")
             done += count
 
     def write(self, src: torch.Tensor, start: int) -> None:
@@ -200,8 +212,18 @@ class SwapFile:
         buffer = memoryview(src.view(torch.uint8).numpy())
         offset, done = start * self.itemsize, 0
         while done < len(buffer):
-            done += os.pwritev(self.fd, [buffer[done:]], offset + done)
+            try:
+                done += os.pwritev(self.fd, [buffer[done:]], offset + done)
+            except OSError as error:
+                raise self._failed("writing", len(buffer), offset, error) from error
         os.posix_fadvise(self.fd, offset, len(buffer), os.POSIX_FADV_DONTNEED)
+
+    def _failed(self, doing: str, nbytes: int, offset: int, error: OSError) -> OffloadIOError:
+        """The error naming ``nvme_path`` (this file is in the run's directory there), the file, range and cause."""
+        return OffloadIOError(
+            f"nvme_path {str(self.path.parent.parent)!r}: {doing} {nbytes:,} bytes at byte {offset:,} of "
+            f"{self.path} failed: [Errno {error.errno}] {error.strerror} ({errno.errorcode.get(error.errno, '?')})"
+        )
 
     def write_converted(self, src: torch.Tensor, start: int = 0, chunk: int = 1 << 22) -> None:
         """Store ``src`` of any dtype or device, converting ``chunk`` elements at a time.

@@ -59,31 +59,28 @@ class OffloadedStep:
 
     def on_reduced(self, fp: FlatParam, grad: torch.Tensor) -> None:
         with profiler_range("offload.grad_to_host", fp.name):
-            with profiler_range("offload.grad_to_host", fp.name):
-                if self.host is not None:
-                    self.host.on_reduced(fp, grad)
+            if self.host is not None:
+                self.host.on_reduced(fp, grad)
 
     def step(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> None:
         """The host (or NVMe) step of the offloaded flat parameters, the user's ``optimizer.step()`` for the rest,
         and every updated parameter written back where the forward pass reads it."""
         with profiler_range("offload.step"):
-            with profiler_range("offload.step"):
-                stepped: set[int] = set()
-                if self.host is not None:
-                    grads = [self.host.host_grad(fp, grad) for fp, grad in zip(self.flat_params, grads)]
-                    stepped = self.host.step(grads)
-                rest = [(fp, grad) for fp, grad in zip(self.flat_params, grads) if fp.index not in stepped]
-                step_on_device(optimizer, rest, self._write_params)
-                self.trim()
+            stepped: set[int] = set()
+            if self.host is not None:
+                grads = [self.host.host_grad(fp, grad) for fp, grad in zip(self.flat_params, grads)]
+                stepped = self.host.step(grads)
+            rest = [(fp, grad) for fp, grad in zip(self.flat_params, grads) if fp.index not in stepped]
+            step_on_device(optimizer, rest, self._write_params)
+            self.trim()
 
     def _write_params(self, fp: FlatParam) -> None:
         with profiler_range("offload.params_to_device", fp.name):
-            with profiler_range("offload.params_to_device", fp.name):
-                file = self.params.file_of(fp) if self.params is not None else None
-                if file is not None:
-                    file.write_converted(fp.master)
-                else:
-                    fp.copy_master_to_params()
+            file = self.params.file_of(fp) if self.params is not None else None
+            if file is not None:
+                file.write_converted(fp.master)
+            else:
+                fp.copy_master_to_params()
 
     def trim(self) -> None:
         """Drop pages of the NVMe files' memory maps that a checkpoint or gather touched from resident memory."""

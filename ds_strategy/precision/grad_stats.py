@@ -37,22 +37,35 @@ class GradStats:
         return self.sq_norm.sqrt()
 
 
-def unscale_and_check_shards(grads: list[torch.Tensor], inv_scale: float, collectives, sharded: bool) -> GradStats:
+def unscale_and_check_shards(
+    grads: list[torch.Tensor],
+    inv_scale: float,
+    collectives,
+    sharded: bool,
+    weights: list[float] | None = None,
+    tp_collectives=None,
+) -> GradStats:
     """Multiply each flat gradient in ``grads`` by ``inv_scale`` in place and return the agreed statistics.
 
     ``sharded``: each rank holds different gradient elements (ZeRO stage >= 1), so squared norms are summed
     across ranks; otherwise (stage 0) they are identical on every rank and only the inf flag is combined.
+    ``weights``: each gradient's weight in the squared norm, and ``tp_collectives`` the tensor-parallel group whose
+    ranks hold different parts of the model: their sums are added by a second all-reduce, a buffer replicated over
+    that group weighted ``1 / tp_size`` so that it counts once (Note: [DTensor parameters as flat views]).
     """
     device = grads[0].device if grads else torch.device("cpu")
     local = torch.zeros(2, dtype=torch.float32, device=device)
-    for grad in grads:
+    for grad, weight in zip(grads, weights or [1.0] * len(grads)):
         sq_norm, found_inf = unscale_and_check(grad, inv_scale)
-        local[0] += sq_norm
+        local[0] += sq_norm * weight
         local[1] += found_inf
     agreed = local.clone()
     if not sharded:
         agreed[0] = 0.0
     if collectives.world_size > 1:
         collectives.all_reduce(agreed, op=dist.ReduceOp.SUM).wait()
-    sq_norm = agreed[0] if sharded else local[0]
-    return GradStats(sq_norm=sq_norm, found_inf=bool(agreed[1].item() > 0))
+    if not sharded:
+        agreed[0] = local[0]
+    if tp_collectives is not None:
+        tp_collectives.all_reduce(agreed, op=dist.ReduceOp.SUM).wait()
+    return GradStats(sq_norm=agreed[0], found_inf=bool(agreed[1].item() > 0))

@@ -16,6 +16,7 @@ from ..comm.collectives import Collectives
 from ..comm.quantized import reduce_scatter_quantized
 from ..comm.sequence_check import CollectiveSequenceCheck
 from ..config import ZeroConfig
+from ..parallel.dtensor_params import spec_of
 from ..precision import GradStats, LossScaler, unscale_and_check_shards
 from ..profiler_ranges import profiler_range
 from .flat_param import FlatParam
@@ -68,8 +69,16 @@ class ZeroEngine:
         process_group=None,
         device: torch.device | str | None = None,
         step_runner: StepRunnerFactory | None = None,
+        tensor_parallel_group=None,
+        loss_multiplier: float = 1.0,
     ):
-        """``step_runner``: where the optimizer step runs (see :mod:`.step_runner`); by default on the device, or
+        """``process_group``: the group of ranks holding the same weights, over which ZeRO shards and averages
+        gradients (None: the default group). ``tensor_parallel_group``: the group the module's DTensor parameters
+        are split over, when it was parallelized (see :mod:`ds_strategy.parallel`); gradient norms and overflow
+        checks then span it too. ``loss_multiplier``: what ``scale_loss`` multiplies the loss by for backward,
+        when the gradient wanted is more than the average over ``process_group``: the sequence-parallel size
+        under Ulysses (Note: [Ulysses gradient scale] in :mod:`ds_strategy.parallel.ulysses`).
+        ``step_runner``: where the optimizer step runs (see :mod:`.step_runner`); by default on the device, or
         the registered offload runner when ``config`` offloads. The order below is the order of construction:
         communication first (units gather through it), then units and their flat buffers, placed or initialised
         on the device; then the step runner, which may move shards and masters off the device, before the
@@ -80,6 +89,7 @@ class ZeroEngine:
         self.config = config
         self.plan = plan = config.plan
         self.process_group = process_group
+        self.loss_multiplier = loss_multiplier
         self.device = torch.device(device) if device is not None else _device_of(module)
         if optimizer is not None:
             check_optimizer_is_elementwise(optimizer)
@@ -90,9 +100,15 @@ class ZeroEngine:
             timeout=config.collective_timeout,
         )
         self.rank, self.world_size = self.collectives.rank, self.collectives.world_size
+        self.tp_collectives = (
+            Collectives(tensor_parallel_group, timeout=config.collective_timeout)
+            if tensor_parallel_group is not None and dist.get_world_size(tensor_parallel_group) > 1
+            else None
+        )
         self._setup_weight_gathering()
         factory = step_runner or runner_factory(config)
-        shard_store = factory.shard_store(config, self.rank)
+        global_rank = dist.get_rank() if dist.is_initialized() else 0
+        shard_store = factory.shard_store(config, global_rank)
         self.units = self._build_units(shard_store)
         self.flat_params = [fp for unit in self.units for fp in unit.flat_params]
         self._materialise()
@@ -100,7 +116,7 @@ class ZeroEngine:
         for fp in self.flat_params:
             fp.allocate_grads(plan.comm_dtype, self.collectives.use_all_reduce)
         self.step_runner: StepRunner = factory(
-            StepContext(self.flat_params, optimizer, config, self.device, self.rank, shard_store)
+            StepContext(self.flat_params, optimizer, config, self.device, global_rank, shard_store)
         )
         if optimizer is not None:
             retarget_optimizer(optimizer, self.flat_params)
@@ -179,6 +195,8 @@ class ZeroEngine:
         """ZeRO++ groups and weight gathering (qwZ and hpZ), which the units are built with."""
         cfg = self.config
         self.comm_groups = {"world": self.collectives}
+        if self.tp_collectives is not None:
+            self.comm_groups["tp"] = self.tp_collectives
         if cfg.zero_hpz_partition_size > 1 and self.world_size > 1:
             self.comm_groups["hpz"] = hpz_collectives(self.collectives, cfg.zero_hpz_partition_size)
         self.weight_gather = None
@@ -200,16 +218,19 @@ class ZeroEngine:
         first_index: int,
         shard_store,
     ) -> list[FlatParam]:
-        """One flat buffer per (param group, persistent?) among ``params``, in first-appearance order."""
+        """One flat buffer per (param group, persistent?, replicated over tensor parallel?) among ``params``, in
+        first-appearance order (the last keeps the norm's weighting per buffer: Note: [DTensor parameters as
+        flat views])."""
         plan = self.plan
-        buckets: dict[tuple[int, bool], list[tuple[str, nn.Parameter]]] = {}
+        buckets: dict[tuple[int, bool, bool], list[tuple[str, nn.Parameter]]] = {}
         for name, p in params:
-            key = (group_of.get(id(p), 0), plan.is_persistent(p.numel()))
+            key = (group_of.get(id(p), 0), plan.is_persistent(p.numel()), self._replicated_over_tp(p))
             buckets.setdefault(key, []).append((name, p))
         flat = []
-        for (group, persistent), members in buckets.items():
+        for (group, persistent, replicated), members in buckets.items():
             policy = plan.persistent_sharding if persistent else plan.sharding
             name = f"{unit_name}/group{group}{'/persistent' if persistent else ''}"
+            name += "/tp_replicated" if replicated else ""
             flat.append(
                 FlatParam(
                     first_index + len(flat),
@@ -225,6 +246,21 @@ class ZeroEngine:
                 )
             )
         return flat
+
+    def _replicated_over_tp(self, p: nn.Parameter) -> bool:
+        """Whether every tensor-parallel rank holds the whole of ``p`` (always False without tensor parallelism)."""
+        if self.tp_collectives is None:
+            return False
+        spec = spec_of(p)
+        return spec is None or spec.replicated
+
+    def _norm_weights(self) -> list[float]:
+        """Each flat buffer's weight in the global gradient norm: ``1 / tp_size`` for one replicated over the
+        tensor-parallel group (every tp rank holds it: counted once in the tp sum), else 1."""
+        if self.tp_collectives is None:
+            return [1.0] * len(self.flat_params)
+        tp = self.tp_collectives.world_size
+        return [1.0 / tp if all(s.tp is None or s.tp.replicated for s in fp.slots) else 1.0 for fp in self.flat_params]
 
     def _materialise(self) -> None:
         """Move the parameters into their flat buffers on the device one unit at a time, every rank starting from
@@ -300,6 +336,11 @@ class ZeroEngine:
         each rank reading only its shards; see :mod:`ds_strategy.checkpoint.pretrained`."""
         from ..checkpoint.pretrained import load_weights  # that package imports this one
 
+        if self.tp_collectives is not None:
+            raise ValueError(
+                "load_weights cannot yet cut pretrained weights into tensor-parallel shards; load them into the "
+                "model before parallelizing it (in configure_model, before parallelize_module)"
+            )
         load_weights(self, path, prefix)
 
     # -- forward ----------------------------------------------------------------------------------------------
@@ -357,7 +398,7 @@ class ZeroEngine:
         part in the gathers but return an empty dict, so peak memory off rank 0 stays one unit.
         """
         self.reshard()
-        keep = not rank0_only or self.rank == 0
+        keep = not rank0_only or (dist.get_rank() if dist.is_initialized() else 0) == 0
         keys_of: dict[int, list[str]] = {}
         for key, value in self.module.state_dict(keep_vars=True).items():
             keys_of.setdefault(id(value), []).append(key)
@@ -365,9 +406,11 @@ class ZeroEngine:
         for unit in self.units:
             with self.gathered(unit):
                 for fp in unit.flat_params:
-                    for p in fp.params:
+                    for slot, p in zip(fp.slots, fp.params):
+                        # every tensor-parallel rank takes part in gathering a DTensor parameter whole
+                        value = p.detach() if slot.tp is None else p.detach().full_tensor()
                         for key in keys_of.pop(id(p), []) if keep else ():
-                            result[key] = p.detach().to(torch.float32, copy=True)
+                            result[key] = value.to(torch.float32, copy=True)
         if not keep:
             return {}
         for key, value in self.module.state_dict().items():
@@ -403,12 +446,15 @@ class ZeroEngine:
             self.reducer.sync = previous
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` in fp32 times the current loss scale under fp16 loss scaling, else ``loss`` itself.
+        """``loss`` times ``loss_multiplier``, and in fp32 times the current loss scale under fp16 loss scaling.
 
-        Backward through the result (``backward`` does both); the step divides the scale out again. The product
-        is taken in fp32, as DeepSpeed does, so that an fp16 loss times 2**16 does not overflow before backward.
+        Backward through the result (``backward`` does both) and log ``loss`` itself; the step divides the loss
+        scale out again, never the multiplier. The product is taken in fp32, as DeepSpeed does, so that an fp16
+        loss times 2**16 does not overflow before backward.
         """
-        return loss.float() * self.loss_scaler.scale if self.loss_scaler is not None else loss
+        if self.loss_scaler is not None:
+            return loss.float() * (self.loss_scaler.scale * self.loss_multiplier)
+        return loss * self.loss_multiplier if self.loss_multiplier != 1.0 else loss
 
     def backward(self, loss: torch.Tensor) -> None:
         self.scale_loss(loss).backward()
@@ -422,13 +468,17 @@ class ZeroEngine:
         calls until ``step`` return the same statistics without touching the gradients again.
         """
         with profiler_range("step.unscale"):
-            with profiler_range("step.unscale"):
-                if self._grad_stats is None:
-                    inv_scale = self.loss_scaler.inv_scale if self.loss_scaler is not None else 1.0
-                    self._grad_stats = unscale_and_check_shards(
-                        self._optimizer_grads(), inv_scale, self.collectives, sharded=self.plan.partitions_optimizer
-                    )
-                return self._grad_stats
+            if self._grad_stats is None:
+                inv_scale = self.loss_scaler.inv_scale if self.loss_scaler is not None else 1.0
+                self._grad_stats = unscale_and_check_shards(
+                    self._optimizer_grads(),
+                    inv_scale,
+                    self.collectives,
+                    sharded=self.plan.partitions_optimizer,
+                    weights=self._norm_weights(),
+                    tp_collectives=self.tp_collectives,
+                )
+            return self._grad_stats
 
     def _optimizer_grads(self) -> list[torch.Tensor]:
         """Each flat buffer's reduced gradient in its master's dtype: what clipping scales and the optimizer reads.
@@ -477,10 +527,13 @@ class ZeroEngine:
             local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros(())
             op = dist.ReduceOp.MAX
         else:
-            local = torch.stack([g.pow(norm_type).sum() for g in grads]).sum() if grads else torch.zeros(())
+            weighted = [g.pow(norm_type).sum() * w for g, w in zip(grads, self._norm_weights())]
+            local = torch.stack(weighted).sum() if grads else torch.zeros(())
             op = dist.ReduceOp.SUM
         if self.plan.partitions_optimizer:
             self.collectives.all_reduce(local, op=op).wait()
+        if self.tp_collectives is not None:
+            self.tp_collectives.all_reduce(local, op=op).wait()
         return local if math.isinf(norm_type) else local.pow(1.0 / norm_type)
 
     def step(self) -> bool:
@@ -502,40 +555,38 @@ class ZeroEngine:
         fp32 master into the 16-bit shard, so the all-gathers move 16-bit values.
         """
         with profiler_range("step"):
-            with profiler_range("step"):
-                if self.sequence_check is not None:
-                    with profiler_range("step.sequence_check"):
-                        self.sequence_check.verify()
-                if self.loss_scaler is not None:
-                    overflow = self.unscale_gradients().found_inf
-                    self.loss_scaler.update(overflow)
-                    if overflow:
-                        self.zero_grad()
-                        return False
-                grads = self._optimizer_grads()
-                with profiler_range("step.optimizer"):
-                    self.step_runner.step(self.optimizer, grads)  # and the write-back (see .step_runner)
-                self.zero_grad()  # consumes the gradients, as DeepSpeed's step does: ``.grad`` is None till backward
-                if self.gatherer is not None:  # a unit still gathered (a forward after the last backward) is now stale
-                    self.gatherer.release_all()
-                self._refresh_params()
-                return True
+            if self.sequence_check is not None:
+                with profiler_range("step.sequence_check"):
+                    self.sequence_check.verify()
+            if self.loss_scaler is not None:
+                overflow = self.unscale_gradients().found_inf
+                self.loss_scaler.update(overflow)
+                if overflow:
+                    self.zero_grad()
+                    return False
+            grads = self._optimizer_grads()
+            with profiler_range("step.optimizer"):
+                self.step_runner.step(self.optimizer, grads)  # and the write-back (see .step_runner)
+            self.zero_grad()  # consumes the gradients, as DeepSpeed's step does: ``.grad`` is None till backward
+            if self.gatherer is not None:  # a unit still gathered (a forward after the last backward) is now stale
+                self.gatherer.release_all()
+            self._refresh_params()
+            return True
 
     def _refresh_params(self) -> None:
         """All-gather the updated shards of the whole (never freed) buffers, at most ``allgather_bucket_size``
         elements in flight: past that, wait for what is in flight before launching more."""
         with profiler_range("step.refresh_params"):
-            with profiler_range("step.refresh_params"):
-                in_flight = 0
-                for unit in self.units:
-                    stale = [fp for fp in unit.flat_params if fp.policy.optimizer and not fp.policy.params]
-                    size = sum(fp.padded_numel for fp in stale)
-                    if in_flight and in_flight + size > self.config.allgather_bucket_size:
-                        self.wait_for_params()
-                        in_flight = 0
-                    unit.refresh(stale)
-                    in_flight += size
-                self.wait_for_params()
+            in_flight = 0
+            for unit in self.units:
+                stale = [fp for fp in unit.flat_params if fp.policy.optimizer and not fp.policy.params]
+                size = sum(fp.padded_numel for fp in stale)
+                if in_flight and in_flight + size > self.config.allgather_bucket_size:
+                    self.wait_for_params()
+                    in_flight = 0
+                unit.refresh(stale)
+                in_flight += size
+            self.wait_for_params()
 
     def zero_grad(self) -> None:
         self._grad_stats = self._master_grads = None

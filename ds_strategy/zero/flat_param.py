@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..parallel.dtensor_params import TensorParallelSpec, local_tensor, point_param_at, spec_of
 from .plan import FlatDtypes, ShardPolicy
 
 __all__ = ["FlatParam", "ParamSlot", "ShardPolicy"]
@@ -22,12 +23,14 @@ __all__ = ["FlatParam", "ParamSlot", "ShardPolicy"]
 
 @dataclass(frozen=True)
 class ParamSlot:
-    """Where one parameter lives inside the unpadded flat layout."""
+    """Where one parameter lives inside the unpadded flat layout. ``shape`` and ``numel`` are those of what the
+    buffer holds: a tensor-parallel parameter's local shard, whose global view ``tp`` describes (else None)."""
 
     name: str
     shape: torch.Size
     offset: int
     numel: int
+    tp: TensorParallelSpec | None = None
 
 
 class FlatParam:
@@ -74,8 +77,9 @@ class FlatParam:
         self.slots: list[ParamSlot] = []
         offset = 0
         for pname, p in params:
-            self.slots.append(ParamSlot(pname, p.shape, offset, p.numel()))
-            offset += p.numel()
+            local = local_tensor(p)
+            self.slots.append(ParamSlot(pname, local.shape, offset, local.numel(), spec_of(p)))
+            offset += local.numel()
         self.numel = offset
         self.shard_numel = max(1, math.ceil(offset / world_size))
         self.padded_numel = self.shard_numel * world_size
@@ -96,7 +100,7 @@ class FlatParam:
         with torch.no_grad():
             self.full.zero_()  # the padding stays zero for ever
             for slot, p in zip(self.slots, self.params):
-                self.full.narrow(0, slot.offset, slot.numel).copy_(p.reshape(-1))
+                self.full.narrow(0, slot.offset, slot.numel).copy_(local_tensor(p).reshape(-1))
         self.point_params_at_full()
 
     def adopt_meta_params(self) -> None:
@@ -106,7 +110,10 @@ class FlatParam:
         """
         self.alloc_full()
         self.full.zero_()
-        for p, view in zip(self.params, self.param_views()):
+        for slot, p, view in zip(self.slots, self.params, self.param_views()):
+            if slot.tp is not None:
+                torch.utils.swap_tensors(p, slot.tp.wrap(view, p.requires_grad))
+                continue
             torch.utils.swap_tensors(
                 p, nn.Parameter(torch.empty(0, dtype=view.dtype, device=view.device), requires_grad=p.requires_grad)
             )
@@ -171,13 +178,13 @@ class FlatParam:
 
     def point_params_at_full(self) -> None:
         for p, view in zip(self.params, self.param_views()):
-            p.data = view
+            point_param_at(p, view)
 
     def point_params_at_empty(self) -> None:
         """Outside a gather a partitioned parameter is an empty tensor, never stale memory."""
         empty = torch.empty(0, dtype=self.compute_dtype, device=self.device)
         for p in self.params:
-            p.data = empty
+            point_param_at(p, empty)
 
     # -- full buffer lifetime (stage 3) -----------------------------------------------------------------------
     @property

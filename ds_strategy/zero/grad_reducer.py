@@ -145,23 +145,22 @@ class GradReducer:
     # -- backward ----------------------------------------------------------------------------------------------
     def _on_grad(self, param: torch.Tensor) -> None:
         with profiler_range("grad.hook"):
-            with profiler_range("grad.hook"):
-                fp, index = self._slot_of[id(param)]
-                if not self._callback_queued:
-                    Variable._execution_engine.queue_callback(self._end_of_backward)
-                    self._callback_queued = True
-                slot = fp.slots[index]
-                grad = param.grad
-                if fp.policy.grads:
-                    self._scratch_for(fp).narrow(0, slot.offset, slot.numel).copy_(grad.reshape(-1))
-                    param.grad = None
-                else:
-                    view = fp.grad_full.narrow(0, slot.offset, slot.numel).view(slot.shape)
-                    if grad.data_ptr() != view.data_ptr():
-                        view.add_(grad)
-                        param.grad = view
-                self._ready_count[fp.index] += 1
-                self._launch_ready()
+            fp, index = self._slot_of[id(param)]
+            if not self._callback_queued:
+                Variable._execution_engine.queue_callback(self._end_of_backward)
+                self._callback_queued = True
+            slot = fp.slots[index]
+            grad = param.grad if slot.tp is None else slot.tp.local_grad(param.grad)
+            if fp.policy.grads:
+                self._scratch_for(fp).narrow(0, slot.offset, slot.numel).copy_(grad.reshape(-1))
+                param.grad = None
+            else:
+                view = fp.grad_full.narrow(0, slot.offset, slot.numel).view(slot.shape)
+                if grad.data_ptr() != view.data_ptr():
+                    view.add_(grad)
+                    param.grad = view if slot.tp is None else slot.tp.as_dtensor(view)
+            self._ready_count[fp.index] += 1
+            self._launch_ready()
 
     def _scratch_for(self, fp: FlatParam) -> torch.Tensor:
         scratch = self._scratch.get(fp.index)
@@ -187,65 +186,63 @@ class GradReducer:
 
     def _launch(self, fp: FlatParam) -> None:
         with profiler_range("grad.reduce", fp.name):
-            with profiler_range("grad.reduce", fp.name):
-                world = self.collectives.world_size
-                if fp.policy.grads:
-                    scratch = self._scratch_for(fp)
-                    if self.quantized_reduce_scatter is not None:
-                        out = torch.empty(fp.shard_numel, dtype=torch.float32, device=scratch.device)
-                        pending = self.quantized_reduce_scatter(out, scratch, label=f"gradients of {fp.name}")
-                    else:
-                        out = (
-                            scratch.narrow(0, fp.shard_offset, fp.shard_numel)
-                            if self.collectives.use_all_reduce
-                            else torch.empty(fp.shard_numel, dtype=scratch.dtype, device=scratch.device)
-                        )
-                        pending = self.collectives.reduce_scatter(out, scratch, label=f"gradients of {fp.name}")
-                    launched = _Reduction(pending, fp, out, _Kind.SCATTERED, scratch.numel())
-                elif fp.policy.optimizer and not self.collectives.use_all_reduce:
-                    send = fp.grad_full.to(self._comm_dtype(fp))
-                    out = (
-                        fp.grad_shard
-                        if fp.grad_shard.dtype == send.dtype
-                        else torch.empty(fp.shard_numel, dtype=send.dtype, device=send.device)
-                    )
-                    pending = self.collectives.reduce_scatter(out, send, label=f"gradients of {fp.name}")
-                    launched = _Reduction(pending, fp, out, _Kind.SCATTERED_ONCE, 0)
+            world = self.collectives.world_size
+            if fp.policy.grads:
+                scratch = self._scratch_for(fp)
+                if self.quantized_reduce_scatter is not None:
+                    out = torch.empty(fp.shard_numel, dtype=torch.float32, device=scratch.device)
+                    pending = self.quantized_reduce_scatter(out, scratch, label=f"gradients of {fp.name}")
                 else:
-                    send = fp.grad_full.to(self._comm_dtype(fp))
-                    pending = self.collectives.all_reduce(send, label=f"gradients of {fp.name}")
-                    launched = _Reduction(pending, fp, send, _Kind.ALL_REDUCED, 0)
-                self._in_flight.append(launched)
-                if self.on_launched is not None:
-                    self.on_launched(fp)
-                while self._in_flight and (
-                    not self.overlap
-                    or self._scratch_in_flight() > self.bucket_numel
-                    or self._in_flight[0].pending.is_completed()
-                ):
-                    self._finish_oldest(world)
+                    out = (
+                        scratch.narrow(0, fp.shard_offset, fp.shard_numel)
+                        if self.collectives.use_all_reduce
+                        else torch.empty(fp.shard_numel, dtype=scratch.dtype, device=scratch.device)
+                    )
+                    pending = self.collectives.reduce_scatter(out, scratch, label=f"gradients of {fp.name}")
+                launched = _Reduction(pending, fp, out, _Kind.SCATTERED, scratch.numel())
+            elif fp.policy.optimizer and not self.collectives.use_all_reduce:
+                send = fp.grad_full.to(self._comm_dtype(fp))
+                out = (
+                    fp.grad_shard
+                    if fp.grad_shard.dtype == send.dtype
+                    else torch.empty(fp.shard_numel, dtype=send.dtype, device=send.device)
+                )
+                pending = self.collectives.reduce_scatter(out, send, label=f"gradients of {fp.name}")
+                launched = _Reduction(pending, fp, out, _Kind.SCATTERED_ONCE, 0)
+            else:
+                send = fp.grad_full.to(self._comm_dtype(fp))
+                pending = self.collectives.all_reduce(send, label=f"gradients of {fp.name}")
+                launched = _Reduction(pending, fp, send, _Kind.ALL_REDUCED, 0)
+            self._in_flight.append(launched)
+            if self.on_launched is not None:
+                self.on_launched(fp)
+            while self._in_flight and (
+                not self.overlap
+                or self._scratch_in_flight() > self.bucket_numel
+                or self._in_flight[0].pending.is_completed()
+            ):
+                self._finish_oldest(world)
 
     def _scratch_in_flight(self) -> int:
         return sum(reduction.scratch_numel for reduction in self._in_flight)
 
     def _finish_oldest(self, world: int) -> None:
         with profiler_range("grad.finish", self._in_flight[0].fp.name):
-            with profiler_range("grad.finish", self._in_flight[0].fp.name):
-                reduction = self._in_flight.popleft()
-                reduction.pending.wait()
-                fp, out = reduction.fp, reduction.out
-                if reduction.kind is _Kind.SCATTERED:
-                    fp.reduced_grad_shard().add_(out, alpha=1.0 / world)
-                    del self._scratch[fp.index]
-                    self.working_set.observe(self._scratch_bytes())
-                elif reduction.kind is _Kind.ALL_REDUCED:
-                    _store_all_reduced(fp, out, world)
-                else:
-                    _store_mean(fp.grad_shard, out, world)
-                    for p in fp.params:  # grad_full keeps this rank's own sum; no rank may read it as the gradient
-                        p.grad = None
-                if self.on_reduced is not None and self.sync:
-                    self.on_reduced(fp, self.reduced_grad(fp))
+            reduction = self._in_flight.popleft()
+            reduction.pending.wait()
+            fp, out = reduction.fp, reduction.out
+            if reduction.kind is _Kind.SCATTERED:
+                fp.reduced_grad_shard().add_(out, alpha=1.0 / world)
+                del self._scratch[fp.index]
+                self.working_set.observe(self._scratch_bytes())
+            elif reduction.kind is _Kind.ALL_REDUCED:
+                _store_all_reduced(fp, out, world)
+            else:
+                _store_mean(fp.grad_shard, out, world)
+                for p in fp.params:  # grad_full keeps this rank's own sum; no rank may read it as the gradient
+                    p.grad = None
+            if self.on_reduced is not None and self.sync:
+                self.on_reduced(fp, self.reduced_grad(fp))
 
     def _end_of_backward(self) -> None:
         with profiler_range("backward.end"):

@@ -18,16 +18,17 @@ the int8 packets the forward gather received, so backward sees bit for bit the w
 
 Both gathers go through :class:`~ds_strategy.comm.collectives.Collectives`, one per process group, so the
 accounting is per group (``engine.comm_stats("hpz")``). Every rank must create the same process groups in the
-same order, so :func:`hpz_collectives` calls ``dist.new_group`` for every group on every rank.
+same order, so :func:`hpz_collectives` creates every group on every rank, inside a data-parallel group of a mesh
+too (Note: [Creating groups inside a sub-group]).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from ..comm.collectives import Collectives, PendingCollective
 from ..comm.quantized import BLOCK_SIZE, all_gather_int8, decode_int8_packets
+from ..comm.subgroups import group_partition, new_groups_everywhere
 from .flat_param import FlatParam
 
 
@@ -38,13 +39,12 @@ def hpz_collectives(world: Collectives, partition_size: int) -> Collectives:
             f"ZeroConfig.zero_hpz_partition_size={partition_size} must divide the world size "
             f"{world.world_size}; hpZ groups are made of that many consecutive ranks"
         )
-    if world.group is not None and world.group is not dist.group.WORLD:
-        raise ValueError("zero_hpz_partition_size > 1 needs the engine on the default process group")
-    mine = None
-    for first in range(0, world.world_size, partition_size):
-        group = dist.new_group(list(range(first, first + partition_size)))  # every rank creates every group
-        if first <= world.rank < first + partition_size:
-            mine = group
+    partition = [
+        ranks[first : first + partition_size]
+        for ranks in group_partition(world.group)
+        for first in range(0, len(ranks), partition_size)
+    ]
+    mine = new_groups_everywhere(partition)  # every rank creates every group
     return Collectives(mine, use_all_reduce=world.use_all_reduce, timeout=world.timeout)
 
 

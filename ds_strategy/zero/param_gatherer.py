@@ -10,8 +10,25 @@ Note: [When a gathered buffer may be freed]
   The root unit has no backward hooks of its own: it stays gathered from the step's first forward to the
   optimizer step (``ZeroEngine.step`` frees every gathered unit, whose values the step makes stale), so that
   several forwards before their backwards, or a forward after a backward, find it whole.
-  During activation-checkpoint recomputation the unit is in BACKWARD and gathered; its forward hooks then
-  neither free it nor change its state.
+  A recomputation in backward frees nothing (see Note: [Activation checkpointing under stage 3]).
+
+Note: [Activation checkpointing under stage 3]
+  A checkpointed unit's forward runs twice: in forward, and again in backward when autograd first needs a tensor
+  the checkpoint did not keep. That recomputation runs inside the backward of one of the unit's own ops, so after
+  the pre-backward hook on the unit's output (the gradient reaches the output before any op inside the unit) has
+  put the unit in BACKWARD and gathered it. Forward hooks that fire inside a backward (``is_recomputation``):
+  - the checkpointed unit's own: under ``ds_strategy.activation_memory`` they do not fire at all, since the
+    replaced ``forward`` is recomputed, not the module; under a model's own ``checkpoint(unit, x)`` they do, find
+    the unit started and gathered, and change nothing.
+  - those of a unit nested inside the checkpointed one (``unit_min_params`` can nest units): its pre-forward hook
+    may fire before its pre-backward hook has. Whichever fires first starts its backward (BACKWARD, gather,
+    prefetch of the units before it); the other finds it started and gathers nothing.
+  Neither records the forward order nor moves the prefetch position, and the post-forward hook neither frees the
+  unit (its backward reads it next) nor hooks the recomputed outputs (autograd never backpropagates through
+  them). So a step gathers each unit as often as without checkpointing: once in forward, and once in backward if
+  ``reshard_after_forward`` freed it; a unit already freed after its backward is gathered again only when a
+  later recomputation reads it (a module shared by two checkpointed units). The all-gathers are counted in
+  ``tests/test_activation_checkpointing.py``.
 
 Note: [Prefetch order]
 The first forward records the order in which units run; later steps gather unit k+1
@@ -30,6 +47,12 @@ from torch.utils._pytree import tree_flatten
 from ..profiler_ranges import profiler_range
 from .memory_report import WorkingSetPeak
 from .unit import ShardedState, TrainingState, Unit
+
+
+def is_recomputation() -> bool:
+    """A forward running while autograd executes a backward node: an activation-checkpoint recomputation
+    (non-reentrant checkpoints recompute from a saved-tensor unpack, reentrant ones from their node's backward)."""
+    return torch._C._current_autograd_node() is not None
 
 
 class ParamGatherer:
@@ -72,12 +95,11 @@ class ParamGatherer:
 
     def _gather(self, unit: Unit, wait: bool) -> None:
         with profiler_range("unit.gather", unit.name):
-            with profiler_range("unit.gather", unit.name):
-                unit.gather()
-                if wait:
-                    unit.wait_gathered()
-                self.peak_gathered_numel = max(self.peak_gathered_numel, self.gathered_numel())
-                self.working_set.observe()
+            unit.gather()
+            if wait:
+                unit.wait_gathered()
+            self.peak_gathered_numel = max(self.peak_gathered_numel, self.gathered_numel())
+            self.working_set.observe()
 
     # -- forward ---------------------------------------------------------------------------------------------
     def before_root_forward(self) -> None:
@@ -88,29 +110,28 @@ class ParamGatherer:
     def _make_pre_forward(self, unit: Unit):
         def hook(module, args):
             with profiler_range("unit.pre_forward", unit.name):
-                with profiler_range("unit.pre_forward", unit.name):
-                    if unit.training_state is TrainingState.BACKWARD:  # activation-checkpoint recomputation
-                        self._gather(unit, wait=True)
-                        return
-                    self._track_order(unit)
+                if is_recomputation():  # see Note: [Activation checkpointing under stage 3]
+                    self._start_backward(unit)
                     self._gather(unit, wait=True)
-                    unit.set_training_state(TrainingState.FORWARD)
-                    self._prefetch(self._upcoming_forward(unit))
+                    return
+                self._track_order(unit)
+                self._gather(unit, wait=True)
+                unit.set_training_state(TrainingState.FORWARD)
+                self._prefetch(self._upcoming_forward(unit))
 
         return hook
 
     def _make_post_forward(self, unit: Unit):
         def hook(module, args, output):
             with profiler_range("unit.post_forward", unit.name):
-                with profiler_range("unit.post_forward", unit.name):
-                    if unit.training_state is TrainingState.BACKWARD:
-                        return
-                    unit.set_training_state(TrainingState.IDLE)
-                    if torch.is_grad_enabled():
-                        self._register_pre_backward(unit, output)
-                    last = bool(self.order) and unit is self.order[-1] and not self._recording
-                    if not torch.is_grad_enabled() or (self.reshard_after_forward and not last):
-                        unit.release(keep_for_backward=torch.is_grad_enabled())
+                if is_recomputation():
+                    return
+                unit.set_training_state(TrainingState.IDLE)
+                if torch.is_grad_enabled():
+                    self._register_pre_backward(unit, output)
+                last = bool(self.order) and unit is self.order[-1] and not self._recording
+                if not torch.is_grad_enabled() or (self.reshard_after_forward and not last):
+                    unit.release(keep_for_backward=torch.is_grad_enabled())
 
         return hook
 
@@ -160,17 +181,20 @@ class ParamGatherer:
 
         def hook(grad):
             with profiler_range("unit.pre_backward", unit.name):
-                with profiler_range("unit.pre_backward", unit.name):
-                    if unit not in self._backward_started:
-                        self._backward_started.add(unit)
-                        self._recording = False
-                        unit.set_training_state(TrainingState.BACKWARD)
-                        self._gather(unit, wait=True)
-                        self._prefetch(self._upcoming_backward(unit))
-                    return grad
+                self._start_backward(unit)
+                return grad
 
         for t in tensors:
             t.register_hook(hook)
+
+    def _start_backward(self, unit: Unit) -> None:
+        """Once per backward: gather ``unit`` for it and prefetch the units whose backward comes next."""
+        if unit not in self._backward_started:
+            self._backward_started.add(unit)
+            self._recording = False
+            unit.set_training_state(TrainingState.BACKWARD)
+            self._gather(unit, wait=True)
+            self._prefetch(self._upcoming_backward(unit))
 
     def on_flat_params_reduced(self, unit: Unit) -> None:
         """All of ``unit``'s partitioned gradients are in flight: its weights are no longer needed."""

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ..parallel.dtensor_params import local_tensor, point_param_at
 from .hf_init import Initialiser, hf_initialisers, outermost_hf_models
 from .rng_replay import set_generator_state
 from .unit import Unit
@@ -158,6 +159,7 @@ def _units_written(module: nn.Module, unit_of: dict[int, Unit]) -> list[Unit]:
 def _repoint(fp) -> None:
     """Copy back a parameter an initialiser gave new storage, and point it at its flat buffer again."""
     for p, view in zip(fp.params, fp.param_views()):
-        if p.data_ptr() != view.data_ptr():
-            view.copy_(p.data.view(view.shape))
-            p.data = view
+        local = local_tensor(p)
+        if local.data_ptr() != view.data_ptr():
+            view.copy_(local.reshape(view.shape))
+            point_param_at(p, view)

@@ -126,16 +126,15 @@ class Unit:
         ``keep_for_backward``: autograd will run this unit's backward (under hpZ a secondary piece is kept).
         """
         with profiler_range("unit.free", self.name):
-            with profiler_range("unit.free", self.name):
-                if not self.partitioned or self.sharded_state is ShardedState.SHARDED:
-                    return
-                assert not self._pending, f"unit {self.name}: release while a gather is in flight"
-                for fp in self.partitioned:
-                    if self.weight_gather is not None:
-                        self.weight_gather.before_free(fp, keep_for_backward)
-                    fp.point_params_at_empty()
-                    fp.free_full()
-                self.sharded_state = ShardedState.SHARDED
+            if not self.partitioned or self.sharded_state is ShardedState.SHARDED:
+                return
+            assert not self._pending, f"unit {self.name}: release while a gather is in flight"
+            for fp in self.partitioned:
+                if self.weight_gather is not None:
+                    self.weight_gather.before_free(fp, keep_for_backward)
+                fp.point_params_at_empty()
+                fp.free_full()
+            self.sharded_state = ShardedState.SHARDED
 
     def __repr__(self) -> str:
         return f"Unit({self.name!r}, numel={self.numel}, {self.sharded_state.value}/{self.training_state.value})"

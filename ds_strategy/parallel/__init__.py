@@ -1,0 +1,25 @@
+"""Model parallelism around the ZeRO engine: the (dp, tp) device mesh (``mesh``), DTensor parameters in flat buffers
+(``dtensor_params``), automatic tensor-parallel plans (``auto_plan``) and the styles torch lacks (``tp_styles``),
+and DeepSpeed-Ulysses sequence parallelism (``ulysses``)."""
+
+from ds_strategy.parallel.auto_plan import STYLE_NAMES, apply_tensor_parallel_plan, tensor_parallel_plan
+from ds_strategy.parallel.ulysses import (
+    gradient_scale,
+    register_hf_attention,
+    sequence_parallel_loss,
+    shard_sequence,
+    ulysses_attention,
+    ulysses_sdpa,
+)
+
+__all__ = [
+    "STYLE_NAMES",
+    "apply_tensor_parallel_plan",
+    "tensor_parallel_plan",
+    "gradient_scale",
+    "register_hf_attention",
+    "sequence_parallel_loss",
+    "shard_sequence",
+    "ulysses_attention",
+    "ulysses_sdpa",
+]
