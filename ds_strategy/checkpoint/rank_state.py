@@ -37,7 +37,7 @@ def piece_of(
     """The piece ``[start, start + length)`` of ``slot``'s parameter within ``tensor``, which is laid out like
     ``fp.master``, in the coordinates of the parameter's global flattening."""
     local = slot.offset - master_base(fp)
-    if slot.tp is None or slot.tp.replicated:
+    if not slot.tp_sharded:
         return FlatPiece(tensor.narrow(0, local + start, length), start, slot.numel)
     numel = math.prod(slot.tp.shape)
     runs = global_runs(slot.tp, start, length)
@@ -53,9 +53,7 @@ def global_shape(slot: ParamSlot) -> tuple[int, ...]:
 def writes_slot(engine: ZeroEngine, slot: ParamSlot) -> bool:
     """Whether this rank writes its pieces of ``slot``: always, unless every tensor-parallel rank holds the same
     ones (a replicated parameter), when tensor-parallel rank 0 alone does."""
-    if slot.tp is not None and not slot.tp.replicated:
-        return True
-    return _tensor_parallel_rank(engine) == 0
+    return slot.tp_sharded or _tensor_parallel_rank(engine) == 0
 
 
 def _tensor_parallel_rank(engine: ZeroEngine) -> int:

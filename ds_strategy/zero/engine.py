@@ -111,6 +111,7 @@ class ZeroEngine:
         shard_store = factory.shard_store(config, global_rank)
         self.units = self._build_units(shard_store)
         self.flat_params = [fp for unit in self.units for fp in unit.flat_params]
+        self._norm_weights = self._weights_in_norm()
         self._materialise()
         self._start_sequence_check()  # after construction's broadcasts: it compares training traffic only
         for fp in self.flat_params:
@@ -254,13 +255,11 @@ class ZeroEngine:
         spec = spec_of(p)
         return spec is None or spec.replicated
 
-    def _norm_weights(self) -> list[float]:
+    def _weights_in_norm(self) -> list[float]:
         """Each flat buffer's weight in the global gradient norm: ``1 / tp_size`` for one replicated over the
         tensor-parallel group (every tp rank holds it: counted once in the tp sum), else 1."""
-        if self.tp_collectives is None:
-            return [1.0] * len(self.flat_params)
-        tp = self.tp_collectives.world_size
-        return [1.0 / tp if all(s.tp is None or s.tp.replicated for s in fp.slots) else 1.0 for fp in self.flat_params]
+        tp = self.tp_collectives.world_size if self.tp_collectives is not None else 1
+        return [1.0 if any(slot.tp_sharded for slot in fp.slots) else 1.0 / tp for fp in self.flat_params]
 
     def _materialise(self) -> None:
         """Move the parameters into their flat buffers on the device one unit at a time, every rank starting from
@@ -475,7 +474,7 @@ class ZeroEngine:
                     inv_scale,
                     self.collectives,
                     sharded=self.plan.partitions_optimizer,
-                    weights=self._norm_weights(),
+                    weights=self._norm_weights,
                     tp_collectives=self.tp_collectives,
                 )
             return self._grad_stats
@@ -527,7 +526,7 @@ class ZeroEngine:
             local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros(())
             op = dist.ReduceOp.MAX
         else:
-            weighted = [g.pow(norm_type).sum() * w for g, w in zip(grads, self._norm_weights())]
+            weighted = [g.pow(norm_type).sum() * w for g, w in zip(grads, self._norm_weights)]
             local = torch.stack(weighted).sum() if grads else torch.zeros(())
             op = dist.ReduceOp.SUM
         if self.plan.partitions_optimizer:

@@ -32,6 +32,11 @@ class ParamSlot:
     numel: int
     tp: TensorParallelSpec | None = None
 
+    @property
+    def tp_sharded(self) -> bool:
+        """Whether tensor-parallel ranks hold different parts of this parameter (else each holds all of it)."""
+        return self.tp is not None and not self.tp.replicated
+
 
 class FlatParam:
     """The parameters of one (unit, param group) pair as one padded flat buffer plus this rank's shard.
