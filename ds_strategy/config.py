@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ds_strategy.auto_values import deepspeed_auto_values
+from ds_strategy.parallel.pipeline_schedules import SCHEDULES
 from ds_strategy.zero.plan import ZeroPlan
 
 AUTO = "auto"
@@ -47,6 +48,8 @@ _COMMUNICATION_DTYPES = {
 _GRADIENT_REDUCTIONS = {name: name for name in ("auto", "reduce_scatter", "all_reduce")}
 _OFFLOAD_PLACES = {name: name for name in ("none", "cpu", "nvme")}
 _ACTIVATION_CHECKPOINTING = {name: name for name in ("none", "full", "selective")}
+_PIPELINE_GRAD_REDUCTIONS = {name: name for name in ("once", "per_microbatch")}
+_PIPELINE_SPLITS = ("auto", "parameters")
 
 
 class ZeroConfigError(ValueError):
@@ -225,6 +228,36 @@ class ZeroConfig:
             multiplies the loss by this size for backward (Note: [Ulysses gradient scale]). DeepSpeed's
             ``sequence_parallel_size``.
 
+    Pipeline parallelism (torch.distributed.pipelining; the outermost mesh dimension, ahead of dp; ZeRO shards
+    each stage's units over the data x sequence parallel ranks holding that stage, so N above is also divided
+    by pipeline_parallel_size):
+        pipeline_parallel_size (default 1 = off; not yet with sequence_parallel_size > 1): ranks that split the
+            model's blocks into consecutive stages and pass activations from one to the next. DeepSpeed's
+            ``pipeline.stages``.
+        pipeline_schedule (default "1f1b"): the order micro-batches run forward and backward through the stages:
+            "gpipe" (all forwards, then all backwards: activations of every micro-batch alive), "1f1b" (one
+            forward, one backward: at most a stage count of micro-batches alive), "interleaved_1f1b",
+            "zero_bubble" (backward split into input and weight gradients to fill the bubble) or "zbv" (zero
+            bubble in a V shape). The last three place two stage chunks on every rank: smaller bubbles, more
+            activation sends. torch's ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B,
+            ScheduleInterleavedZeroBubble and ScheduleZBVZeroBubble (``ds_strategy.parallel.pipeline_schedules``).
+        pipeline_microbatches (default None = one per stage): the micro-batches each training step's batch is
+            split into; None is the stage count, pipeline_parallel_size x stages per rank. More: smaller bubbles
+            (idle stages at the start and end of a step), smaller pieces per forward. DeepSpeed's PipelineEngine
+            reads its ``gradient_accumulation_steps`` as this.
+        pipeline_split (default "auto"): where stages begin. "auto": the same number of blocks on every stage (the
+            block count must be a multiple of the stage count); "parameters": consecutive blocks balanced by parameter
+            count (DeepSpeed's ``partition_method="parameters"``); or the module names (e.g. ["model.layers.2"])
+            where stages 2..n begin, checked against the model at setup.
+        pipeline_grad_reduction (default "once"): "once" accumulates a stage's full gradients over the
+            micro-batches and reduces them once per optimizer step: the least traffic, a full gradient buffer
+            per rank. "per_microbatch" (stage 2/3) reduce-scatters after every micro-batch's backward: ZeRO-2
+            gradient memory, pipeline_microbatches times the traffic.
+        pipeline_keep_gathered (default True; acts at stage 3): True gathers each rank's units once per step and
+            keeps them through the whole schedule: one all-gather per unit per step, the rank's stages whole in
+            memory. False gathers them for each micro-batch's forward and backward and frees them after: at most
+            one stage chunk gathered at a time, a gather per micro-batch pass.
+
     Activation memory (DeepSpeed's ``activation_checkpointing`` section; see ``ds_strategy.activation_memory``):
         activation_checkpointing (default "none"): "none"; "full": each checkpointed unit (the outermost ZeRO
             units) keeps only its input and recomputes its forward in backward (non-reentrant), one more forward
@@ -293,6 +326,12 @@ class ZeroConfig:
     activation_checkpoint_interval: int = 1
     partition_activations: bool = False
     cpu_checkpointing: bool = False
+    pipeline_parallel_size: int = 1
+    pipeline_schedule: str = "1f1b"
+    pipeline_microbatches: int | None = None
+    pipeline_split: str | tuple[str, ...] = "auto"
+    pipeline_grad_reduction: str = "once"
+    pipeline_keep_gathered: bool = True
 
     def __post_init__(self) -> None:
         checked = {
@@ -392,7 +431,10 @@ class ZeroConfig:
             "sequence_parallel": _needs_tensor_parallel(
                 "sequence_parallel", _flag("sequence_parallel", self.sequence_parallel), self.tensor_parallel_size
             ),
-            "sequence_parallel_size": _sequence_parallel_size(self.sequence_parallel_size, self.tensor_parallel_size),
+            # with tensor parallelism ZeRO would shard over a flattened dp x sp group, not built yet
+            "sequence_parallel_size": _size_without(
+                "sequence_parallel_size", self.sequence_parallel_size, "tensor_parallel_size", self.tensor_parallel_size
+            ),
             "activation_checkpointing": _choice(
                 "activation_checkpointing", self.activation_checkpointing, _ACTIVATION_CHECKPOINTING
             ),
@@ -401,6 +443,23 @@ class ZeroConfig:
             ),
             "partition_activations": _flag("partition_activations", self.partition_activations),
             "cpu_checkpointing": _flag("cpu_checkpointing", self.cpu_checkpointing),
+            "pipeline_parallel_size": _size_without(
+                "pipeline_parallel_size",
+                self.pipeline_parallel_size,
+                "sequence_parallel_size",
+                self.sequence_parallel_size,
+            ),
+            "pipeline_schedule": _choice("pipeline_schedule", self.pipeline_schedule, {n: n for n in SCHEDULES}),
+            "pipeline_microbatches": _integer("pipeline_microbatches", self.pipeline_microbatches, 1, none=True),
+            "pipeline_split": _pipeline_split(self.pipeline_split),
+            "pipeline_grad_reduction": _needs_stage(
+                "pipeline_grad_reduction",
+                _choice("pipeline_grad_reduction", self.pipeline_grad_reduction, _PIPELINE_GRAD_REDUCTIONS),
+                self.stage,
+                2,
+                off="once",
+            ),
+            "pipeline_keep_gathered": _flag("pipeline_keep_gathered", self.pipeline_keep_gathered),
         }
         for name, value in checked.items():
             object.__setattr__(self, name, value)
@@ -611,13 +670,32 @@ def _needs_tensor_parallel(name: str, value: bool, tensor_parallel_size: Any) ->
     return value
 
 
-def _sequence_parallel_size(value: Any, tensor_parallel_size: Any) -> int:
-    """Ulysses alone: with tensor parallelism ZeRO would shard over a flattened dp x sp group, not built yet."""
-    size = _integer("sequence_parallel_size", value, 1)
-    if size > 1 and tensor_parallel_size != 1:
+_FEATURES = {
+    "tensor_parallel_size": "tensor parallelism",
+    "sequence_parallel_size": "Ulysses",
+    "pipeline_parallel_size": "pipelining",
+}
+
+
+def _size_without(name: str, value: Any, other: str, other_value: Any) -> int:
+    """A parallel size >= 1 that must stay 1 while ``other`` (validated first) is above 1."""
+    size = _integer(name, value, 1)
+    if size > 1 and other_value != 1:
         raise ZeroConfigError(
-            "sequence_parallel_size",
-            f"ZeroConfig.sequence_parallel_size={size} is not allowed with tensor_parallel_size="
-            f"{tensor_parallel_size!r}; Ulysses and tensor parallelism do not combine yet, set one of them to 1",
+            name,
+            f"ZeroConfig.{name}={size} is not allowed with {other}={other_value!r}; {_FEATURES[name]} and "
+            f"{_FEATURES[other]} do not combine yet, set one of them to 1",
         )
     return size
+
+
+def _pipeline_split(value: Any) -> str | tuple[str, ...]:
+    """A split method's name, or distinct module names as a tuple; whether the names exist is checked at setup."""
+    if isinstance(value, str) and value in _PIPELINE_SPLITS:
+        return value
+    names = tuple(value) if isinstance(value, (list, tuple)) else ()
+    if names and all(isinstance(name, str) and name for name in names) and len(set(names)) == len(names):
+        return names
+    raise _reject(
+        "pipeline_split", value, '"auto", "parameters" or a list of distinct module names where stages 2..n begin'
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -12,6 +13,7 @@ from .activation_memory import apply_activation_checkpointing, remove_activation
 from .auto_values import hidden_size_of
 from .config import ZeroConfig
 from .parallel.mesh import ParallelMesh
+from .parallel.pipeline_split import StagePlan, cut_to_stages, plan_stages
 from .parallel.ulysses import gradient_scale
 from .zero.engine import ZeroEngine
 
@@ -35,6 +37,7 @@ def build_engine(
     device: torch.device,
     log: Callable[[str], Any],
     mesh: ParallelMesh | None = None,
+    stage_plan: StagePlan | None = None,
 ) -> ZeroEngine:
     """The one way the adapters build an engine, in this order: ``config``'s "auto" sizes resolved from ``module``'s
     hidden size, and its units checkpointed as ``config.activation_checkpointing`` says, both before stage 3
@@ -45,7 +48,9 @@ def build_engine(
     engine shards over its ZeRO group (data x sequence parallel) and multiplies the loss by the sequence-parallel
     size for backward (Note: [Ulysses gradient scale]), and ``partition_activations`` splits checkpointed inputs
     over its tensor-parallel group; without one (or with tp=1) inputs stay whole, as DeepSpeed does without a
-    model-parallel unit.
+    model-parallel unit. With a ``stage_plan`` (``module`` already cut by :func:`cut_for_pipeline`) the engine
+    holds this rank's pipeline stages: its units are the plan's blocks, it spans the pipeline group in norms and
+    takes gradients from :class:`~ds_strategy.parallel.pipeline.PipelineRunner` (Note: [Pipeline gradients]).
     """
     if config.has_auto_values:
         config = config.resolve_auto(hidden_size_of(module))
@@ -56,10 +61,28 @@ def build_engine(
             "tensor_parallel_group": mesh.tp_group,
             "loss_multiplier": gradient_scale(mesh.sp_size),
         }
+    if stage_plan is not None:
+        from_mesh.update(
+            pipeline_group=mesh.pp_group,
+            tied_copies=stage_plan.tied_copies(module),
+            gradients_from_hooks=False,
+        )
+        if not config.unit_modules and not config.unit_min_params:  # a stage may hold a single block
+            config = dataclasses.replace(config, unit_modules=(stage_plan.block_class,))
     apply_activation_checkpointing(module, config, from_mesh.get("tensor_parallel_group"))
     engine = ZeroEngine(module, optimizer, config, device=device, **from_mesh)
     log(engine.summary())
     return engine
+
+
+def cut_for_pipeline(module: nn.Module, config: ZeroConfig, mesh: ParallelMesh | None) -> StagePlan | None:
+    """With ``pipeline_parallel_size > 1``: plan the stages (errors before any process group work beyond the
+    mesh) and cut ``module`` down to this rank's in place; call before the optimizer is built over what remains."""
+    if config.pipeline_parallel_size == 1:
+        return None
+    plan = plan_stages(module, mesh.pp_size, mesh.pp_rank, config.pipeline_schedule, config.pipeline_split)
+    cut_to_stages(module, plan)
+    return plan
 
 
 class EngineOwnerMixin:

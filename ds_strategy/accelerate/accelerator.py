@@ -73,6 +73,12 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
         parallelism_config = kwargs.pop("parallelism_config", None)
         check_no_launcher_parallelism(parallelism_config)
         config, self._deepspeed_sections = load_config(zero_config)
+        if config.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"ZeroConfig.pipeline_parallel_size={config.pipeline_parallel_size} is not supported by "
+                f"ZeroAccelerator: only the Lightning Trainer (ZeroStrategy) runs pipeline schedules; use it, or "
+                f"pipeline_parallel_size=1"
+            )
         if config.gradient_accumulation_steps != 1:
             steps = kwargs.setdefault("gradient_accumulation_steps", config.gradient_accumulation_steps)
             if steps != config.gradient_accumulation_steps:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..parallel.dtensor_params import TensorParallelSpec
 
@@ -24,7 +25,7 @@ def local_to_global(spec: TensorParallelSpec) -> torch.Tensor:
     index = torch.arange(math.prod(spec.shape)).view(spec.shape)
     coordinate = spec.mesh.get_coordinate()
     for mesh_dim, placement in enumerate(spec.placements):
-        if placement.is_shard():
+        if placement.is_shard() or isinstance(placement, _StridedShard):  # torch 2.13: not is_shard()
             chunks, _ = placement._split_tensor(index, spec.mesh.size(mesh_dim), with_padding=False, contiguous=False)
             index = chunks[coordinate[mesh_dim]]
     return index.reshape(-1)

@@ -12,6 +12,8 @@ stored once, under the first name in ``state_dict`` order; every later name is a
 Loading requires the model to tie the same names; consolidation writes every name, so the result loads with
 ``load_state_dict(strict=True)``: a ``.pt`` file keeps one tensor under both names (``torch.save`` stores it once),
 a ``.safetensors`` file, which cannot express sharing, stores a copy and lists the aliases in its header metadata.
+A pipeline stage holding a copy of a weight another stage owns describes it the same way, as an alias of the
+owner's name (Note: [Pipeline stages in one checkpoint]).
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ still writes only its shard range). Rank 0 also writes the replicated tensors: f
 
 Under tensor parallelism a piece is stored in global coordinates (Note: [Tensor-parallel pieces in global
 coordinates]), and of a parameter every tensor-parallel rank holds whole, only tensor-parallel rank 0 writes it.
+Under pipeline parallelism each stage's data- and tensor-parallel rank 0 writes its replicated tensors, and a tied
+copy another stage owns is written by that stage alone (Note: [Pipeline stages in one checkpoint]).
 """
 
 from __future__ import annotations
@@ -69,17 +71,21 @@ def stored_names(engine: ZeroEngine) -> dict[tuple[int, str], str]:
 
 
 def describe(module: nn.Module, engine: ZeroEngine | None = None) -> dict[str, Entry]:
-    """Every ``state_dict`` entry of ``module`` as a manifest :class:`Entry`, in ``state_dict`` order."""
+    """Every ``state_dict`` entry of ``module`` as a manifest :class:`Entry`, in ``state_dict`` order; a tied copy
+    that another pipeline stage owns is an alias of the owner's name."""
     flat = {id(p): (fp, slot) for fp in engine.flat_params for p, slot in zip(fp.params, fp.slots)} if engine else {}
+    tied = engine.tied_copies if engine is not None else {}
     parameters = {id(p) for p in module.parameters()}
     first: dict[int, str] = {}
     entries: dict[str, Entry] = {}
     for name, tensor in module.state_dict(keep_vars=True).items():
         if id(tensor) in first:
-            entries[name] = Entry(Kind.ALIAS, alias_of=first[id(tensor)])
+            entries[name] = Entry(Kind.ALIAS, alias_of=tied.get(first[id(tensor)], first[id(tensor)]))
             continue
         first[id(tensor)] = name
-        if id(tensor) in flat:
+        if name in tied:
+            entries[name] = Entry(Kind.ALIAS, alias_of=tied[name])
+        elif id(tensor) in flat:
             fp, slot = flat[id(tensor)]
             entries[name] = Entry(Kind.PARAMETER, global_shape(slot), group=fp.group_index)
         elif id(tensor) in parameters:
@@ -90,11 +96,14 @@ def describe(module: nn.Module, engine: ZeroEngine | None = None) -> dict[str, E
 
 
 def describe_optimizer(engine: ZeroEngine) -> dict[str, dict[str, StateKind]]:
-    """Each trainable parameter's optimizer state keys. Every flat parameter's first element lives on rank 0, so
-    rank 0's optimizer holds state for every flat parameter and can describe them all."""
+    """Each trainable parameter's optimizer state keys (of tied copies: the owner's). Every flat parameter's first
+    element lives on rank 0, so rank 0's optimizer holds state for every flat parameter and can describe them all
+    (every stage's rank 0 under pipeline parallelism: Note: [Pipeline stages in one checkpoint])."""
     names = stored_names(engine)
     described = {}
     for fp in engine.flat_params:
+        if fp.tied_copy:
+            continue
         state = engine.optimizer.state.get(fp.master, {})
         kinds = {key: _state_kind(key, value, fp) for key, value in state.items()}
         for slot in fp.slots:
@@ -116,15 +125,17 @@ def _state_kind(key: str, value: Any, fp: FlatParam) -> StateKind:
 
 def model_state(module: nn.Module, engine: ZeroEngine | None = None) -> dict[str, FlatPiece | torch.Tensor]:
     """This rank's share of the module's ``state_dict``, by stored name: pieces of trainable parameters in its
-    shard, and (rank 0) every replicated tensor flattened to 1-D."""
+    shard (not of tied copies), and (rank 0) every replicated tensor flattened to 1-D."""
     state: dict[str, FlatPiece | torch.Tensor] = {}
     if engine is not None:
         names = stored_names(engine)
         for fp in engine.flat_params:
+            if fp.tied_copy:  # the owning stage writes it: Note: [Pipeline stages in one checkpoint]
+                continue
             for slot, start, length in fp.shard_slots():
                 if writes_slot(engine, slot):
                     state[names[id(fp), slot.name]] = piece_of(fp.master, fp, slot, start, length)
-    if _rank(engine) == 0:
+    if writes_replicated(engine):
         for name, tensor in replicated_tensors(module, engine).items():
             state[name] = tensor.detach().reshape(-1)
     return state
@@ -150,6 +161,8 @@ def optimizer_state(engine: ZeroEngine) -> dict[str, Any]:
     names = stored_names(engine)
     state: dict[str, dict[str, Any]] = {}
     for fp in engine.flat_params:
+        if fp.tied_copy:
+            continue
         fp_state = engine.optimizer.state.get(fp.master, {})
         for slot, start, length in fp.shard_slots():
             if not writes_slot(engine, slot):
@@ -166,9 +179,9 @@ def optimizer_state(engine: ZeroEngine) -> dict[str, Any]:
     return {"state": state, "param_groups": groups, "loss_scaler": scaler}
 
 
-def _rank(engine: ZeroEngine | None) -> int:
-    """This rank in the checkpoint's group: the engine's, or the whole world's under tensor parallelism, whose
-    engine group holds one of several ranks with data-parallel rank 0."""
-    if engine is not None and engine.tp_collectives is None:
-        return engine.rank
-    return dist.get_rank() if dist.is_initialized() else 0
+def writes_replicated(engine: ZeroEngine | None) -> bool:
+    """Whether this rank writes the replicated tensors of its part of the model: data- and tensor-parallel rank 0
+    of the engine (one rank per pipeline stage), or without an engine rank 0."""
+    if engine is not None:
+        return engine.rank == 0 and _tensor_parallel_rank(engine) == 0
+    return not dist.is_initialized() or dist.get_rank() == 0

@@ -29,7 +29,8 @@ from ..zero.flat_param import FlatParam
 from .errors import CheckpointError
 from .flat_piece import FlatPiece
 from .manifest import Manifest, StateKind, model_key, optimizer_key
-from .rank_state import describe, master_base, piece_of, replicated_tensors, stored_names
+from .pipeline_manifest import model_entries
+from .rank_state import master_base, piece_of, replicated_tensors, stored_names
 
 
 @dataclass
@@ -65,8 +66,9 @@ def plan_restore(
     strict: bool = True,
 ) -> Restore:
     """Check the checkpoint fits and allocate this rank's targets; raises :class:`CheckpointError` otherwise.
-    ``meta`` is rank 0's ``meta.pt`` (param-group hyperparameters, loss scaler state)."""
-    manifest.check_fits(describe(module, engine), where, strict)
+    ``meta`` is rank 0's ``meta.pt`` (param-group hyperparameters, loss scaler state). Under pipeline parallelism
+    a collective over the world: the checkpoint is checked against every stage's entries."""
+    manifest.check_fits(model_entries(module, engine), where, strict)
     restore = Restore()
     for name, tensor in replicated_tensors(module, engine).items():
         source = manifest.source_of(name)

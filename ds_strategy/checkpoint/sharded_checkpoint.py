@@ -2,7 +2,9 @@
 
 Each rank writes only its own pieces through ``torch.distributed.checkpoint`` (nothing is gathered anywhere), and
 on load reads only the pieces covering what it holds now, so the world size, ZeRO stage and precision may all
-change between save and load. See :mod:`.directory` for the files and how a save is made atomic.
+change between save and load, and so may the tensor- and pipeline-parallel split (Notes: [Tensor-parallel pieces in
+global coordinates], [Pipeline stages in one checkpoint]). See :mod:`.directory` for the files and how a save is
+made atomic.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from . import directory
 from .errors import CheckpointError
 from .flat_piece import PieceLoadPlanner, PieceSavePlanner, quiet_single_process
 from .manifest import Manifest, model_key, optimizer_key
-from .rank_state import describe, describe_optimizer, model_state, optimizer_state
+from .pipeline_manifest import described
+from .rank_state import model_state, optimizer_state
 from .restore import apply_restore, plan_restore
 from .storage import METADATA, ChecksummedReader, ChecksummedWriter, dcp_failure
 
@@ -51,17 +54,19 @@ def save(
 
 
 def manifest_for(module: nn.Module, engine: ZeroEngine | None, with_optimizer: bool) -> Manifest:
-    """The manifest of a checkpoint of ``module`` (its files are added when written)."""
+    """The manifest of a checkpoint of ``module`` (its files are added when written); under pipeline parallelism a
+    collective over the world, which gathers every stage's entries."""
     if engine is not None:
         saved_by = {
             "world_size": engine.world_size,
             "tensor_parallel_size": engine.tp_collectives.world_size if engine.tp_collectives is not None else 1,
+            "pipeline_parallel_size": engine.pp_collectives.world_size if engine.pp_collectives is not None else 1,
             "stage": engine.config.stage,
             "precision": engine.config.precision,
         }
     else:
         saved_by = {"world_size": dist.get_world_size() if dist.is_initialized() else 1}
-    return Manifest(describe(module, engine), describe_optimizer(engine) if with_optimizer else None, saved_by)
+    return Manifest(*described(module, engine, with_optimizer), saved_by)
 
 
 def write(
@@ -150,8 +155,9 @@ def load(
 
 def _checkpoint_group(engine: ZeroEngine | None):
     """The ranks that write and read a checkpoint together: the engine's, or every rank under tensor parallelism
-    (each tensor-parallel rank holds different pieces of the same data-parallel shard)."""
-    if engine is None or engine.tp_collectives is not None:
+    (each tensor-parallel rank holds different pieces of the same data-parallel shard) or pipeline parallelism
+    (each stage's ranks hold different parameters)."""
+    if engine is None or engine.tp_collectives is not None or engine.pp_collectives is not None:
         return None
     return engine.process_group
 

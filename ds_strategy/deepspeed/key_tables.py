@@ -143,7 +143,9 @@ ZERO_OPTIMIZATION: Table = {
     "zero_quantized_nontrainable_weights": rejected(False, _NOT_IMPLEMENTED.format("quantised frozen weights")),
     "zero_quantized_gradients": field("zero_quantized_gradients", False),
     "memory_efficient_linear": no_op(True, "torch's own linear is used"),
-    "pipeline_loading_checkpoint": no_op(False, "no pipeline parallelism"),
+    "pipeline_loading_checkpoint": no_op(
+        False, "loads stage-3 checkpoints one local rank at a time; here each rank reads only its own shards"
+    ),
     "override_module_apply": no_op(True, "stage 3 builds on the meta device instead of patching Module.apply"),
     "log_trace_cache_warnings": no_op(False, _LOGGING),
     "enable_sanity_checks": no_op(False, "collective sequences are always checked (`ds_strategy.comm.sequence_check`)"),
@@ -294,6 +296,69 @@ TENSOR_PARALLEL: Table = {
         for name in ("replace_with_kernel_inject", "kernel_inject")
     },
 }
+
+
+def _stages(key: str, value: Any) -> dict[str, Any]:
+    """ "auto": DeepSpeed takes the stage count from ``PipelineModule(num_stages=...)`` in model code, so here too
+    it is left to the strategy's arguments."""
+    return {} if value == AUTO else {"pipeline_parallel_size": value}
+
+
+_PARTITIONS = {"parameters": {"pipeline_split": "parameters"}, "uniform": {"pipeline_split": "auto"}, "best": {}}
+
+
+def _partition(key: str, value: Any) -> dict[str, Any]:
+    """DeepSpeed's partition methods ("best", its default, is one its engine never reads)."""
+    method = value.lower() if isinstance(value, str) else value
+    if isinstance(method, str) and method.startswith("type:"):
+        raise ValueError(
+            f"DeepSpeed {key}={value!r} is not supported: layer-type regexes are not translated; pass "
+            "ZeroConfig.pipeline_split (the module names where stages 2..n begin)"
+        )
+    if not isinstance(method, str) or method not in _PARTITIONS:
+        raise ValueError(f'DeepSpeed {key}={value!r} is not allowed; expected "parameters", "uniform" or "best"')
+    return _PARTITIONS[method]
+
+
+def _checkpoint_interval(key: str, value: Any) -> dict[str, Any]:
+    """0 is DeepSpeed's "no checkpointing"; any interval only takes effect once checkpointing is on."""
+    return {} if value == 0 else {"activation_checkpoint_interval": value}
+
+
+_WHOLE_SENDS = "stages send whole activations and gradients, not pieces split over the tensor-parallel group"
+# Note: [DeepSpeed's gradient_accumulation_steps under pipelining]
+#   DeepSpeed's PipelineEngine splits each step into gradient_accumulation_steps micro-batches (train_batch_size =
+#   micro-batch x micro-batches x data-parallel size), so a pipelined DeepSpeed config's gradient_accumulation_steps
+#   means ZeroConfig.pipeline_microbatches. It is still read as ZeroConfig.gradient_accumulation_steps (framework
+#   batches per optimizer step): the rules here see one key at a time, and moving it needs the batch-size check
+#   (``ZeroConfig.resolve_batch_sizes``) to count micro-batches too. Until then, such a config is read with
+#   ``from_deepspeed_config(path, pipeline_microbatches=<its gradient_accumulation_steps>,
+#   gradient_accumulation_steps=1)``.
+PIPELINE: Table = {
+    "stages": mapped(
+        '`ZeroConfig.pipeline_parallel_size` ("auto": from the strategy\'s arguments, as DeepSpeed takes it from '
+        "the PipelineModule); `gradient_accumulation_steps` is not read as the micro-batch count (see "
+        "`ZeroConfig.pipeline_microbatches`)",
+        AUTO,
+        _stages,
+    ),
+    "partition": mapped(
+        '`ZeroConfig.pipeline_split`: "parameters" = "parameters", "uniform" = "auto"; "best" sets nothing; '
+        '"type:" regexes are refused',
+        "best",
+        _partition,
+    ),
+    "seed_layers": no_op(False, "the model's own code builds and seeds every layer before the split"),
+    "activation_checkpoint_interval": mapped(
+        "`ZeroConfig.activation_checkpoint_interval` (0: unset), applied once `ZeroConfig.activation_checkpointing` "
+        "is on",
+        0,
+        _checkpoint_interval,
+    ),
+    "pipe_partitioned": no_op(True, _WHOLE_SENDS),
+    "grad_partitioned": no_op(True, _WHOLE_SENDS),
+    "use_reentrant": no_op(True, "activation checkpointing is always non-reentrant; gradients are the same"),
+}
 _SECTION_BUILT = "built by `ds_strategy.deepspeed.optimizer_section` when the program defines no {}"
 DEEPSPEED: Table = {
     "train_batch_size": field("train_batch_size", NO_DEFAULT),
@@ -346,7 +411,7 @@ DEEPSPEED: Table = {
     "disable_python_gc": no_op(False, "garbage collection is left to Python"),
     "torch_autocast": rejected_section("use the framework's precision flag (or `ZeroConfig.precision`)"),
     "compile": COMPILE,
-    "pipeline": rejected_section(_NOT_IMPLEMENTED.format("pipeline parallelism")),
+    "pipeline": PIPELINE,
     "tensor_parallel": TENSOR_PARALLEL,
     "expert_parallel": rejected_section(_NOT_IMPLEMENTED.format("expert parallelism")),
     "sequence_parallel_size": field("sequence_parallel_size", 1),

@@ -74,6 +74,12 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
     ):
         self.config = ZeroConfig.build(config, **config_fields)
         refuse_sequence_parallel(self.config, "the Fabric strategy")
+        if self.config.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"ZeroConfig.pipeline_parallel_size={self.config.pipeline_parallel_size} is not supported by the "
+                f"Fabric strategy: only the Lightning Trainer (ZeroStrategy) runs pipeline schedules; use it, or "
+                f"pipeline_parallel_size=1"
+            )
         if parallelize_fn is not None and self.config.tensor_parallel_size == 1:
             raise ValueError("parallelize_fn needs tensor_parallel_size > 1 (the size of its tensor-parallel groups)")
         self.parallelize_fn = parallelize_fn

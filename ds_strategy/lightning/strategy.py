@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,9 +17,11 @@ from ..comm.rank_failure import report_failure
 from ..config import ZeroConfig
 from ..deepspeed.optimizer_section import OptimizerSections
 from ..deepspeed_config import read_deepspeed_config
-from ..engine_owner import EngineOwnerMixin, build_engine
+from ..engine_owner import EngineOwnerMixin, build_engine, cut_for_pipeline
 from ..micro_batch import check_micro_batch
 from ..parallel.mesh import LIGHTNING_NAMES, ParallelMesh, build_parallel_mesh
+from ..parallel.pipeline import PipelineRunner
+from ..parallel.pipeline_split import StagePlan
 from ..parallel.prepare import parallelize_for_config
 from ..parallel.ulysses import attend_with_ulysses
 from ..precision_flag import reconcile_precision
@@ -76,6 +78,8 @@ class ZeroStrategyMixin(EngineOwnerMixin):
         )
         self.engine: ZeroEngine | None = None
         self.parallel_mesh: ParallelMesh | None = None
+        self.stage_plan: StagePlan | None = None
+        self.pipeline: PipelineRunner | None = None
         self._comm_meter: StepCommMeter | None = None
 
     @classmethod
@@ -108,31 +112,38 @@ class ZeroStrategyMixin(EngineOwnerMixin):
 
     # -- setup ------------------------------------------------------------------------------------------------
     def setup_environment(self) -> None:
-        """With tensor or sequence parallelism, the (dp, tp) or (dp, sp, tp) mesh under Lightning's names, as
+        """With tensor, sequence or pipeline parallelism, the ([pp,] dp, [sp,] tp) mesh under Lightning's names, as
         ``self.device_mesh`` of the LightningModule, before ``configure_model`` runs (exactly as Lightning's
-        ModelParallelStrategy gives it; "sequence_parallel" is ours)."""
+        ModelParallelStrategy gives it; "sequence_parallel" and "pipeline_parallel" are ours)."""
         super().setup_environment()
-        if self.config.tensor_parallel_size > 1 or self.config.sequence_parallel_size > 1:
+        config = self.config
+        if max(config.tensor_parallel_size, config.sequence_parallel_size, config.pipeline_parallel_size) > 1:
             self.parallel_mesh = build_parallel_mesh(
                 self.root_device.type,
-                self.config.tensor_parallel_size,
+                config.tensor_parallel_size,
                 LIGHTNING_NAMES,
-                sequence_parallel_size=self.config.sequence_parallel_size,
+                sequence_parallel_size=config.sequence_parallel_size,
+                pipeline_parallel_size=config.pipeline_parallel_size,
             )
             self.lightning_module._device_mesh = self.parallel_mesh.mesh
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, int]:
-        """Batches are split over the data-parallel ranks; a tensor- or sequence-parallel group reads the same ones."""
+        """Batches are split over the data-parallel ranks; a tensor- or sequence-parallel group, and the stages of
+        one pipeline, read the same ones."""
         if self.parallel_mesh is None:
             return super().distributed_sampler_kwargs
         return {"num_replicas": self.parallel_mesh.dp_size, "rank": self.parallel_mesh.dp_rank}
 
     def setup(self, trainer) -> None:
+        """In this order: tensor and sequence parallelism applied to the whole model, which pipelining then cuts
+        down to this rank's stages (deleting the rest in place, so before the optimizer is built over what
+        remains); the engine over those stages, and the runner that drives them through the schedule."""
         self.accelerator.setup(trainer)
         parallelize_for_config(self.lightning_module, self.parallel_mesh, self.config)
         if self.parallel_mesh is not None and self.parallel_mesh.sp_group is not None:
             attend_with_ulysses(self.lightning_module, self.parallel_mesh.sp_group)
+        self.stage_plan = cut_for_pipeline(self.lightning_module, self.config, self.parallel_mesh)
         self.model = self.precision_plugin.convert_module(self.model)
         if not self.config.plan.partitions_parameters:  # stage 3: the engine places one unit at a time (zero.placement)
             self.model_to_device()
@@ -156,7 +167,12 @@ class ZeroStrategyMixin(EngineOwnerMixin):
             device=self.root_device,
             log=rank_zero_info,
             mesh=self.parallel_mesh,
+            stage_plan=self.stage_plan,
         )
+        if self.stage_plan is not None:
+            self.pipeline = PipelineRunner(
+                self.lightning_module, self.engine, self.stage_plan, self.parallel_mesh, config, self.root_device
+            )
         self._comm_meter = StepCommMeter(self.engine.comm_stats) if config.log_comm_stats else None
         self.precision_plugin.attach_engine(self.engine, self.lightning_module)
         self.setup_precision_plugin()
@@ -182,6 +198,38 @@ class ZeroStrategyMixin(EngineOwnerMixin):
             trainer.gradient_clip_val = config.gradient_clipping
 
     # -- training ---------------------------------------------------------------------------------------------
+    def pipeline_step(self, inputs: torch.Tensor, target: Any, loss_fn: Callable[[torch.Tensor, Any], torch.Tensor]):
+        """The loss of ``loss_fn(model output, target)`` on this batch, for a LightningModule's training, validation
+        and test steps to return or log; the same step code runs with and without pipelining.
+
+        With ``pipeline_parallel_size > 1`` the batch is split into ``pipeline_microbatches`` run through the
+        schedule: in training, forward and backward (gradients divided by ``accumulate_grad_batches``), in
+        validation and test, forward only. The loss is the mean over the micro-batches on the last stage,
+        broadcast so every rank returns the same; it carries no graph (the schedule already ran backward, and
+        :meth:`backward` does nothing). Without pipelining it is ``loss_fn(self.lightning_module(inputs), target)``
+        with its graph: the LightningModule's ``forward`` must return what the last stage returns (the logits of
+        a causal LM).
+        """
+        module = self.lightning_module
+        if self.pipeline is None:
+            return loss_fn(module(inputs), target)
+        trainer = module.trainer
+        if module.training and trainer.training:
+            return self.pipeline.train_step(inputs, target, loss_fn, 1.0 / trainer.accumulate_grad_batches)
+        return self.pipeline.eval_step(inputs, target, loss_fn)
+
+    def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Lightning's backward, except under pipelining: the schedule ran it inside :meth:`pipeline_step`, so only
+        the hooks around it run (``on_before_backward``, ``on_after_backward``)."""
+        if self.pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        module = self.lightning_module
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
     @contextlib.contextmanager
     def block_backward_sync(self):
         """Lightning's non-boundary accumulation micro-batches: no gradient communication at stage 0/1."""
@@ -201,8 +249,9 @@ class ZeroStrategyMixin(EngineOwnerMixin):
             yield
 
     def _before_forward(self) -> None:
-        """A LightningModule's steps call submodules, not the root's forward: make the root unit usable."""
-        if self.engine is not None:
+        """A LightningModule's steps call submodules, not the root's forward: make the root unit usable (the
+        pipeline runner gathers its stages' units itself)."""
+        if self.engine is not None and self.pipeline is None:
             self.engine.before_forward()
 
     def training_step(self, *args: Any, **kwargs: Any):

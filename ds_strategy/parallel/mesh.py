@@ -1,11 +1,13 @@
-"""The one device mesh of a run: data parallel outside, then sequence parallel (Ulysses, only when its size is
-above 1), tensor parallel inside, and the groups ZeRO uses.
+"""The one device mesh of a run: pipeline parallel outside (only when its size is above 1), then data parallel,
+then sequence parallel (Ulysses, only when its size is above 1), tensor parallel inside, and the groups ZeRO uses.
 
 Consecutive ranks form a tensor- or sequence-parallel group (they exchange activations every layer, so they belong
 on one node), and ranks with the same position in it form a data-parallel group. ZeRO shards over every rank that
 holds the same weights: the data-parallel group times the sequence-parallel one, since Ulysses ranks hold full
-weights (the two do not combine with tensor parallelism yet). The dimension names are the host framework's:
-Lightning's ModelParallelStrategy calls them "data_parallel" and "tensor_parallel", and users index
+weights (the two do not combine with tensor parallelism yet). Pipeline stages are the outermost dimension, as in
+DeepSpeed (``pipe, data, model``) and torchtitan: stages exchange one activation per micro-batch, the least traffic,
+so they may span nodes; each stage's ranks form its own data-parallel groups. The dimension names are the host
+framework's: Lightning's ModelParallelStrategy calls them "data_parallel" and "tensor_parallel", and users index
 ``self.device_mesh`` by those names (and "sequence_parallel") in ``configure_model`` and ``training_step``.
 """
 
@@ -16,35 +18,78 @@ import dataclasses
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-DP, SP, TP = "dp", "sp", "tp"
-LIGHTNING_NAMES = {DP: "data_parallel", SP: "sequence_parallel", TP: "tensor_parallel"}
+PP, DP, SP, TP = "pp", "dp", "sp", "tp"
+LIGHTNING_NAMES = {PP: "pipeline_parallel", DP: "data_parallel", SP: "sequence_parallel", TP: "tensor_parallel"}
 # Accelerate's ParallelismConfig names, which its data loaders read to give a tensor-parallel group the same batches.
-ACCELERATE_NAMES = {DP: "dp_shard", SP: "sp", TP: "tp"}
+ACCELERATE_NAMES = {PP: "pp", DP: "dp_shard", SP: "sp", TP: "tp"}
 
 
-def mesh_shape(world_size: int, tensor_parallel_size: int, sequence_parallel_size: int = 1) -> dict[str, int]:
-    """The size of each dimension, outer to inner: dp, sp (only above 1), tp; checked before any group is made."""
+def mesh_shape(
+    world_size: int, tensor_parallel_size: int, sequence_parallel_size: int = 1, pipeline_parallel_size: int = 1
+) -> dict[str, int]:
+    """The size of each dimension, outer to inner: pp (only above 1), dp, sp (only above 1), tp; checked before
+    any group is made."""
     if tensor_parallel_size > 1 and sequence_parallel_size > 1:
         raise ValueError(
             f"sequence_parallel_size={sequence_parallel_size} with tensor_parallel_size={tensor_parallel_size}: "
             f"Ulysses and tensor parallelism do not combine yet"
         )
-    for name, size in (("tensor", tensor_parallel_size), ("sequence", sequence_parallel_size)):
+    if pipeline_parallel_size > 1 and sequence_parallel_size > 1:
+        raise ValueError(
+            f"sequence_parallel_size={sequence_parallel_size} with pipeline_parallel_size={pipeline_parallel_size}: "
+            f"Ulysses and pipeline parallelism do not combine yet"
+        )
+    sizes = (
+        ("tensor", tensor_parallel_size),
+        ("sequence", sequence_parallel_size),
+        ("pipeline", pipeline_parallel_size),
+    )
+    for name, size in sizes:
         if size < 1 or world_size % size:
             allowed = [n for n in range(1, world_size + 1) if world_size % n == 0]
             raise ValueError(
                 f"{name}_parallel_size={size} does not divide the world size {world_size}; allowed: {allowed}"
             )
-    dp = world_size // (tensor_parallel_size * sequence_parallel_size)
-    return {DP: dp, **({SP: sequence_parallel_size} if sequence_parallel_size > 1 else {}), TP: tensor_parallel_size}
+    model_parallel = tensor_parallel_size * sequence_parallel_size * pipeline_parallel_size
+    if world_size % model_parallel:
+        raise ValueError(
+            f"pipeline_parallel_size={pipeline_parallel_size} x tensor_parallel_size={tensor_parallel_size} = "
+            f"{model_parallel} does not divide the world size {world_size}"
+        )
+    return {
+        **({PP: pipeline_parallel_size} if pipeline_parallel_size > 1 else {}),
+        DP: world_size // model_parallel,
+        **({SP: sequence_parallel_size} if sequence_parallel_size > 1 else {}),
+        TP: tensor_parallel_size,
+    }
 
 
 @dataclasses.dataclass(frozen=True)
 class ParallelMesh:
-    """A ``DeviceMesh`` (data parallel, [sequence parallel,] tensor parallel) and the names its dimensions have."""
+    """A ``DeviceMesh`` ([pipeline parallel,] data parallel, [sequence parallel,] tensor parallel) and the names its
+    dimensions have."""
 
     mesh: DeviceMesh
-    names: dict[str, str] = dataclasses.field(default_factory=lambda: {DP: DP, SP: SP, TP: TP})
+    names: dict[str, str] = dataclasses.field(default_factory=lambda: {PP: PP, DP: DP, SP: SP, TP: TP})
+
+    @property
+    def pp_mesh(self) -> DeviceMesh | None:
+        """None when the mesh has no pipeline dimension (size 1)."""
+        name = self.names.get(PP)
+        return self.mesh[name] if name in self.mesh.mesh_dim_names else None
+
+    @property
+    def pp_size(self) -> int:
+        return 1 if self.pp_mesh is None else self.pp_mesh.size()
+
+    @property
+    def pp_rank(self) -> int:
+        return 0 if self.pp_mesh is None else self.pp_mesh.get_local_rank()
+
+    @property
+    def pp_group(self):
+        """The group of one rank per pipeline stage (same dp and tp position), or None without pipelining."""
+        return None if self.pp_mesh is None else self.pp_mesh.get_group()
 
     @property
     def dp_mesh(self) -> DeviceMesh:
@@ -92,8 +137,9 @@ class ParallelMesh:
     @property
     def zero_group(self):
         """The group ZeRO shards over, every rank holding the same weights: dp x sp. None (the default group)
-        without tensor parallelism, when it is the world; with it, the data-parallel group (sp is 1 then)."""
-        return None if self.tp_size == 1 else self.dp_group
+        without tensor or pipeline parallelism, when it is the world; with either, the data-parallel group (sp is
+        1 then)."""
+        return None if self.tp_size == 1 and self.pp_size == 1 else self.dp_group
 
     @property
     def sp_group(self):
@@ -107,11 +153,15 @@ class ParallelMesh:
 
 
 def build_parallel_mesh(
-    device_type: str, tensor_parallel_size: int, names: dict[str, str] | None = None, sequence_parallel_size: int = 1
+    device_type: str,
+    tensor_parallel_size: int,
+    names: dict[str, str] | None = None,
+    sequence_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
 ) -> ParallelMesh:
-    """The mesh over the initialised default group; ``names`` maps "dp"/"sp"/"tp" to the framework's dimension
+    """The mesh over the initialised default group; ``names`` maps "pp"/"dp"/"sp"/"tp" to the framework's dimension
     names."""
-    names = names or {DP: DP, SP: SP, TP: TP}
-    shape = mesh_shape(dist.get_world_size(), tensor_parallel_size, sequence_parallel_size)
+    names = {PP: PP, DP: DP, SP: SP, TP: TP, **(names or {})}
+    shape = mesh_shape(dist.get_world_size(), tensor_parallel_size, sequence_parallel_size, pipeline_parallel_size)
     mesh = init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(names[dim] for dim in shape))
     return ParallelMesh(mesh, dict(names))

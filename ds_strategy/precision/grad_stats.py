@@ -43,15 +43,16 @@ def unscale_and_check_shards(
     collectives,
     sharded: bool,
     weights: list[float] | None = None,
-    tp_collectives=None,
+    model_parallel: tuple = (),
 ) -> GradStats:
     """Multiply each flat gradient in ``grads`` by ``inv_scale`` in place and return the agreed statistics.
 
     ``sharded``: each rank holds different gradient elements (ZeRO stage >= 1), so squared norms are summed
     across ranks; otherwise (stage 0) they are identical on every rank and only the inf flag is combined.
-    ``weights``: each gradient's weight in the squared norm, and ``tp_collectives`` the tensor-parallel group whose
-    ranks hold different parts of the model: their sums are added by a second all-reduce, a buffer replicated over
-    that group weighted ``1 / tp_size`` so that it counts once (Note: [DTensor parameters as flat views]).
+    ``weights``: each gradient's weight in the squared norm, and ``model_parallel`` the groups whose ranks hold
+    different parts of the model (tensor parallel, pipeline stages): their sums are added by one more all-reduce
+    each, a buffer replicated over the tensor-parallel group weighted ``1 / tp_size`` so that it counts once (Note:
+    [DTensor parameters as flat views]), a tied copy another stage owns weighted 0.
     """
     device = grads[0].device if grads else torch.device("cpu")
     local = torch.zeros(2, dtype=torch.float32, device=device)
@@ -66,6 +67,6 @@ def unscale_and_check_shards(
         collectives.all_reduce(agreed, op=dist.ReduceOp.SUM).wait()
     if not sharded:
         agreed[0] = local[0]
-    if tp_collectives is not None:
-        tp_collectives.all_reduce(agreed, op=dist.ReduceOp.SUM).wait()
+    for group in model_parallel:
+        group.all_reduce(agreed, op=dist.ReduceOp.SUM).wait()
     return GradStats(sq_norm=agreed[0], found_inf=bool(agreed[1].item() > 0))

@@ -6,6 +6,7 @@ import contextlib
 import functools
 import logging
 import math
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -71,6 +72,9 @@ class ZeroEngine:
         step_runner: StepRunnerFactory | None = None,
         tensor_parallel_group=None,
         loss_multiplier: float = 1.0,
+        pipeline_group=None,
+        tied_copies: Mapping[str, str] | None = None,
+        gradients_from_hooks: bool = True,
     ):
         """``process_group``: the group of ranks holding the same weights, over which ZeRO shards and averages
         gradients (None: the default group). ``tensor_parallel_group``: the group the module's DTensor parameters
@@ -78,6 +82,12 @@ class ZeroEngine:
         checks then span it too. ``loss_multiplier``: what ``scale_loss`` multiplies the loss by for backward,
         when the gradient wanted is more than the average over ``process_group``: the sequence-parallel size
         under Ulysses (Note: [Ulysses gradient scale] in :mod:`ds_strategy.parallel.ulysses`).
+        ``pipeline_group``: one rank of every pipeline stage, when this engine holds one stage's part of the model;
+        norms and overflow checks span it too. ``tied_copies``: this stage's names of parameters that another stage
+        owns as well (a tied embedding), mapped to the owner's name: they are named so, kept in buffers of their own
+        and left out of the norm (the owner counts them). ``gradients_from_hooks`` False: no autograd hooks; the
+        caller hands gradients over with ``reducer.collect``/``reduce``/``finish`` and gathers stage-3 units itself
+        (Note: [Pipeline gradients] in :mod:`ds_strategy.parallel.pipeline`).
         ``step_runner``: where the optimizer step runs (see :mod:`.step_runner`); by default on the device, or
         the registered offload runner when ``config`` offloads. The order below is the order of construction:
         communication first (units gather through it), then units and their flat buffers, placed or initialised
@@ -105,6 +115,13 @@ class ZeroEngine:
             if tensor_parallel_group is not None and dist.get_world_size(tensor_parallel_group) > 1
             else None
         )
+        self.pp_collectives = (
+            Collectives(pipeline_group, timeout=config.collective_timeout)
+            if pipeline_group is not None and dist.get_world_size(pipeline_group) > 1
+            else None
+        )
+        self.model_parallel = tuple(c for c in (self.tp_collectives, self.pp_collectives) if c is not None)
+        self.tied_copies = dict(tied_copies or {})
         self._setup_weight_gathering()
         factory = step_runner or runner_factory(config)
         global_rank = dist.get_rank() if dist.is_initialized() else 0
@@ -135,6 +152,7 @@ class ZeroEngine:
                 sizes.prefetch if config.overlap_comm else 0,
                 sizes.max_live,
                 self.working_set,
+                hooks=gradients_from_hooks,
             )
         self._unit_of = [unit for unit in self.units for _ in unit.flat_params]  # by fp.index
         self._launched_per_unit: dict[Unit, int] = {}
@@ -155,7 +173,8 @@ class ZeroEngine:
             on_reduced=self.step_runner.on_reduced,
             quantized_reduce_scatter=qgz,
         )
-        self.reducer.register_hooks()
+        if gradients_from_hooks:
+            self.reducer.register_hooks()
         self._hooks = [self.units[0].module.register_forward_pre_hook(lambda module, args: self.before_forward())]
         self._hooks += [
             module.register_forward_pre_hook(self._gather_root_for)
@@ -181,7 +200,7 @@ class ZeroEngine:
                     f"freeze it (requires_grad=False) or add it to the optimizer"
                 )
             where = owners.get(id(p), [])
-            members[where[0] + 1 if len(where) == 1 else 0].append((name, p))
+            members[where[0] + 1 if len(where) == 1 else 0].append((self.tied_copies.get(name, name), p))
         names = ["<root>"] + [name for name, _ in chosen]
         modules = [self.module] + [module for _, module in chosen]
         units, first = [], 0
@@ -219,19 +238,20 @@ class ZeroEngine:
         first_index: int,
         shard_store,
     ) -> list[FlatParam]:
-        """One flat buffer per (param group, persistent?, replicated over tensor parallel?) among ``params``, in
-        first-appearance order (the last keeps the norm's weighting per buffer: Note: [DTensor parameters as
-        flat views])."""
+        """One flat buffer per (param group, persistent?, replicated over tensor parallel?, tied copy?) among
+        ``params``, in first-appearance order (the last two keep the norm's weighting per buffer: Note: [DTensor
+        parameters as flat views])."""
         plan = self.plan
-        buckets: dict[tuple[int, bool, bool], list[tuple[str, nn.Parameter]]] = {}
+        tied = set(self.tied_copies.values())
+        buckets: dict[tuple[int, bool, bool, bool], list[tuple[str, nn.Parameter]]] = {}
         for name, p in params:
-            key = (group_of.get(id(p), 0), plan.is_persistent(p.numel()), self._replicated_over_tp(p))
+            key = (group_of.get(id(p), 0), plan.is_persistent(p.numel()), self._replicated_over_tp(p), name in tied)
             buckets.setdefault(key, []).append((name, p))
         flat = []
-        for (group, persistent, replicated), members in buckets.items():
+        for (group, persistent, replicated, tied_copy), members in buckets.items():
             policy = plan.persistent_sharding if persistent else plan.sharding
             name = f"{unit_name}/group{group}{'/persistent' if persistent else ''}"
-            name += "/tp_replicated" if replicated else ""
+            name += ("/tp_replicated" if replicated else "") + ("/tied_copy" if tied_copy else "")
             flat.append(
                 FlatParam(
                     first_index + len(flat),
@@ -244,6 +264,7 @@ class ZeroEngine:
                     plan.dtypes(members[0][1].dtype),
                     self.device,
                     shard_store=shard_store,
+                    tied_copy=tied_copy,
                 )
             )
         return flat
@@ -256,10 +277,14 @@ class ZeroEngine:
         return spec is None or spec.replicated
 
     def _weights_in_norm(self) -> list[float]:
-        """Each flat buffer's weight in the global gradient norm: ``1 / tp_size`` for one replicated over the
-        tensor-parallel group (every tp rank holds it: counted once in the tp sum), else 1."""
+        """Each flat buffer's weight in the global gradient norm: 0 for tied copies another pipeline stage owns
+        (counted there), ``1 / tp_size`` for one replicated over the tensor-parallel group (every tp rank holds it:
+        counted once in the tp sum), else 1."""
         tp = self.tp_collectives.world_size if self.tp_collectives is not None else 1
-        return [1.0 if any(slot.tp_sharded for slot in fp.slots) else 1.0 / tp for fp in self.flat_params]
+        return [
+            0.0 if fp.tied_copy else 1.0 if any(slot.tp_sharded for slot in fp.slots) else 1.0 / tp
+            for fp in self.flat_params
+        ]
 
     def _materialise(self) -> None:
         """Move the parameters into their flat buffers on the device one unit at a time, every rank starting from
@@ -341,6 +366,26 @@ class ZeroEngine:
                 "model before parallelizing it (in configure_model, before parallelize_module)"
             )
         load_weights(self, path, prefix)
+
+    def master_pieces(self, name: str) -> list[tuple[FlatParam, torch.Tensor, int]]:
+        """(flat buffer, view of its master, start within the parameter's local flattening) for each piece of the
+        trainable parameter ``name`` whose master this rank holds, for code that sets values in place (a tied
+        pipeline copy made equal to its owner); :meth:`refresh_from_masters` then updates the compute copies."""
+        pieces = []
+        for fp in self.flat_params:
+            base = fp.shard_offset if fp.policy.optimizer else 0
+            for slot, start, length in fp.slot_pieces(base, base + fp.master.numel()):
+                if slot.name == name:
+                    pieces.append((fp, fp.master.narrow(0, slot.offset + start - base, length), start))
+        return pieces
+
+    def refresh_from_masters(self) -> None:
+        """Bring every compute copy up to date with the masters after they were set in place (collective over the
+        engine's group, as after a step)."""
+        self.reshard()
+        for fp in self.flat_params:
+            fp.copy_master_to_params()
+        self._refresh_params()
 
     # -- forward ----------------------------------------------------------------------------------------------
     def before_forward(self) -> None:
@@ -475,7 +520,7 @@ class ZeroEngine:
                     self.collectives,
                     sharded=self.plan.partitions_optimizer,
                     weights=self._norm_weights,
-                    tp_collectives=self.tp_collectives,
+                    model_parallel=self.model_parallel,
                 )
             return self._grad_stats
 
@@ -523,7 +568,11 @@ class ZeroEngine:
             self.unscale_gradients()
         grads = [g.float() for g in self._optimizer_grads()]
         if math.isinf(norm_type):
-            local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros(())
+            local = (
+                torch.stack([g.abs().max() * bool(w) for g, w in zip(grads, self._norm_weights)]).max()
+                if grads
+                else torch.zeros(())
+            )
             op = dist.ReduceOp.MAX
         else:
             weighted = [g.pow(norm_type).sum() * w for g, w in zip(grads, self._norm_weights)]
@@ -531,8 +580,8 @@ class ZeroEngine:
             op = dist.ReduceOp.SUM
         if self.plan.partitions_optimizer:
             self.collectives.all_reduce(local, op=op).wait()
-        if self.tp_collectives is not None:
-            self.tp_collectives.all_reduce(local, op=op).wait()
+        for group in self.model_parallel:
+            group.all_reduce(local, op=op).wait()
         return local if math.isinf(norm_type) else local.pow(1.0 / norm_type)
 
     def step(self) -> bool:

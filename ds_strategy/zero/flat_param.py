@@ -66,10 +66,12 @@ class FlatParam:
         dtypes: FlatDtypes,
         device: torch.device,
         shard_store: Callable[[FlatParam, torch.Tensor], torch.Tensor] | None = None,
+        tied_copy: bool = False,
     ):
         self.index = index  # position in the engine's flat_params: the key of per-buffer state elsewhere
         self.name = name
         self.shard_store = shard_store  # (fp, values) -> where a partitioned shard lives; None: a clone in memory
+        self.tied_copy = tied_copy  # its parameters are tied copies another pipeline stage owns and saves
         self.params = [p for _, p in params]
         self.group_index = group_index
         self.policy = policy

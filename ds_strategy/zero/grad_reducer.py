@@ -162,6 +162,40 @@ class GradReducer:
             self._ready_count[fp.index] += 1
             self._launch_ready()
 
+    # -- gradients handed over by a caller (pipeline schedules) --------------------------------------------------
+    def collect(self, params, scale: float) -> None:
+        """Add ``scale`` times each parameter's ``.grad`` into its flat buffer's accumulation region and drop the
+        ``.grad``, for gradients autograd's hooks did not deliver (Note: [Pipeline gradients] in
+        :mod:`ds_strategy.parallel.pipeline`). At stage 2/3 that region is the scratch buffer the next
+        :meth:`reduce` of its flat buffer reduce-scatters, at stage 0/1 ``grad_full``. A reduction still reading
+        one of those regions (the previous micro-batch's) is finished first."""
+        params = list(params)
+        targets = {self._slot_of[id(p)][0].index for p in params}
+        if any(reduction.fp.index in targets for reduction in self._in_flight):
+            self.wait_all()
+        for param in params:
+            if param.grad is None:
+                continue
+            fp, index = self._slot_of[id(param)]
+            slot = fp.slots[index]
+            grad = param.grad if slot.tp is None else slot.tp.local_grad(param.grad)
+            region = self._scratch_for(fp) if fp.policy.grads else fp.grad_full
+            region.narrow(0, slot.offset, slot.numel).add_(grad.reshape(-1), alpha=scale)
+            param.grad = None
+
+    def reduce(self, flat_params: list[FlatParam]) -> None:
+        """Launch the reductions of ``flat_params`` (in that order, the same on every rank) for what
+        :meth:`collect` gathered, as a synced backward would (under ``no_sync`` only stage 2/3 communicate)."""
+        for fp in flat_params:
+            if fp.policy.grads or self.sync:
+                self._launch(fp)
+
+    def finish(self) -> None:
+        """End a backward the caller drove: every reduction waited on, then ``on_backward_end``."""
+        self.wait_all()
+        if self.on_backward_end is not None:
+            self.on_backward_end()
+
     def _scratch_for(self, fp: FlatParam) -> torch.Tensor:
         scratch = self._scratch.get(fp.index)
         if scratch is None:
