@@ -65,6 +65,7 @@ def build_engine(
         from_mesh.update(
             pipeline_group=mesh.pp_group,
             tied_copies=stage_plan.tied_copies(module),
+            whole_model_names=stage_plan.whole_names,
             gradients_from_hooks=False,
         )
         if not config.unit_modules and not config.unit_min_params:  # a stage may hold a single block

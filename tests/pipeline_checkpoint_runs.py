@@ -22,9 +22,9 @@ GLOBAL_BATCH = 4
 SAVED_AT, STEPS = 2, 4  # save after step 2 of 4; the steps after are what resuming must reproduce
 
 
-def build(model_name: str, pp: int, tp: int = 1, stage: int = 1):
+def build(model_name: str, pp: int, tp: int = 1, stage: int = 1, schedule: str = "1f1b"):
     """(model, engine, runner or None, mesh) at this layout; at pp=1 the model is whole and trains by hooks."""
-    fields = dict(stage=stage, pipeline_parallel_size=pp, tensor_parallel_size=tp)
+    fields = dict(stage=stage, pipeline_parallel_size=pp, tensor_parallel_size=tp, pipeline_schedule=schedule)
     if tp > 1:
         fields["tensor_parallel_plan"] = "auto"
     if pp > 1:

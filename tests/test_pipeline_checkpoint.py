@@ -48,6 +48,11 @@ def runs(tmp_path_factory):
             f"{model} dp2": save(model, dict(pp=1, stage=2), f"{model}-dp2"),
             f"{model} dp2 -> pp2": load(model, dict(pp=2, stage=3), f"{model}-dp2", f"{model}-dp2-pp2"),
         }
+    for model, schedule in (("gpt", "interleaved_1f1b"), ("llama", "zbv")):  # two stages per rank
+        two |= {
+            f"{model} {schedule}": save(model, dict(pp=2, schedule=schedule), f"{model}-{schedule}"),
+            f"{model} {schedule} -> dp2": load(model, dict(pp=1), f"{model}-{schedule}", f"{model}-{schedule}-dp2"),
+        }
     two |= {
         "pp2xdp2 -> pp2": load("gpt", dict(pp=2), "pp2xdp2", "pp2xdp2-pp2"),
         "pp2xtp2 -> dp2": load("gpt", dict(pp=1), "pp2xtp2", "pp2xtp2-dp2"),
@@ -134,6 +139,8 @@ def test_resuming_at_the_saving_layout_reproduces_the_next_losses_bitwise(runs, 
         ("llama dp2", "llama dp2 -> pp2"),
         ("pp2xdp2", "pp2xdp2 -> pp2"),
         ("pp2xtp2", "pp2xtp2 -> dp2"),
+        ("gpt interleaved_1f1b", "gpt interleaved_1f1b -> dp2"),
+        ("llama zbv", "llama zbv -> dp2"),
     ],
 )
 def test_checkpoint_loads_at_another_layout_and_saves_the_same_state_again(runs, saved, loaded):

@@ -44,23 +44,34 @@ def described(
         return entries, kinds
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (entries, kinds if writes_replicated(engine) else None))
-    return _merged([e for e, _ in gathered]), _merged_kinds([k for _, k in gathered]) if with_optimizer else None
+    order = _in_model_order(engine.whole_model_names)
+    merged_kinds = _merged_kinds([k for _, k in gathered], order) if with_optimizer else None
+    return _merged([e for e, _ in gathered], order), merged_kinds
 
 
-def _merged(per_rank: list[dict[str, Entry]]) -> dict[str, Entry]:
-    """Every rank's entries in rank order (so stage order under the default placement), each name once; aliases
-    after every tensor, so each follows what it aliases, as in an uncut model's ``state_dict``."""
+def _in_model_order(names: tuple[str, ...]):
+    """A sort key putting names in the uncut model's ``state_dict`` order (a rank holding the first and last stage
+    lists them together; consolidated optimizer param groups must follow the model, as an uncut save's do)."""
+    position = {name: i for i, name in enumerate(names)}
+    return lambda name: position.get(name, len(position))
+
+
+def _merged(per_rank: list[dict[str, Entry]], order) -> dict[str, Entry]:
+    """Every rank's entries in model order, each name once; aliases after every tensor, so each follows what it
+    aliases, as in an uncut model's ``state_dict``."""
     tensors: dict[str, Entry] = {}
     aliases: dict[str, Entry] = {}
     for entries in per_rank:
         for name, entry in entries.items():
             (aliases if entry.kind is Kind.ALIAS else tensors).setdefault(name, entry)
-    return {**tensors, **aliases}
+    return {
+        name: entry for group in (tensors, aliases) for name, entry in sorted(group.items(), key=lambda e: order(e[0]))
+    }
 
 
-def _merged_kinds(per_rank: list[dict[str, dict[str, StateKind]] | None]) -> dict[str, dict[str, StateKind]]:
+def _merged_kinds(per_rank: list[dict[str, dict[str, StateKind]] | None], order) -> dict[str, dict[str, StateKind]]:
     merged: dict[str, dict[str, StateKind]] = {}
     for kinds in per_rank:
         for name, keys in (kinds or {}).items():
             merged.setdefault(name, keys)
-    return merged
+    return dict(sorted(merged.items(), key=lambda e: order(e[0])))

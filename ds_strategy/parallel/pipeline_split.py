@@ -39,6 +39,7 @@ class StagePlan:
     rank_of_stage: tuple[int, ...]  # pipeline rank of every stage
     tied: tuple[TiedParameter, ...]  # shared by stages on different ranks
     block_class: type
+    whole_names: tuple[str, ...]  # the uncut model's state_dict names in order, which no single rank sees after
 
     @property
     def num_stages(self) -> int:
@@ -155,9 +156,9 @@ def plan_stages(root: nn.Module, pipeline_size: int, pp_rank: int, schedule: str
     block_names = [f"{layout.blocks}.{name}" if layout.blocks else name for name, _ in blocks.named_children()]
     block_list = list(blocks.children())
     sizes = [sum(p.numel() for p in b.parameters()) for b in block_list]
-    pieces = lambda names: sum(p.numel() for n in names for p in root.get_submodule(n).parameters())  # noqa: E731
     num_stages = pipeline_size * stages_per_rank(schedule)
-    ranges = split_blocks(block_names, sizes, num_stages, split, (pieces(layout.before), pieces(layout.after)))
+    extra = (_param_count(root, layout.before), _param_count(root, layout.after))
+    ranges = split_blocks(block_names, sizes, num_stages, split, extra)
     ranks = stage_ranks(pipeline_size, schedule)
     plan = StagePlan(
         layout=layout,
@@ -167,8 +168,13 @@ def plan_stages(root: nn.Module, pipeline_size: int, pp_rank: int, schedule: str
         rank_of_stage=ranks,
         tied=(),
         block_class=type(block_list[0]),
+        whole_names=tuple(root.state_dict(keep_vars=True)),
     )
     return dataclasses.replace(plan, tied=_tied_across_ranks(root, plan))
+
+
+def _param_count(root: nn.Module, names: tuple[str, ...]) -> int:
+    return sum(p.numel() for name in names for p in root.get_submodule(name).parameters())
 
 
 def _tied_across_ranks(root: nn.Module, plan: StagePlan) -> tuple[TiedParameter, ...]:

@@ -75,6 +75,7 @@ class ZeroEngine:
         pipeline_group=None,
         tied_copies: Mapping[str, str] | None = None,
         gradients_from_hooks: bool = True,
+        whole_model_names: tuple[str, ...] = (),
     ):
         """``process_group``: the group of ranks holding the same weights, over which ZeRO shards and averages
         gradients (None: the default group). ``tensor_parallel_group``: the group the module's DTensor parameters
@@ -85,9 +86,10 @@ class ZeroEngine:
         ``pipeline_group``: one rank of every pipeline stage, when this engine holds one stage's part of the model;
         norms and overflow checks span it too. ``tied_copies``: this stage's names of parameters that another stage
         owns as well (a tied embedding), mapped to the owner's name: they are named so, kept in buffers of their own
-        and left out of the norm (the owner counts them). ``gradients_from_hooks`` False: no autograd hooks; the
-        caller hands gradients over with ``reducer.collect``/``reduce``/``finish`` and gathers stage-3 units itself
-        (Note: [Pipeline gradients] in :mod:`ds_strategy.parallel.pipeline`).
+        and left out of the norm (the owner counts them); ``whole_model_names``: the uncut model's ``state_dict``
+        names in order, by which checkpoints order every stage's entries. ``gradients_from_hooks`` False: no
+        autograd hooks; the caller hands gradients over with ``reducer.collect``/``reduce``/``finish`` and gathers
+        stage-3 units itself (Note: [Pipeline gradients] in :mod:`ds_strategy.parallel.pipeline`).
         ``step_runner``: where the optimizer step runs (see :mod:`.step_runner`); by default on the device, or
         the registered offload runner when ``config`` offloads. The order below is the order of construction:
         communication first (units gather through it), then units and their flat buffers, placed or initialised
@@ -122,6 +124,7 @@ class ZeroEngine:
         )
         self.model_parallel = tuple(c for c in (self.tp_collectives, self.pp_collectives) if c is not None)
         self.tied_copies = dict(tied_copies or {})
+        self.whole_model_names = whole_model_names
         self._setup_weight_gathering()
         factory = step_runner or runner_factory(config)
         global_rank = dist.get_rank() if dist.is_initialized() else 0
