@@ -57,6 +57,14 @@ def test_trainer_pipeline_by_data_parallel_clips_through_the_engine():
     _assert_like_reference(ranks, expected)
 
 
+def test_stage_3_regathering_survives_the_switches_between_training_and_validation():
+    """torch re-infers the stages' shapes on every switch between training and evaluation, running every module:
+    at stage 3 with ``pipeline_keep_gathered=False`` the runner must gather them all first, each time."""
+    fields = dict(pipeline_keep_gathered=False, pipeline_schedule="zero_bubble", param_persistence_threshold=0)
+    ranks = run_ranks(fit, 2, 2, stage=3, timeout=300, **fields)
+    _assert_like_reference(ranks, reference())
+
+
 def test_same_module_trains_without_pipelining():
     ranks = run_ranks(fit, 2, 1, timeout=300)
     _assert_like_reference(ranks, reference())
