@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ds_strategy.auto_values import deepspeed_auto_values
-from ds_strategy.parallel.pipeline_schedules import SCHEDULES
+from ds_strategy.parallel.pipeline_schedules import SCHEDULES, stages_per_rank
 from ds_strategy.zero.plan import ZeroPlan
 
 AUTO = "auto"
@@ -497,16 +497,19 @@ class ZeroConfig:
             self.gradient_accumulation_steps,
             self.train_micro_batch_size_per_gpu,
         )
-        if micro is None and total % (accumulation * world_size) == 0:
-            micro = total // (accumulation * world_size)
-        elif micro is not None and accumulation == 1 and total % (micro * world_size) == 0:
-            accumulation = total // (micro * world_size)
-        if micro is None or total != micro * accumulation * world_size:
+        world = world_size * self.pipeline_microbatch_count  # under pipelining each batch is that many micro-batches
+        if micro is None and total % (accumulation * world) == 0:
+            micro = total // (accumulation * world)
+        elif micro is not None and accumulation == 1 and total % (micro * world) == 0:
+            accumulation = total // (micro * world)
+        if micro is None or total != micro * accumulation * world:
+            pipelined = f" x pipeline micro-batches {self.pipeline_microbatch_count}" if world != world_size else ""
             raise ZeroConfigError(
                 "train_batch_size",
                 (
                     f"ZeroConfig.train_batch_size={total} is not train_micro_batch_size_per_gpu={micro} x "
-                    f"gradient_accumulation_steps={accumulation} x world size {world_size}; change one of the three"
+                    f"gradient_accumulation_steps={accumulation}{pipelined} x world size {world_size}; change one "
+                    f"of them"
                 ),
             )
         return self.replace(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accumulation)
@@ -517,6 +520,14 @@ class ZeroConfig:
             raise ValueError(f"resolve_auto(hidden_size={hidden_size!r}) is not allowed; expected an integer >= 1")
         values = deepspeed_auto_values(hidden_size)
         return self.replace(**{name: value for name, value in values.items() if getattr(self, name) == AUTO})
+
+    @property
+    def pipeline_microbatch_count(self) -> int:
+        """The micro-batches each framework batch is split into: ``pipeline_microbatches``, by default one per
+        pipeline stage; 1 without pipelining."""
+        if self.pipeline_parallel_size == 1:
+            return 1
+        return self.pipeline_microbatches or self.pipeline_parallel_size * stages_per_rank(self.pipeline_schedule)
 
     @property
     def has_auto_values(self) -> bool:

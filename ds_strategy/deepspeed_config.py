@@ -101,6 +101,7 @@ def read_deepspeed_config(ds: Mapping[str, Any] | str | os.PathLike) -> DeepSpee
                     f"ZeroConfig.{name}; keep only one"
                 )
             fields[name], origins[name] = field_value, f"{key}={value!r}"
+    _accumulation_as_micro_batches(fields, origins)
     ignored = _apply_deepspeed_defaults(fields, origins)
     if unknown:
         _warn(f"DeepSpeed config keys ignored (DeepSpeed does not know them either): {', '.join(unknown)}")
@@ -133,6 +134,21 @@ def _rules(options: Any, table: Table, prefix: str) -> Iterator[tuple[str, Any, 
             yield from _rules(value, rule, prefix=key + ".")
         else:
             yield key, value, rule
+
+
+def _accumulation_as_micro_batches(fields: dict[str, Any], origins: dict[str, str]) -> None:
+    """Note: [DeepSpeed's gradient_accumulation_steps under pipelining]
+    DeepSpeed's PipelineEngine runs each optimizer step as gradient_accumulation_steps micro-batches through the
+    pipeline (train_batch_size = micro-batch x micro-batches x data-parallel size). When the config's
+    ``pipeline.stages`` pipelines, the count is therefore ``ZeroConfig.pipeline_microbatches`` (the micro-batches
+    one framework batch is split into), with one framework batch per step; ``train_micro_batch_size_per_gpu`` is
+    one micro-batch, so the data loader's batches hold that many times it (``check_micro_batch``). A stage count
+    given only to the strategy leaves ``gradient_accumulation_steps`` as batches per step."""
+    accumulation = fields.get("gradient_accumulation_steps")
+    if fields.get("pipeline_parallel_size", 1) == 1 or not isinstance(accumulation, int) or accumulation == 1:
+        return
+    fields["pipeline_microbatches"], fields["gradient_accumulation_steps"] = accumulation, 1
+    origins["pipeline_microbatches"] = origins["gradient_accumulation_steps"]
 
 
 def _apply_deepspeed_defaults(fields: dict[str, Any], origins: dict[str, str]) -> list[str]:

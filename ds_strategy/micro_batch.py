@@ -24,11 +24,17 @@ def leading_batch_size(batch: Any) -> int | None:
 
 def check_micro_batch(config: ZeroConfig, batch: Any) -> None:
     """Raise when ``train_micro_batch_size_per_gpu`` is set and the batch's leading dimension differs, as DeepSpeed
-    would train on a global batch other than the configured one."""
-    expected = config.train_micro_batch_size_per_gpu
+    would train on a global batch other than the configured one. Under pipelining the setting is the size of one
+    pipeline micro-batch, as in DeepSpeed's PipelineEngine, so a batch holds ``pipeline_microbatch_count`` of them."""
+    micro = config.train_micro_batch_size_per_gpu
     actual = leading_batch_size(batch)
-    if expected is not None and actual is not None and actual != expected:
+    if micro is None or actual is None:
+        return
+    count = config.pipeline_microbatch_count
+    expected = micro * count
+    if actual != expected:
+        pipelined = f" x {count} pipeline micro-batches" if count > 1 else ""
         raise ValueError(
-            f"ZeroConfig.train_micro_batch_size_per_gpu={expected} but the data loader's first batch "
+            f"ZeroConfig.train_micro_batch_size_per_gpu={micro}{pipelined} but the data loader's first batch "
             f"holds {actual} samples; make the loader's batch_size {expected} or change the config"
         )

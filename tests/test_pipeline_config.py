@@ -6,10 +6,12 @@ import re
 import warnings
 
 import pytest
+import torch
 import torch.distributed.pipelining.schedules as torch_schedules
 
 from ds_strategy.config import ZeroConfig, ZeroConfigError
 from ds_strategy.deepspeed_config import DeepSpeedConfigWarning, config_from_deepspeed
+from ds_strategy.micro_batch import check_micro_batch
 from ds_strategy.parallel.pipeline_schedules import SCHEDULES, schedule_class, stages_per_rank
 
 # ZeroConfig fields
@@ -209,7 +211,29 @@ def test_an_unknown_pipeline_key_fails_naming_its_dotted_path():
         _read({"stage": 2})
 
 
-def test_gradient_accumulation_steps_keeps_its_meaning_under_pipelining():
-    """See Note: [DeepSpeed's gradient_accumulation_steps under pipelining]; the override is how to read it."""
+def test_gradient_accumulation_steps_of_a_pipelined_config_is_the_micro_batch_count():
+    """See Note: [DeepSpeed's gradient_accumulation_steps under pipelining]."""
     config = config_from_deepspeed({"pipeline": {"stages": 2}, "gradient_accumulation_steps": 8})
-    assert (config.gradient_accumulation_steps, config.pipeline_microbatches) == (8, None)
+    assert (config.gradient_accumulation_steps, config.pipeline_microbatches) == (1, 8)
+    unpipelined = config_from_deepspeed({"gradient_accumulation_steps": 8})
+    assert (unpipelined.gradient_accumulation_steps, unpipelined.pipeline_microbatches) == (8, None)
+
+
+def test_a_pipelined_train_batch_counts_micro_batches_as_deepspeed_does():
+    """train_batch_size = micro-batch x micro-batches x data-parallel size (DeepSpeed's PipelineEngine)."""
+    ds = {"pipeline": {"stages": 2}, "train_batch_size": 64, "train_micro_batch_size_per_gpu": 4}
+    config = config_from_deepspeed({**ds, "gradient_accumulation_steps": 8})
+    assert config.resolve_batch_sizes(2).gradient_accumulation_steps == 1
+    with pytest.raises(ValueError, match=r"x pipeline micro-batches 8 x world size 4"):
+        config.resolve_batch_sizes(4)
+    derived = config_from_deepspeed(ds).resolve_batch_sizes(2)  # micro-batches default to the stage count, 2
+    assert (derived.pipeline_microbatch_count, derived.gradient_accumulation_steps) == (2, 4)
+
+
+def test_a_pipelined_loader_batch_holds_every_micro_batch():
+    config = config_from_deepspeed(
+        {"pipeline": {"stages": 2}, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8}
+    )
+    check_micro_batch(config, torch.zeros(32, 7))
+    with pytest.raises(ValueError, match=r"train_micro_batch_size_per_gpu=4 x 8 pipeline micro-batches .* 32"):
+        check_micro_batch(config, torch.zeros(4, 7))

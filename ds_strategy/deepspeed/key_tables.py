@@ -326,19 +326,11 @@ def _checkpoint_interval(key: str, value: Any) -> dict[str, Any]:
 
 
 _WHOLE_SENDS = "stages send whole activations and gradients, not pieces split over the tensor-parallel group"
-# Note: [DeepSpeed's gradient_accumulation_steps under pipelining]
-#   DeepSpeed's PipelineEngine splits each step into gradient_accumulation_steps micro-batches (train_batch_size =
-#   micro-batch x micro-batches x data-parallel size), so a pipelined DeepSpeed config's gradient_accumulation_steps
-#   means ZeroConfig.pipeline_microbatches. It is still read as ZeroConfig.gradient_accumulation_steps (framework
-#   batches per optimizer step): the rules here see one key at a time, and moving it needs the batch-size check
-#   (``ZeroConfig.resolve_batch_sizes``) to count micro-batches too. Until then, such a config is read with
-#   ``from_deepspeed_config(path, pipeline_microbatches=<its gradient_accumulation_steps>,
-#   gradient_accumulation_steps=1)``.
 PIPELINE: Table = {
     "stages": mapped(
         '`ZeroConfig.pipeline_parallel_size` ("auto": from the strategy\'s arguments, as DeepSpeed takes it from '
-        "the PipelineModule); `gradient_accumulation_steps` is not read as the micro-batch count (see "
-        "`ZeroConfig.pipeline_microbatches`)",
+        "the PipelineModule); a stage count here makes `gradient_accumulation_steps` the micro-batch count "
+        "(`ZeroConfig.pipeline_microbatches`), as in DeepSpeed's PipelineEngine",
         AUTO,
         _stages,
     ),
