@@ -9,7 +9,7 @@ parameters and optimizer state at the moment of saving (whole, at dp=1) to compa
 """
 
 import torch
-from pipeline_runs import MODELS, _mean_over_dp, batches, build_pipeline, full_output, loss_fn, optimizer_for
+from pipeline_runs import MODELS, batches, build_pipeline, full_output, loss_fn, mean_over_dp, optimizer_for
 
 from ds_strategy.checkpoint import load, save
 from ds_strategy.checkpoint.rank_state import master_base, stored_names
@@ -54,7 +54,7 @@ def train(model_name: str, model, engine, runner, mesh, first: int, last: int) -
             loss = loss_fn(full_output(model_name, model, x), y)
             loss.backward()
         engine.step()
-        losses.append(_mean_over_dp(loss, mesh))
+        losses.append(mean_over_dp(loss, mesh))
     return losses
 
 

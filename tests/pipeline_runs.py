@@ -7,6 +7,8 @@ schedule into micro-batches; the reference takes the mean loss over the whole gl
 objective because every slice and micro-batch has the same size.
 """
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -128,13 +130,13 @@ def train_pipeline(
             x, y = data[step * accumulate + micro]
             lo = mesh.dp_rank * per_rank
             sync = micro == accumulate - 1
-            context = engine.no_sync() if not sync else _null()
+            context = engine.no_sync() if not sync else contextlib.nullcontext()
             before = engine.comm_stats()
             with context:
                 loss = runner.train_step(x[lo : lo + per_rank], y[lo : lo + per_rank], loss_fn, 1.0 / accumulate)
             calls.append(_calls_since(engine, before))
             raw_losses.append(float(loss))
-            losses.append(_mean_over_dp(loss, mesh))
+            losses.append(mean_over_dp(loss, mesh))
         if clip:
             norms.append(float(engine.clip_grad_norm_(clip)))
         engine.step()
@@ -206,15 +208,7 @@ def collective_layout(engine, runner) -> dict:
     }
 
 
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _mean_over_dp(loss: torch.Tensor, mesh) -> float:
+def mean_over_dp(loss: torch.Tensor, mesh) -> float:
     import torch.distributed as dist
 
     value = loss.detach().clone()
