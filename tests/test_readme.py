@@ -31,6 +31,17 @@ def test_ci_runs_exactly_the_readme_test_command():
     assert tests in (REPO / ".ci/run").read_text().splitlines()
 
 
+def test_ci_runs_the_test_command_in_a_virtual_environment_it_creates_outside_the_clone():
+    """Packages installed by hand on CI's machine (DeepSpeed, for one) once hid a broken import: the command must run
+    in a venv made for the run, so that only what it installs is visible."""
+    _, tests = _quick_start_commands()
+    lines = [line.strip() for line in (REPO / ".ci/run").read_text().splitlines()]
+    made = next(i for i, line in enumerate(lines) if re.search(r"python3? -m venv \S+", line))
+    activated = next(i for i, line in enumerate(lines) if re.fullmatch(r"(source|\.) \"?\S+/bin/activate\"?", line))
+    assert made < activated < lines.index(tests)
+    assert "mktemp -d" in (REPO / ".ci/run").read_text(), "the venv must live outside the clone"
+
+
 def test_readme_main_job_command_trains_sharded():
     """The quick start's last step, with the same arguments, from the repository root as the README implies."""
     main_job, _ = _quick_start_commands()

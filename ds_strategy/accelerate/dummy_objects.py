@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 from accelerate.optimizer import AcceleratedOptimizer
-from accelerate.utils import DummyOptim, DummyScheduler
+from accelerate.utils.deepspeed import DummyOptim, DummyScheduler  # accelerate.utils re-exports them only when deepspeed is installed
 from torch.optim.lr_scheduler import LRScheduler
 
 from ..deepspeed.optimizer_section import read_optimizer_sections
