@@ -7,9 +7,9 @@ buffer or collective label:
 - ``unit.pre_forward[unit]``, ``unit.post_forward[unit]``, ``unit.pre_backward[unit]``: the gatherer's module
   hooks (stage 3), and inside them ``unit.gather[unit]`` (launching and, when needed now, waiting for a unit's
   all-gathers) and ``unit.free[unit]``.
-- ``grad.hook``: a parameter's post-accumulate-grad hook; ``grad.reduce[buffer]``: launching a flat buffer's
-  reduction; ``grad.finish[buffer]``: waiting for it and storing the mean; ``backward.end``: the engine's work when
-  backward is over.
+- ``grad.reduce[buffer]``: launching a flat buffer's reduction (the per-parameter gradient hooks that fill the
+  buffer have no range of their own: see below); ``grad.finish[buffer]``: waiting for it and storing the mean;
+  ``backward.end``: the engine's work when backward is over.
 - ``comm.<kind>[label]`` and ``comm.wait.<kind>[label]`` for every collective the engine issues (all_reduce,
   reduce_scatter, all_gather, all_to_all, broadcast): launching it, and the time blocked on it.
 - ``step``, with ``step.sequence_check``, ``step.unscale`` (unscale, inf check and norm), ``step.optimizer``
@@ -21,7 +21,7 @@ buffer or collective label:
   copying its input to the host, and the all-gather or copy back (``ds_strategy.activation_memory``).
 
 Outside a profiler a range costs about a microsecond (``record_function`` checks whether profiling is on), which
-is why ranges sit on hooks and flat buffers, never on single elements.
+is why ranges sit on module hooks, flat buffers and collectives, never on single parameters or elements.
 """
 
 from __future__ import annotations

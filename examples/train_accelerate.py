@@ -13,7 +13,7 @@ import argparse
 from pathlib import Path
 
 import torch
-from accelerate.utils import DummyOptim, DummyScheduler
+from accelerate.utils.deepspeed import DummyOptim, DummyScheduler  # accelerate.utils has them only with deepspeed
 from run_summary import RunSummary
 from torch.utils.data import DataLoader
 from training_args import training_parser

@@ -17,9 +17,14 @@ a ``torch.sum`` over the partials finishes the norm. Two details keep the kernel
 """
 
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
+
+from ..optional_packages import needs
+
+# dispatch.py loads this module only when Triton is chosen; imported directly without triton, say what to install
+with needs("triton", needed_by="ds_strategy.kernels.grad_stats"):
+    import triton
+    import triton.language as tl
 
 BLOCK_SIZE = 1024
 

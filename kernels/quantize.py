@@ -13,11 +13,15 @@ to 0, the right answer.
 """
 
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
 
+from ..optional_packages import needs
 from .quantize_reference import QMAX
+
+# dispatch.py loads this module only when Triton is chosen; imported directly without triton, say what to install
+with needs("triton", needed_by="ds_strategy.kernels.quantize"):
+    import triton
+    import triton.language as tl
 
 
 @triton.jit

@@ -305,9 +305,11 @@ def train_auto_plan_jobs(rank: int, world_size: int, jobs: dict) -> dict:
     return {key: train_auto_plan(rank, world_size, **job) for key, job in jobs.items()}
 
 
-def auto_plan_reference(name: str, dp: int, steps: int = 2) -> dict:
+def auto_plan_reference(name: str, dp: int, steps: int = 2, dtype: torch.dtype = torch.float32) -> dict:
+    """One unsharded process; ``dtype=torch.float64`` trains the same fp32-initialised model in exact-enough
+    arithmetic, the yardstick of Note: [A bound derived from fp32's own error] in ``test_tensor_parallel.py``."""
     torch.manual_seed(0)
-    model = AUTO_PLAN_MODELS[name]()
+    model = AUTO_PLAN_MODELS[name]().to(dtype)
     optimizer = torch.optim.AdamW(weight_decay_groups(model, 0.1), lr=1e-2, betas=(0.9, 0.99), eps=1e-6)
     per_rank, losses, norms = 2, [], []
     for tokens in _token_batches(steps, per_rank * dp):

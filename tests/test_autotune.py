@@ -139,7 +139,6 @@ def test_deepspeed_json_reads_back_to_the_same_config(fields):
 
 
 def test_hydra_yaml_composes_into_the_tuned_config(tmp_path):
-    pytest.importorskip("hydra")
     from hydra import compose, initialize_config_dir
 
     from ds_strategy.hydra import zero_config

@@ -26,8 +26,8 @@ def _section(path: Path) -> dict:
 
 
 def test_docs_example_becomes_the_config_accelerates_deepspeed_plugin_builds():
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    pytest.importorskip("deepspeed", reason="accelerate's DeepSpeedPlugin needs deepspeed")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed's first import, which picks its accelerator
+    import deepspeed  # noqa: F401  accelerate's DeepSpeedPlugin needs it; the test extra installs it, never skipped
     from accelerate.utils import DeepSpeedPlugin
 
     section = _section(DOCS_EXAMPLE)

@@ -1,6 +1,7 @@
 """A DeepSpeed config's optimizer and scheduler sections: DeepSpeed's optimizer from torch's classes, its LR schedules
 step for step (against the formula and against DeepSpeed's own classes), and a Lightning run built from them."""
 
+import importlib
 import math
 import os
 import warnings
@@ -98,12 +99,13 @@ def test_schedule_lr_at_every_step_is_deepspeeds_formula(name):
 
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_schedule_matches_deepspeeds_own_scheduler_class(name):
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    lr_schedules = pytest.importorskip("deepspeed.runtime.lr_schedules", reason="deepspeed cannot be imported here")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # the oracle, installed by the test extra: never skipped
+    lr_schedules = importlib.import_module("deepspeed.runtime.lr_schedules")
     theirs = _lrs(lambda optimizer: getattr(lr_schedules, name)(optimizer, **SCHEDULES[name]))
     ours = _ours(name)
     assert ours[0] == pytest.approx(theirs[0], rel=1e-12, abs=1e-15)
-    assert [tuple(b) for b in ours[1]] == pytest.approx([tuple(b) for b in theirs[1]], rel=1e-12)  # OneCycle's
+    # the betas at every step (OneCycle cycles them), flattened: pytest.approx compares no nested sequences
+    assert [b for pair in ours[1] for b in pair] == pytest.approx([b for pair in theirs[1] for b in pair], rel=1e-12)
 
 
 def _built(optimizer_section):
@@ -198,11 +200,6 @@ class NoOptimizerModule(L.LightningModule):
         return None  # Lightning's DeepSpeed convention: the config's optimizer section builds it
 
 
-class OwnOptimizerModule(NoOptimizerModule):
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
 def _trainer(**kwargs):
     return L.Trainer(
         accelerator="cpu",
@@ -233,7 +230,6 @@ def _fit_from_sections(rank, world_size):
         ("clipping", NoOptimizerModule, DS_CONFIG, BATCH, 0.5),
         ("micro_batch", NoOptimizerModule, DS_CONFIG, BATCH - 1, None),
         ("train_batch_size", NoOptimizerModule, {**DS_CONFIG, "train_batch_size": 3 * BATCH}, BATCH, None),
-        ("two_optimizers", OwnOptimizerModule, DS_CONFIG, BATCH, None),
     ):
         try:
             _trainer(strategy=ZeroStrategy.from_deepspeed_config(config), gradient_clip_val=clip).fit(
@@ -274,4 +270,3 @@ def test_lightning_module_without_an_optimizer_trains_from_the_config_sections_a
         "train_batch_size=12 is not train_micro_batch_size_per_gpu=4 x gradient_accumulation_steps=1 x "
         "world size 2" in errors["train_batch_size"]
     )
-    assert "both configure_optimizers and the DeepSpeed config's optimizer section" in errors["two_optimizers"]

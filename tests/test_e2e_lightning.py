@@ -4,13 +4,13 @@ by name is the README usage example, run by ``test_readme.py``; Lightning with H
 
 import lightning as L
 import pytest
+import pytorch_lightning as pl
 from e2e_runs import EXAMPLES, PYTHON, SCRIPTS, assert_trained_sharded, run
 
 from ds_strategy import ZeroStrategy
 
 
 def test_pytorch_lightning_trainer_trains_sharded_by_strategy_name(tmp_path):
-    pytest.importorskip("pytorch_lightning")
     run([PYTHON, SCRIPTS / "lightning_by_name.py", "pytorch_lightning", "zero1", tmp_path])
     assert_trained_sharded(tmp_path, stage=1)
 
@@ -21,7 +21,6 @@ def test_deepspeed_json_example_trains_sharded(tmp_path):
 
 
 def test_pytorch_lightning_names_resolve_to_its_own_strategy_class():
-    pl = pytest.importorskip("pytorch_lightning")
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="zero2", logger=False)
     assert isinstance(trainer.strategy, pl.strategies.DDPStrategy)
     assert trainer.strategy.config.stage == 2

@@ -145,17 +145,28 @@ def test_models_we_did_not_write_match_single_process_with_the_auto_plan(world):
     }
     runs = run_ranks(train_auto_plan_jobs, world, jobs, timeout=900)
     references = {name: auto_plan_reference(name, world // 2) for name in AUTO_PLAN_MODELS}
+    exact = {name: auto_plan_reference(name, world // 2, dtype=torch.float64) for name in AUTO_PLAN_MODELS}
     for key, job in jobs.items():
         for rank, run in enumerate(runs):
             try:
-                _assert_close_run(run[key], references[job["name"]])
+                _assert_close_run(run[key], references[job["name"]], exact[job["name"]])
             except AssertionError as error:
                 raise AssertionError(f"{key}, rank {rank}: {error}") from None
 
 
-def _assert_close_run(run: dict, reference: dict, rtol: float = 1e-5) -> None:
+# Note: [A bound derived from fp32's own error]
+# After two AdamW steps (eps 1e-6, so small gradients are amplified) the unsharded fp32 run itself is up to 1.4e-5
+# (relative, in norm) away from the same run in float64 on some tensors (our GPT's c_proj weight, c_attn bias):
+# a fixed 1e-5 between two fp32 runs that sum in different orders is below fp32's own noise there, and it failed
+# once at 1.09e-5. Each tensor is therefore held to the float64 run, allowed twice the unsharded fp32 run's
+# distance from it, plus 1e-5: as close to exact arithmetic as one process gets, and deterministic for given code.
+# A real sharding error (a missing or doubled piece, a wrong scale) is orders of magnitude above it.
+
+
+def _assert_close_run(run: dict, reference: dict, exact: dict, rtol: float = 1e-5) -> None:
     torch.testing.assert_close(run["losses"], reference["losses"], rtol=rtol, atol=0)
     torch.testing.assert_close(run["norms"], reference["norms"], rtol=rtol, atol=0)
-    for name, expected in reference["params"].items():
-        error = ((run["params"][name] - expected).norm() / expected.norm()).item()
-        assert error < rtol, f"{name}: relative error {error:.2e}"
+    for name, truth in exact["params"].items():
+        fp32_noise = ((reference["params"][name].double() - truth).norm() / truth.norm()).item()
+        error = ((run["params"][name].double() - truth).norm() / truth.norm()).item()
+        assert error < rtol + 2 * fp32_noise, f"{name}: relative error {error:.2e} (fp32's own {fp32_noise:.2e})"

@@ -5,7 +5,11 @@ YAML/JSON file, or ``$DS_STRATEGY_CONFIG`` (which ``ds-strategy launch`` fills f
 section); see :mod:`.config_source`.
 """
 
-from .accelerator import ZeroAcceleratedOptimizer, ZeroAccelerator
-from .config_source import ENV_VAR, load_zero_config
+from ..optional_packages import needs
+
+# the whole adapter needs accelerate: without it, fail here saying what to install
+with needs("accelerate", needed_by="ds_strategy.accelerate"):
+    from .accelerator import ZeroAcceleratedOptimizer, ZeroAccelerator
+    from .config_source import ENV_VAR, load_zero_config
 
 __all__ = ["ENV_VAR", "ZeroAcceleratedOptimizer", "ZeroAccelerator", "load_zero_config"]

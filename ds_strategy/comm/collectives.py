@@ -35,6 +35,11 @@ from . import rank_failure
 from .process_exit import destroy_process_groups_at_exit, leave_process_groups_at_exit
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast")
+# torch 2.13 deprecates all_gather_into_tensor and reduce_scatter_tensor (a warning per run) for these; older
+# releases have only the old names. Looked up by name on each call, so that a wrapper installed on torch.distributed
+# (the benchmarks' byte counter) sees the call.
+_ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+_REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 
 
 @dataclass
@@ -82,9 +87,10 @@ class PeerFailedError(RuntimeError):
 _PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused")
 
 
-def _wait_error(error: RuntimeError, kind: str, label: str, rank: int, timeout: float) -> RuntimeError:
+def _wait_error(error: RuntimeError, kind: str, label: str, rank: int, timeout: float, waited: float) -> RuntimeError:
     """What a failed wait means: a peer that failed or went away, or (a timeout) ranks issuing different
-    collectives; see [How a failed rank ends the job] in :mod:`.rank_failure`."""
+    collectives; see [How a failed rank ends the job] in :mod:`.rank_failure`. ``waited``: the seconds this wait
+    blocked, so that a timeout is claimed only when it was waited out ([A slice that runs out is not a timeout])."""
     what = f"rank {rank}: {kind} for {label or 'an engine buffer'}"
     failures = rank_failure.board()
     why = failures.diagnose() if failures is not None else None
@@ -97,8 +103,12 @@ def _wait_error(error: RuntimeError, kind: str, label: str, rank: int, timeout: 
         # Said at once: a launcher that saw the other rank exit may SIGKILL this one before its traceback prints.
         print(f"[ds_strategy] {failed}", file=sys.stderr, flush=True)
         return failed
+    if isinstance(error, _DeadlinePassed):
+        happened = f"did not complete within {timeout:g} s ({error.__cause__})"
+    else:  # the backend's own error, e.g. the process group's shorter timeout
+        happened = f"failed after {waited:.1f} s, before the {timeout:g} s collective timeout ({error})"
     return CollectiveMismatchError(
-        f"{what} did not complete within {timeout:g} s ({error}). The ranks are issuing different collectives: "
+        f"{what} {happened}. The ranks are issuing different collectives: "
         f"one skipped a unit or ran a different number of forward/backward calls (under ZeRO-3 every rank must "
         f"run the same forward calls, e.g. keep generating dummy tokens until all ranks finish). Raise "
         f"ZeroConfig.collective_timeout if the collective is merely slow."
@@ -107,6 +117,10 @@ def _wait_error(error: RuntimeError, kind: str, label: str, rank: int, timeout: 
 
 class _PeerFailed(RuntimeError):
     """Raised inside a sliced wait when the failure record names another rank; turned into PeerFailedError."""
+
+
+class _DeadlinePassed(RuntimeError):
+    """Raised by a wait that blocked for the whole collective timeout; its cause is the backend's timeout error."""
 
 
 class _AllOf:
@@ -135,10 +149,10 @@ class PendingCollective:
         label: str = "",
         rank: int = 0,
         timeout: float = 600.0,
-        sliced: bool = False,
+        failures: rank_failure.FailureBoard | None = None,
     ):
         self._work = work
-        self._sliced = sliced
+        self._failures = failures
         self._stats = stats
         self._on_done = on_done
         self._describe = (kind, label, rank, timeout)
@@ -147,23 +161,35 @@ class PendingCollective:
         return self._work is None or self._work.is_completed()
 
     def _wait_for_work(self) -> None:
-        """Wait up to the collective timeout; on gloo in slices of ``rank_failure.POLL_S``, reading the job's
-        failure record between slices (see [How a failed rank ends the job])."""
-        timeout = self._describe[3]
-        failures = rank_failure.board() if self._sliced else None
-        if failures is None:
+        """Wait up to the collective timeout; given the job's failure board (gloo), in slices of
+        ``rank_failure.POLL_S``, reading the failure record between slices (see [How a failed rank ends the job]).
+
+        Note: [A slice that runs out is not a timeout]
+        A slice's ``wait(timeout)`` raises "Operation timed out!" when the work was not done at that instant; the
+        work may complete a moment later, before this thread even holds the GIL again (a peer late by about one
+        slice, on a loaded machine). Asking ``is_completed()`` then cannot tell that from the work's own error, and
+        reading it as "the work failed" once reported a 120 s timeout 30 s into a job. So: a completed work is
+        waited on again without a timeout, which returns, or raises the work's own error; an incomplete one is a
+        timeout only once the monotonic clock is past the deadline (``_DeadlinePassed``), whatever the slices said.
+        """
+        timeout, failures = self._describe[3], self._failures
+        if failures is None:  # NCCL, or one rank: one wait (a timed-out NCCL wait aborts its communicator)
             self._work.wait(datetime.timedelta(seconds=timeout))
             return
         deadline = time.monotonic() + timeout
         while True:
-            remaining = deadline - time.monotonic()
             try:
-                self._work.wait(datetime.timedelta(seconds=max(min(rank_failure.POLL_S, remaining), 0.001)))
+                self._work.wait(
+                    datetime.timedelta(seconds=max(min(rank_failure.POLL_S, deadline - time.monotonic()), 0.001))
+                )
                 return
-            except RuntimeError:
-                if self._work.is_completed() or remaining <= rank_failure.POLL_S:
-                    raise  # the work's own error, or the whole timeout spent
-            failure = failures.first()
+            except RuntimeError as error:
+                if self._work.is_completed():
+                    self._work.wait()  # returns, or raises the work's own error
+                    return
+                if time.monotonic() >= deadline:
+                    raise _DeadlinePassed("the collective timeout passed") from error
+            failure = failures.recorded_failure()
             if failure is not None and failure.rank != failures.rank:
                 raise _PeerFailed(failure.describe())
 
@@ -181,7 +207,9 @@ class PendingCollective:
                     self._wait_for_work()
             except RuntimeError as error:
                 leave_process_groups_at_exit()
-                raise _wait_error(error, *self._describe) from (None if isinstance(error, _PeerFailed) else error)
+                waited = time.perf_counter() - start
+                cause = {_PeerFailed: None, _DeadlinePassed: error.__cause__}.get(type(error), error)
+                raise _wait_error(error, *self._describe, waited) from cause
             self._stats.wait_seconds += time.perf_counter() - start
             self._work = None
         if self._on_done is not None:
@@ -205,11 +233,13 @@ class Collectives:
         self.use_all_reduce = use_all_reduce
         self.stats = CommStats()
         self.observers: list = []
-        # gloo waits are sliced to read the failure record; NCCL's would abort their communicator on a timeout
-        self._sliced = dist.is_initialized() and dist.get_backend(group) == "gloo"
+        # gloo waits are sliced to read the failure record; NCCL's would abort their communicator on a timeout.
+        # The board is looked up once here (which registers this rank's process), not on every wait.
+        self._failures = None
         if dist.is_initialized():
             destroy_process_groups_at_exit(self.release_group)  # [Why every process group is destroyed at exit]
-            rank_failure.board()  # registers this rank's process: [How a failed rank ends the job]
+            failures = rank_failure.board()  # [How a failed rank ends the job]
+            self._failures = failures if dist.get_backend(group) == "gloo" else None
 
     def release_group(self) -> None:
         """Let go of the process group as the process exits, so that destroying it joins its threads."""
@@ -223,7 +253,7 @@ class Collectives:
         with profiler_range(f"comm.{kind}", label):
             work = fn() if dist.is_initialized() else None
         pending = PendingCollective(
-            work, self.stats.kinds[kind], on_done, kind, label, self.rank, self.timeout, self._sliced
+            work, self.stats.kinds[kind], on_done, kind, label, self.rank, self.timeout, self._failures
         )
         if self.observers:
             observers = list(self.observers)
@@ -248,7 +278,7 @@ class Collectives:
             return self._launch(
                 "reduce_scatter",
                 nbytes,
-                lambda: dist.reduce_scatter_tensor(output, full, group=self.group, async_op=True),
+                lambda: getattr(dist, _REDUCE_SCATTER)(output, full, group=self.group, async_op=True),
                 label=label,
             )
         mine = full.narrow(0, self.rank * output.numel(), output.numel())
@@ -272,7 +302,7 @@ class Collectives:
             return self._launch(
                 "all_gather",
                 nbytes,
-                lambda: dist.all_gather_into_tensor(full, shard, group=self.group, async_op=True),
+                lambda: getattr(dist, _ALL_GATHER)(full, shard, group=self.group, async_op=True),
                 label=label,
             )
         n = shard.numel()

@@ -18,10 +18,11 @@ A rank leaves a job in the middle of a step in one of three ways; each is turned
   * it hosted the store (rank 0, under ``env://`` and Lightning) and died: the store is unreachable, which names it.
 A wait that times out with no record and no dead rank is a mismatch (``CollectiveMismatchError``), never a peer
 failure, and one that saw a record or a dead rank is never called a mismatch. Costs: one store write per rank at
-start, one store read per ``POLL_S`` while a wait is blocked longer than that, nothing while collectives complete
-in time. The slices apply to gloo only: a timed-out wait on NCCL aborts its communicator, and NCCL's own watchdog
-(``TORCH_NCCL_ASYNC_ERROR_HANDLING``) ends a job whose peer died. Collectives not issued through ``Collectives``
-(Lightning's barriers, DCP during a save) are not sliced: on gloo they fail on a closed connection, not on a record.
+start, at most one store read per ``POLL_S`` per process while a wait is blocked longer than that
+(``FailureBoard.recorded_failure``), nothing while collectives complete in time. The slices apply to gloo only: a
+timed-out wait on NCCL aborts its communicator, and NCCL's own watchdog (``TORCH_NCCL_ASYNC_ERROR_HANDLING``) ends a
+job whose peer died. Collectives not issued through ``Collectives`` (Lightning's barriers, DCP during a save) are
+not sliced: on gloo they fail on a closed connection, not on a record.
 
 The bound, then: a surviving rank leaves its engine collective within ``POLL_S`` (1 s) of a failure record and at
 once on a dead peer, whatever ``collective_timeout`` is, and prints the diagnosis to stderr as it raises (Lightning's
@@ -75,6 +76,8 @@ class FailureBoard:
         self.store = store
         self.rank = rank
         self.world_size = world_size
+        self._recorded: Failure | None = None
+        self._read_at = -float("inf")  # time.monotonic() of the last read by recorded_failure
         self._try(lambda: store.set(f"{_PREFIX}/process/{rank}", f"{socket.gethostname()} {os.getpid()}"))
 
     def _try(self, operation, default=None):
@@ -95,6 +98,16 @@ class FailureBoard:
             return None
         text = self._try(lambda: self.store.get(_FIRST).decode(errors="replace"))
         return Failure.decode(text) if text else None
+
+    def recorded_failure(self) -> Failure | None:
+        """The first failure as last read from the store, which is read again only when the last read is at least
+        ``POLL_S`` old (less a tenth, the slack of a slice's timer), however many waits ask: the record, once
+        written, never changes."""
+        now = time.monotonic()
+        if self._recorded is None and now - self._read_at >= 0.9 * POLL_S:
+            self._read_at = now
+            self._recorded = self.first()
+        return self._recorded
 
     def store_reachable(self) -> bool:
         return self._try(lambda: self.store.check([f"{_PREFIX}/process/{self.rank}"]), False)

@@ -18,13 +18,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
-
 from ..config import _PRECISIONS, ZeroConfig, ZeroConfigError
 from ..engine_owner import PRESETS
 from ..models import gpt_config
+from ..optional_packages import needs
 from .structured import PRECISION_FIELDS, DataConf, ModelConf, PrecisionConf, StrategyConf, TrainerConf
+
+# Hydra's config groups need hydra and omegaconf: without them, fail here saying what to install
+with needs("hydra", "omegaconf", needed_by="ds_strategy.hydra"):
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import DictConfig, OmegaConf
 
 MODEL_PRESETS = ("tiny", "small", "medium")
 

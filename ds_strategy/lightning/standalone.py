@@ -6,9 +6,12 @@ registers the ``zero*`` names with ``pytorch_lightning``'s registry (``import ds
 package is installed).
 """
 
-from pytorch_lightning.strategies import StrategyRegistry
-
+from ..optional_packages import needs
 from .strategy import zero_strategy_for
+
+# this module is the adapter for the pytorch_lightning package: without it, fail here saying what to install
+with needs("pytorch_lightning", needed_by="ds_strategy.lightning.standalone"):
+    from pytorch_lightning.strategies import StrategyRegistry
 
 ZeroStrategy = zero_strategy_for("pytorch_lightning", __name__)
 ZeroPrecision = ZeroStrategy.precision_class

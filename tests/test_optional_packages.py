@@ -1,0 +1,150 @@
+"""Every optional package can be missing: each public module imports (or, if its whole purpose is that package,
+refuses naming what to install) and every entry point that does not need it trains.
+
+One fresh interpreter per case hides the case's packages from the import system and from ``importlib.metadata``, as a
+machine without them would (``tests/optional_absent.py`` says how, and what it runs: the import of every public
+module of ``ds_strategy``; Lightning's Trainer by the names ``zero2`` and ``zero3``; Fabric with ``zero2``;
+``examples/train_accelerate.py`` configured by ``$DS_STRATEGY_CONFIG`` with a DeepSpeed config whose optimizer and
+scheduler come from accelerate's ``DummyOptim``/``DummyScheduler``; ``examples/train.py`` through Hydra; and the
+``ds-strategy`` command). A case takes 5-10 s of CPU, mostly importing torch, Lightning and the peers, so the cases
+run side by side, two at a time.
+
+The ``deepspeed`` case is the machine the README promises and issue 24 found broken: accelerate exports
+``DummyOptim`` from ``accelerate.utils`` only when DeepSpeed is installed, so importing it from there fails this case.
+"""
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+from optional_absent import STEPS
+
+from ds_strategy.optional_packages import needs
+
+HERE = Path(__file__).resolve().parent
+PARALLEL = 2
+# ds-strategy estimate --params 1e6 --world-size 2 --stage 3 (bf16-mixed, Adam): 16 bytes per parameter over 2 ranks
+ESTIMATE_BYTES = 16 * 1e6 / 2
+TRAINING = ("lightning_zero2", "lightning_zero3", "fabric_zero2", "accelerate", "hydra")
+NEEDS = {"accelerate": "accelerate", "hydra": "hydra"}  # the entry points that need an optional package
+
+
+class Case(NamedTuple):
+    """Packages hidden together, and the modules that must then refuse to import: each module (with every module under
+    it) maps to the install command its error must name."""
+
+    hidden: tuple[str, ...]
+    refused: dict[str, str]
+
+
+CASES = {
+    "deepspeed": Case(("deepspeed",), {}),
+    "triton": Case(
+        ("triton",),
+        {
+            "ds_strategy.kernels.grad_stats": "ds-strategy[triton]",
+            "ds_strategy.kernels.quantize": "ds-strategy[triton]",
+        },
+    ),
+    "hydra": Case(("hydra", "omegaconf"), {"ds_strategy.hydra": "ds-strategy[hydra]"}),
+    "accelerate": Case(
+        ("accelerate",),
+        {"ds_strategy.accelerate": "ds-strategy[accelerate]", "ds_strategy.transformers": "ds-strategy[accelerate]"},
+    ),
+    "pytorch_lightning": Case(
+        ("pytorch_lightning",), {"ds_strategy.lightning.standalone": "ds-strategy[pytorch-lightning]"}
+    ),
+    "transformers": Case(("transformers",), {"ds_strategy.transformers": "pip install 'transformers'"}),
+    "peft": Case(("peft",), {}),
+    "trl": Case(("trl",), {"ds_strategy.transformers.trl_trainers": "pip install 'trl'"}),
+}
+
+
+def _run_case(name: str, out_dir: Path) -> dict:
+    out = out_dir / f"{name}.json"
+    cmd = [sys.executable, str(HERE / "optional_absent.py"), str(out), *CASES[name].hidden]
+    result = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=out_dir
+    )
+    assert result.returncode == 0 and out.exists(), f"{cmd} exited {result.returncode}:\n{result.stderr[-4000:]}"
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def reports(request, tmp_path_factory) -> dict[str, Future]:
+    """The reports of the cases this session selected, started side by side when the first is needed."""
+    specs = (getattr(item, "callspec", None) for item in request.session.items if item.module is request.module)
+    selected = [spec.params["case"] for spec in specs if spec is not None]  # the one parametrized test's cases
+    out_dir = tmp_path_factory.mktemp("optional_absent")
+    with ThreadPoolExecutor(max_workers=PARALLEL) as pool:
+        futures = {case: pool.submit(_run_case, case, out_dir) for case in dict.fromkeys(selected)}
+        yield futures
+        for future in futures.values():
+            future.cancel()
+
+
+def _refusal(module: str, refused: dict[str, str]) -> tuple[str, str] | None:
+    """``(refused module, install command)`` if ``module`` is or lies under a refused one, else None."""
+    for prefix, install in refused.items():
+        if module == prefix or module.startswith(prefix + "."):
+            return prefix, install
+    return None
+
+
+def _names_what_to_install(error: str | None, hidden: tuple[str, ...], install: str) -> bool:
+    return bool(error and error.startswith("ModuleNotFoundError") and install in error) and any(
+        repr(package) in error for package in hidden
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
+def test_everything_that_does_not_need_the_package_imports_and_trains_without_it(case, reports):
+    hidden, refused = CASES[case]
+    report = reports[case].result()
+    assert report["leaked"] == [], f"{report['leaked']} were imported although hidden"
+
+    # Every module imports, but a refused one, which fails naming the package and its install command. A module under
+    # a refused package may import anyway: its parent's failed import left it in sys.modules, as it would for a user.
+    imports = report["imports"]
+    broken = {module: error for module, error in imports.items() if error and not _refusal(module, refused)}
+    assert broken == {}, f"with {hidden} missing these modules fail to import"
+    assert len(imports) > 100 and "ds_strategy.accelerate.dummy_objects" in imports, sorted(imports)
+    assert "ds_strategy.kernels.quantize" in imports and set(refused) <= set(imports)
+    unclear = {
+        module: error
+        for module, error in imports.items()
+        if (refusal := _refusal(module, refused))
+        and (error or module == refusal[0])
+        and not _names_what_to_install(error, hidden, refusal[1])
+    }
+    assert unclear == {}, f"with {hidden} missing these imports must fail naming the package and how to install it"
+
+    runs = report["entry_points"]
+    expected = {name for name in (*TRAINING, "cli") if NEEDS.get(name) not in hidden}
+    assert set(runs) == expected
+    failed = {name: run["error"] for name, run in runs.items() if run["error"]}
+    assert failed == {}, f"with {hidden} missing these entry points fail"
+    for name in expected & set(TRAINING):
+        losses = runs[name]["values"]
+        assert len(losses) == STEPS and losses[-1] < losses[0], f"{name} did not train: losses {losses}"
+    assert runs["cli"]["values"] == [ESTIMATE_BYTES]
+
+
+def test_only_a_package_that_is_not_installed_is_reported_as_missing():
+    """``needs`` names the install command for an absent package, but a submodule missing from an installed one (a
+    version without it) keeps Python's own error."""
+    absent = (
+        r"^adapter needs the optional package 'absent_pkg_24', which is not installed: pip install 'absent_pkg_24'$"
+    )
+    with pytest.raises(ModuleNotFoundError, match=absent), needs("absent_pkg_24", needed_by="adapter"):
+        importlib.import_module("absent_pkg_24")
+    with pytest.raises(ModuleNotFoundError, match=r"^No module named 'pytest\.no_such_module'$"):
+        with needs("pytest", needed_by="adapter"):
+            importlib.import_module("pytest.no_such_module")
