@@ -7,6 +7,7 @@ into this dataclass and carry no defaults of their own.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import difflib
 import functools
 import math
@@ -122,6 +123,9 @@ class ZeroConfig:
             skipped a unit, or ran fewer forward calls under stage 3). Before each optimizer step the ranks
             also compare the collectives they issued (one tiny all-gather), which catches the mismatches that
             do not hang; see ``ds_strategy.comm.sequence_check``.
+        timeout (default 1800 s, torch's ``default_pg_timeout``; seconds or a ``datetime.timedelta``): the
+            process-group timeout the Lightning and Fabric strategies pass to ``init_process_group`` when they
+            create the group, as DDP's, FSDP's and DeepSpeed's ``timeout=`` does.
         unit_modules (default ()): module classes, or class names, whose instances are the units that are
             gathered/freed together and that bound gradient buckets. Empty auto-detects the repeated
             child block type (e.g. a transformer layer).
@@ -289,6 +293,7 @@ class ZeroConfig:
     max_live_parameters: int = 1_000_000_000
     reshard_after_forward: bool = True
     collective_timeout: float = 600.0
+    timeout: float = 1800.0
     unit_modules: tuple[type[torch.nn.Module] | str, ...] = ()
     unit_min_params: int = 0
     param_init_fn: Callable[[torch.nn.Module], None] | None = None
@@ -361,6 +366,12 @@ class ZeroConfig:
             "max_live_parameters": _integer("max_live_parameters", self.max_live_parameters, 0),
             "reshard_after_forward": _flag("reshard_after_forward", self.reshard_after_forward),
             "collective_timeout": _real("collective_timeout", self.collective_timeout, 0.0, exclusive=True),
+            "timeout": _real(
+                "timeout",
+                self.timeout.total_seconds() if isinstance(self.timeout, datetime.timedelta) else self.timeout,
+                0.0,
+                exclusive=True,
+            ),
             "unit_modules": _unit_modules(self.unit_modules),
             "unit_min_params": _integer("unit_min_params", self.unit_min_params, 0),
             "param_init_fn": _callable_or_none("param_init_fn", self.param_init_fn),

@@ -1,4 +1,5 @@
-"""One full state dict (``.pt`` or ``.safetensors``) from a sharded checkpoint, in one process, no process group.
+"""One full state dict (``.pt``/``.ckpt`` or ``.safetensors``) from a sharded checkpoint, in one process, no
+process group.
 
 Each stored tensor is read whole, one at a time, through DCP (which assembles it from the pieces in whichever rank
 files hold them), reshaped and, if asked, cast; so peak memory is about the output plus the largest tensor, never
@@ -24,7 +25,11 @@ from .flat_piece import quiet_single_process
 from .manifest import Kind, Manifest, StateKind, model_key, optimizer_key
 from .storage import METADATA, ChecksummedReader, dcp_failure
 
-SUFFIXES = (".pt", ".safetensors")
+SUFFIXES = (".pt", ".ckpt", ".safetensors")  # .ckpt: torch.save, as Lightning names its files
+# Key of a Lightning checkpoint's extra state under which the Lightning adapter records, per param group, the names
+# of the parameters in the order the user's optimizer listed them (which a torch.optim state dict is keyed by).
+OPTIMIZER_ORDER = "ds_strategy_optimizer_parameter_order"
+LIGHTNING_VERSION = "pytorch-lightning_version"
 
 
 def consolidate(
@@ -34,20 +39,29 @@ def consolidate(
     weights_only: bool = True,
     exclude_frozen_parameters: bool = False,
 ) -> Path:
-    """Write the checkpoint at ``path`` as one state dict to ``out`` (``.pt`` or ``.safetensors``); returns ``out``.
+    """Write the checkpoint at ``path`` as one state dict to ``out`` (``.pt``/``.ckpt``, or ``.safetensors``);
+    returns ``out``.
 
     ``dtype`` casts floating-point weights (default: as stored, fp32 for trainable parameters, which are saved from
-    the fp32 master copy). ``weights_only=False`` (``.pt`` only) writes ``{"state_dict": ..., "optimizer": ...}``
-    with the optimizer in ``torch.optim`` layout keyed by parameter name: ``{"state": {name: {key: tensor}},
-    "param_groups": [{..., "params": [names]}]}``, state tensors shaped like their parameter and not cast.
+    the fp32 master copy). ``weights_only=False`` (not to ``.safetensors``) writes ``{"state_dict": ...,
+    "optimizer": ...}`` with the optimizer in ``torch.optim`` layout keyed by parameter name: ``{"state": {name:
+    {key: tensor}}, "param_groups": [{..., "params": [names]}]}``, state tensors shaped like their parameter and not
+    cast.
     ``exclude_frozen_parameters`` leaves out parameters with ``requires_grad=False``.
+
+    A checkpoint the Lightning Trainer wrote (``ZeroStrategy``) consolidates with ``weights_only=False`` into what
+    Lightning itself writes, so ``LightningModule.load_from_checkpoint`` and a DDP or single-device
+    ``fit(ckpt_path=...)`` take it: every entry Lightning saved (its version, epoch, global step, loops, callbacks,
+    LR schedulers, hyper-parameters), ``state_dict``, and ``optimizer_states`` as ``[optimizer.state_dict()]``
+    keyed by position in the user's optimizer; the by-name ``optimizer`` entry is kept beside them (the same
+    tensors, stored once).
     """
     out = Path(out)
     if out.suffix not in SUFFIXES:
         raise ValueError(f"consolidate out={str(out)!r}: the file name must end in one of {', '.join(SUFFIXES)}")
-    if not weights_only and out.suffix != ".pt":
+    if not weights_only and out.suffix == ".safetensors":
         raise ValueError(
-            f"consolidate out={str(out)!r}: optimizer state (weights_only=False) is written only to .pt files"
+            f"consolidate out={str(out)!r}: optimizer state (weights_only=False) is written only to .pt or .ckpt files"
         )
     where, manifest = open_checkpoint(path)
     if not weights_only and manifest.optimizer_state is None:
@@ -64,8 +78,11 @@ def consolidate(
         torch_payload: dict[str, Any] = weights
     else:
         torch_payload = {"state_dict": weights, "optimizer": _read_optimizer(reader, metadata, manifest, where)}
+        extra = read_meta(where, manifest)["extra"]
+        if LIGHTNING_VERSION in extra:
+            torch_payload = _lightning_checkpoint(extra, torch_payload)
     out.parent.mkdir(parents=True, exist_ok=True)
-    if out.suffix == ".pt":
+    if out.suffix != ".safetensors":
         torch.save(torch_payload, out)
     else:
         _save_safetensors(weights, manifest, out)
@@ -133,6 +150,25 @@ def _read_optimizer(reader, metadata: Metadata, manifest: Manifest, where: Path)
             name for name, entry in manifest.entries.items() if entry.kind is Kind.PARAMETER and entry.group == index
         ]
     return {"state": state, "param_groups": groups}
+
+
+def _lightning_checkpoint(extra: dict[str, Any], consolidated: dict[str, Any]) -> dict[str, Any]:
+    """Lightning's single-file layout: its saved entries, ``state_dict``, and the named optimizer state keyed by
+    position as ``torch.optim.Optimizer.state_dict()`` is (in the user's order where the adapter recorded it, else
+    in ``state_dict`` order, which is that of ``configure_optimizers`` over ``self.parameters()``)."""
+    named = consolidated["optimizer"]
+    order = extra.get(OPTIMIZER_ORDER) or [group["params"] for group in named["param_groups"]]
+    state, groups, position = {}, [], 0
+    for group, names in zip(named["param_groups"], order):
+        positions = []
+        for name in names:
+            if name in named["state"]:
+                state[position] = named["state"][name]
+            positions.append(position)
+            position += 1
+        groups.append({**{key: value for key, value in group.items() if key != "params"}, "params": positions})
+    lightning = {key: value for key, value in extra.items() if key != OPTIMIZER_ORDER}
+    return {**lightning, **consolidated, "optimizer_states": [{"state": state, "param_groups": groups}]}
 
 
 def _save_safetensors(weights: dict[str, torch.Tensor], manifest: Manifest, out: Path) -> None:

@@ -21,6 +21,13 @@ has no manifest, is never loaded, and is removed by the next save of the same na
 error (a full disk: see :func:`abandon`) removes its own. Before reading, loading checks that the manifest parses
 and that every file it lists exists with its recorded size, so a missing or truncated shard is reported by name
 before any training state changes; each file's crc32 is checked as it is first read (:mod:`.storage`).
+
+Note: [Never remove what is not ours]
+Replacing or removing ``NAME`` deletes it, so both first check that ``NAME`` is ours: absent, a symbolic link (only
+the link goes), an empty directory, or a directory whose ``manifest.json`` parses as ours and which holds nothing
+but the files that manifest lists. Anything else (a user's folder ``out/`` with ``notes.txt`` in it, a single-file
+checkpoint ``m.ckpt`` written by another strategy, a checkpoint of ours someone added a file to) raises
+:class:`CheckpointError` naming the path before anything is written or removed.
 """
 
 from __future__ import annotations
@@ -51,7 +58,9 @@ def previous_path(path: Path) -> Path:
 
 # -- writing (rank 0) ---------------------------------------------------------------------------------------------
 def begin(path: Path) -> Path:
-    """Make an empty partial directory for ``path`` (removing a stale one) and return it."""
+    """Make an empty partial directory for ``path`` (removing a stale one) and return it; refuses a ``path`` that
+    is not ours to replace (Note: [Never remove what is not ours])."""
+    check_ours(path, "save a checkpoint at")
     _recover(path)
     partial = partial_path(path)
     _remove_tree(partial)
@@ -100,8 +109,35 @@ def abandon(partial: Path) -> None:
     shutil.rmtree(partial, ignore_errors=True)
 
 
+def check_ours(path: Path, action: str) -> None:
+    """Raise :class:`CheckpointError` unless ``path`` may be replaced or removed: Note: [Never remove what is not
+    ours]. ``action`` says what was asked ("save a checkpoint at")."""
+    if path.is_symlink() or not path.exists():
+        return
+    refusal = f"refusing to {action} {path}: it exists and is not a ds_strategy checkpoint"
+    advice = "nothing was written or removed; move it away or choose another path"
+    if not path.is_dir():
+        raise CheckpointError(f"{refusal} (it is a file); {advice}")
+    contents = {entry.name for entry in path.iterdir()}
+    if not contents:
+        return
+    if MANIFEST not in contents:
+        raise CheckpointError(f"{refusal} (it has no {MANIFEST} and holds {sorted(contents)[:5]}); {advice}")
+    try:
+        listed = set(Manifest.from_json((path / MANIFEST).read_text(), path / MANIFEST).files)
+    except (CheckpointError, OSError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{refusal} ({error}); {advice}") from error
+    foreign = sorted(contents - listed - {MANIFEST})
+    if foreign:
+        raise CheckpointError(
+            f"refusing to {action} {path}: the checkpoint also holds files it did not write, {foreign[:5]}; {advice}"
+        )
+
+
 def remove(path: Path) -> None:
-    """Delete a checkpoint so that no crash leaves a partly deleted one that still looks complete."""
+    """Delete a checkpoint so that no crash leaves a partly deleted one that still looks complete; refuses a
+    ``path`` that is not ours (Note: [Never remove what is not ours])."""
+    check_ours(path, "remove")
     if path.is_dir() and not path.is_symlink():
         doomed = path.with_name(f".{path.name}.removing")
         _remove_tree(doomed)

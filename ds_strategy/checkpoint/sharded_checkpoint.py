@@ -79,7 +79,7 @@ def write(
 ) -> None:
     """Write this rank's ``model`` and ``optimizer`` shares (see :mod:`.rank_state`) and rank 0's ``manifest``
     and ``extra`` as one atomic checkpoint directory. Every rank calls it with the same ``path``."""
-    path = Path(path)
+    path = local_path(path)
     tensors = {model_key(name): value for name, value in model.items()}
     for name, state in (optimizer or {}).get("state", {}).items():
         tensors.update({optimizer_key(name, key): value for key, value in state.items()})
@@ -126,7 +126,7 @@ def load(
     ``strict=False`` names missing on either side are skipped. A weights-only checkpoint leaves the optimizer
     as it is.
     """
-    where, manifest = directory.open_checkpoint(path)
+    where, manifest = directory.open_checkpoint(local_path(path))
     reader = ChecksummedReader(where, manifest.checksums)
     try:
         metadata = reader.read_metadata()
@@ -153,6 +153,18 @@ def load(
     return meta["extra"]
 
 
+def local_path(path: str | os.PathLike) -> Path:
+    """``path`` as a local path; a URL (``s3://``, ``memory://``: what fsspec would open) is refused by name rather
+    than turned into a local directory called ``s3:``."""
+    if "://" in str(path):
+        raise CheckpointError(
+            f"checkpoint path {str(path)!r} is a URL: ds_strategy checkpoints are written to and read from a local or "
+            f"mounted file system (every rank writes its own files), not through fsspec; give a local path (and copy "
+            f"the directory to remote storage afterwards) or mount the bucket"
+        )
+    return Path(path)
+
+
 def _checkpoint_group(engine: ZeroEngine | None):
     """The ranks that write and read a checkpoint together: the engine's, or every rank under tensor parallelism
     (each tensor-parallel rank holds different pieces of the same data-parallel shard) or pipeline parallelism
@@ -164,7 +176,7 @@ def _checkpoint_group(engine: ZeroEngine | None):
 
 def remove(path: str | os.PathLike) -> None:
     """Delete the checkpoint at ``path`` (call on one rank)."""
-    directory.remove(Path(path))
+    directory.remove(local_path(path))
 
 
 def latest(root: str | os.PathLike) -> Path | None:

@@ -4,7 +4,9 @@ A Trainer checkpoint (``trainer.save_checkpoint``, ``ModelCheckpoint``) is a dir
 FSDP "sharded" checkpoints: the module and optimizer state written by every rank through DCP, and everything else
 Lightning puts in a checkpoint (loops, LR schedulers, callbacks, precision plugin, hyperparameters) in rank 0's
 ``meta.pt``; see :mod:`ds_strategy.checkpoint.directory`. Nothing is gathered to save, the directory appears
-atomically, and ``ckpt_path=`` may name a checkpoint saved at another world size or ZeRO stage.
+atomically, a save never replaces what is not a checkpoint of ours, and ``ckpt_path=`` may name a checkpoint saved
+at another world size or ZeRO stage, or a single Lightning file (DDP's, one device's). ``ds-strategy consolidate
+--with-optimizer`` turns a directory back into a Lightning file (:func:`ds_strategy.checkpoint.consolidate`).
 
 Loading waits until after ``setup`` (the engine must exist to know this rank's shard) and restores model and
 optimizer inside ``load_checkpoint``, so Lightning's own model/optimizer restore steps have nothing left to do.
@@ -13,13 +15,32 @@ No Lightning import here: the mixin serves both ``lightning.pytorch`` and ``pyto
 
 from __future__ import annotations
 
+import sys
+import warnings
+from pathlib import Path
 from typing import Any
 
+import torch
+
 from .. import checkpoint
+from ..checkpoint.consolidate import OPTIMIZER_ORDER
+
+# Lightning's ``_CheckpointConnector`` method that asks for the module state to put in a checkpoint it saves.
+_SAVING_CALLER = "_get_lightning_module_state_dict"
 
 
 class ZeroCheckpointing:
     """Checkpoint hooks of a Lightning strategy that owns a ``ZeroEngine`` as ``self.engine``."""
+
+    _warned_directory_suffix = False
+    _optimizer_order: list[list[str]] | None = None
+
+    def record_optimizer_order(self, optimizer) -> None:
+        """Remember, per param group, the names of the parameters in the order ``optimizer`` lists them, for
+        ``ds-strategy consolidate`` to key the optimizer state by position as Lightning does ("" for a parameter
+        outside the module, which keeps its position and has no state)."""
+        names = {id(p): name for name, p in self.lightning_module.named_parameters()}
+        self._optimizer_order = [[names.get(id(p), "") for p in group["params"]] for group in optimizer.param_groups]
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -30,22 +51,52 @@ class ZeroCheckpointing:
         return False
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """This rank's share of the module state (pieces of its shards), not a gathered state dict."""
-        return checkpoint.model_state(self.lightning_module, self.engine)
+        """Every key of the module's ``state_dict`` as a whole tensor (parameters in fp32, gathered one unit at a
+        time), on every rank, as DDP, FSDP and DeepSpeed give it; a collective, so every rank calls it.
 
-    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        Note: [The module state Lightning saves is not gathered]
+        Lightning asks for this in two places: ``trainer.save_checkpoint`` (through its checkpoint connector's
+        ``_get_lightning_module_state_dict``), and user code exporting the weights. A save must not gather (a
+        stage-3 model need not fit on one rank): it wants this rank's pieces, which :meth:`save_checkpoint` writes.
+        Lightning passes nothing that tells the two apart, so the caller's name does. Should Lightning rename that
+        method, saves stay correct (:meth:`save_checkpoint` takes the pieces from the engine, not from what this
+        returned) and only pay a needless gather.
+        """
+        if sys._getframe(1).f_code.co_name == _SAVING_CALLER:
+            return checkpoint.model_state(self.lightning_module, self.engine)
+        if self.engine is None:
+            return super().lightning_module_state_dict()
+        return self.engine.full_state_dict(rank0_only=False)
+
+    def optimizer_state(self, optimizer) -> dict[str, Any] | None:
+        """This rank's share of the optimizer state; None when the engine has no optimizer (``trainer.test`` after
+        ``fit`` sets the model up again without one, while Lightning still lists the fit's optimizer)."""
+        if self.engine is None or self.engine.optimizer is None:
+            return None
         return checkpoint.optimizer_state(self.engine)
 
     def save_checkpoint(self, checkpoint_dict: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        """Write a sharded checkpoint directory at ``filepath`` (also when it ends in ``.ckpt``; warned once)."""
         if storage_options is not None:
             raise TypeError(
                 "ZeroStrategy.save_checkpoint(..., storage_options=...) is not supported: ZeroStrategy "
                 "writes sharded checkpoint directories itself, not through a CheckpointIO plugin"
             )
         path = self.broadcast(str(filepath))
-        model = checkpoint_dict.pop("state_dict")
+        self._warn_directory_suffix(path)
+        checkpoint_dict.pop("state_dict")  # this rank's pieces, taken again below whatever Lightning collected
+        model = checkpoint.model_state(self.lightning_module, self.engine)
         optimizers = checkpoint_dict.pop("optimizer_states", None)
         optimizer = optimizers[0] if optimizers else None
+        if optimizers and optimizer is None:
+            warnings.warn(
+                f"saving {path} without optimizer state: the model was set up again without its optimizer "
+                f"(trainer.validate/test/predict after fit), so the fit's optimizer state is gone; save before "
+                f"validating or testing to keep it",
+                stacklevel=2,
+            )
+        if optimizer is not None and self._optimizer_order is not None:
+            checkpoint_dict[OPTIMIZER_ORDER] = self._optimizer_order
         checkpoint.write(
             path,
             model,
@@ -54,13 +105,53 @@ class ZeroCheckpointing:
             extra=checkpoint_dict,
         )
 
+    def _warn_directory_suffix(self, path: str) -> None:
+        if path.endswith((".ckpt", ".pt", ".pth")) and not ZeroCheckpointing._warned_directory_suffix:
+            ZeroCheckpointing._warned_directory_suffix = True
+            warnings.warn(
+                f"{path} will be a directory, not a file: ZeroStrategy always writes sharded checkpoint directories, "
+                f"whatever the name ends in (ds-strategy consolidate makes one Lightning .ckpt file of it)",
+                stacklevel=3,
+            )
+
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        """Restore module and (when fitting) optimizer now; return the rest for Lightning to restore."""
+        """Restore module and (when fitting) optimizer now; return the rest for Lightning to restore. A single
+        file (DDP's, one device's, or ``ds-strategy consolidate``'s) loads too: see :meth:`_load_single_file`."""
         path = self.broadcast(str(checkpoint_path))
         module = self.lightning_module
-        return checkpoint.load(
-            path, module, self.engine, load_optimizer=module.trainer.state.fn == "fit", strict=module.strict_loading
-        )
+        fitting = module.trainer.state.fn == "fit"
+        if Path(path).is_file():
+            return self._load_single_file(path, fitting)
+        extra = checkpoint.load(path, module, self.engine, load_optimizer=fitting, strict=module.strict_loading)
+        extra.pop(OPTIMIZER_ORDER, None)
+        return extra
+
+    def _load_single_file(self, path: str, fitting: bool) -> dict[str, Any]:
+        """Each rank memory-maps the file and takes its shards of ``state_dict`` (checked whole first, as
+        :func:`ds_strategy.checkpoint.pretrained.load_weights` does); loops, schedulers, callbacks and the rest
+        go back to Lightning. A torch.optim state dict is keyed by position in the optimizer that wrote it, which
+        the sharded optimizer does not keep, so when fitting only its param-group hyperparameters are restored
+        and the moments start afresh (warned), as DeepSpeed's ``load_full_weights`` does."""
+        loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        if not isinstance(loaded, dict) or "state_dict" not in loaded:
+            raise checkpoint.CheckpointError(
+                f"{path} is a file without a 'state_dict' entry: not a Lightning checkpoint (a plain state dict "
+                f"loads with trainer.strategy.load_pretrained from a hook such as on_fit_start)"
+            )
+        self.engine.load_weights(loaded.pop("state_dict"))
+        saved_optimizers = loaded.pop("optimizer_states", None)
+        if fitting and saved_optimizers and self.engine.optimizer is not None:
+            groups = saved_optimizers[0].get("param_groups", [])
+            if len(groups) == len(self.engine.optimizer.param_groups):
+                for group, saved in zip(self.engine.optimizer.param_groups, groups):
+                    group.update({key: value for key, value in saved.items() if key != "params"})
+            warnings.warn(
+                f"{path} is a single-file checkpoint: its weights, loops, schedulers and callbacks are restored, and "
+                f"its optimizer's hyperparameters, but its optimizer state (moments) is not cut into ZeRO shards and "
+                f"starts afresh; resume from a ZeroStrategy checkpoint directory to keep it",
+                stacklevel=2,
+            )
+        return loaded
 
     def load_model_state_dict(self, checkpoint_dict: Any, strict: bool = True) -> None:
         """Done in :meth:`load_checkpoint`."""

@@ -32,6 +32,7 @@ from torch.optim import Optimizer
 
 from ..config import ZeroConfig
 from ..precision import autocast_for
+from ..precision.init_dtype import init_dtype_context
 from ..zero.engine import ZeroEngine
 
 
@@ -90,6 +91,10 @@ class ZeroPrecisionMixin:
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         return autocast_for(self.precision, self._device_type())
+
+    def tensor_init_context(self) -> contextlib.AbstractContextManager:
+        """``trainer.init_module()`` under "-true" creates the weights 16-bit, as Lightning's HalfPrecision does."""
+        return init_dtype_context(self.precision)
 
     @contextlib.contextmanager
     def train_step_context(self):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import importlib
 import os
 from collections.abc import Callable, Mapping
@@ -26,6 +27,7 @@ from ..parallel.prepare import parallelize_for_config
 from ..parallel.ulysses import attend_with_ulysses
 from ..precision_flag import reconcile_precision
 from ..zero.engine import ZeroEngine
+from ..zero.meta_parameters import parameters_on_meta
 from .checkpointing import ZeroCheckpointing
 from .config_optimizer import apply_optimizer_sections
 from .precision import ZeroPrecision, zero_precision_for
@@ -74,6 +76,7 @@ class ZeroStrategyMixin(EngineOwnerMixin):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
+            timeout=datetime.timedelta(seconds=self.config.timeout),
             start_method=start_method,
         )
         self.engine: ZeroEngine | None = None
@@ -112,20 +115,23 @@ class ZeroStrategyMixin(EngineOwnerMixin):
 
     # -- setup ------------------------------------------------------------------------------------------------
     def setup_environment(self) -> None:
-        """With tensor, sequence or pipeline parallelism, the ([pp,] dp, [sp,] tp) mesh under Lightning's names, as
-        ``self.device_mesh`` of the LightningModule, before ``configure_model`` runs (exactly as Lightning's
-        ModelParallelStrategy gives it; "sequence_parallel" and "pipeline_parallel" are ours)."""
+        """The ([pp,] dp, [sp,] tp) mesh under Lightning's names, as ``self.device_mesh`` of the LightningModule,
+        before ``configure_model`` runs, exactly as Lightning's ModelParallelStrategy gives it ("sequence_parallel"
+        and "pipeline_parallel" are ours). Without tensor, sequence or pipeline parallelism it is the
+        (data_parallel, tensor_parallel=1) mesh, for code that reads ``self.device_mesh["data_parallel"]``, and
+        the engine shards over the default group as without a mesh."""
         super().setup_environment()
         config = self.config
+        mesh = build_parallel_mesh(
+            self.root_device.type,
+            config.tensor_parallel_size,
+            LIGHTNING_NAMES,
+            sequence_parallel_size=config.sequence_parallel_size,
+            pipeline_parallel_size=config.pipeline_parallel_size,
+        )
         if max(config.tensor_parallel_size, config.sequence_parallel_size, config.pipeline_parallel_size) > 1:
-            self.parallel_mesh = build_parallel_mesh(
-                self.root_device.type,
-                config.tensor_parallel_size,
-                LIGHTNING_NAMES,
-                sequence_parallel_size=config.sequence_parallel_size,
-                pipeline_parallel_size=config.pipeline_parallel_size,
-            )
-            self.lightning_module._device_mesh = self.parallel_mesh.mesh
+            self.parallel_mesh = mesh
+        self.lightning_module._device_mesh = mesh.mesh
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, int]:
@@ -140,7 +146,8 @@ class ZeroStrategyMixin(EngineOwnerMixin):
         down to this rank's stages (deleting the rest in place, so before the optimizer is built over what
         remains); the engine over those stages, and the runner that drives them through the schedule."""
         self.accelerator.setup(trainer)
-        parallelize_for_config(self.lightning_module, self.parallel_mesh, self.config)
+        # a model without tensor-parallel layers runs replicated over tp, as under ModelParallelStrategy
+        parallelize_for_config(self.lightning_module, self.parallel_mesh, self.config, replicate_unparallelized=True)
         if self.parallel_mesh is not None and self.parallel_mesh.sp_group is not None:
             attend_with_ulysses(self.lightning_module, self.parallel_mesh.sp_group)
         self.stage_plan = cut_for_pipeline(self.lightning_module, self.config, self.parallel_mesh)
@@ -157,6 +164,7 @@ class ZeroStrategyMixin(EngineOwnerMixin):
                     f"ZeroStrategy supports exactly one optimizer, configure_optimizers returned {len(self.optimizers)}"
                 )
             optimizer = self.optimizers[0]
+            self.record_optimizer_order(optimizer)  # before the engine retargets it onto flat shards
         dp_size = self.parallel_mesh.dp_size if self.parallel_mesh is not None else self.world_size
         config = self.config.resolve_batch_sizes(dp_size)
         self._check_trainer_matches(trainer, config)
@@ -241,11 +249,26 @@ class ZeroStrategyMixin(EngineOwnerMixin):
 
     @contextlib.contextmanager
     def model_sharded_context(self):
-        """Under stage 3, ``configure_model`` builds on the meta device; the engine materialises shards only."""
+        """Under stage 3, ``configure_model`` builds its parameters on the meta device and the engine materialises
+        and initialises shards only; buffers and other tensors (torchmetrics states) are built for real, see
+        Note: [Only parameters go to the meta device]."""
         if not self.config.plan.partitions_parameters:
             yield
             return
-        with torch.device("meta"):
+        with parameters_on_meta():
+            yield
+
+    @contextlib.contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None):
+        """``trainer.init_module(empty_init=True)`` under stage 3 is the build ``configure_model`` gets (as FSDP
+        builds on meta): parameters on meta, initialised shard by shard in setup, never uninitialised memory.
+        Otherwise Lightning's: on the root device, and with ``empty_init=True`` at stage 0-2 uninitialised (for a
+        checkpoint to fill), as DDP and DeepSpeed do."""
+        if not (empty_init and self.config.plan.partitions_parameters):
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with self.root_device, parameters_on_meta(), self.precision_plugin.tensor_init_context():
             yield
 
     def _before_forward(self) -> None:

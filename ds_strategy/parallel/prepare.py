@@ -24,13 +24,19 @@ from .mesh import ParallelMesh
 
 
 def parallelize_for_config(
-    module: nn.Module, mesh: ParallelMesh | None, config: ZeroConfig, *, default_plan: str | None = None
+    module: nn.Module,
+    mesh: ParallelMesh | None,
+    config: ZeroConfig,
+    *,
+    default_plan: str | None = None,
+    replicate_unparallelized: bool = False,
 ) -> None:
     """Apply ``config.tensor_parallel_plan`` to ``module`` over ``mesh``'s tensor-parallel dimension, or, when the
     plan is None, require that the user's own code (``configure_model``, ``parallelize_fn``) did it.
 
     ``default_plan``: the plan for a model that arrives with no tensor-parallel parameters and no plan configured
-    (Accelerate's "auto"); a model the user already parallelized is left as it is."""
+    (Accelerate's "auto"); a model the user already parallelized is left as it is. ``replicate_unparallelized``:
+    such a model instead runs whole on every tensor-parallel rank (Lightning's ModelParallelStrategy does)."""
     if mesh is None or mesh.tp_size == 1:
         return
     plan = config.tensor_parallel_plan
@@ -39,7 +45,7 @@ def parallelize_for_config(
     if plan is not None:
         resolved = tensor_parallel_plan(module, mesh.tp_size, sequence_parallel=config.sequence_parallel, plan=plan)
         apply_tensor_parallel_plan(module, mesh.tp_mesh, resolved)
-    if not _is_parallelized(module):
+    if not _is_parallelized(module) and not replicate_unparallelized:
         raise ValueError(
             f"tensor_parallel_size={mesh.tp_size} but {type(module).__name__} has no tensor-parallel parameters: "
             f"parallelize it in configure_model (parallelize_module on self.device_mesh['tensor_parallel']) or "
@@ -61,7 +67,8 @@ def parallelize_with_optimizer(
         )
     name_of = {id(p): name for name, p in module.named_parameters()}
     parallelized = parallelize(module)
-    now = dict(parallelized.named_parameters())
+    # a parallelize_fn that compiles (the whole model or its blocks) puts "_orig_mod." into the names
+    now = {name.replace("_orig_mod.", ""): p for name, p in parallelized.named_parameters()}
     for group in optimizer.param_groups:
         group["params"] = [now.get(name_of.get(id(p)), p) for p in group["params"]]
     return parallelized
