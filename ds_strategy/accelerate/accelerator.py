@@ -27,6 +27,7 @@ from ..precision_flag import ACCELERATE_MIXED_PRECISION, reconcile_precision
 from ..zero.engine import ZeroEngine
 from .checkpointing import ZeroAcceleratorCheckpointing
 from .config_source import ENV_VAR, load_config
+from .deepspeed_compat import DeepSpeedPluginView, StateWithDeepSpeedView, mark_launched_worker
 from .dummy_objects import resolve_dummies
 from .parallelism import check_no_launcher_parallelism, with_parallelism
 
@@ -59,6 +60,9 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
     On a machine without an accelerator the processes run on CPU (``cpu=True``) unless told otherwise: Accelerate
     forms a gloo process group for torchrun-launched ranks only in CPU mode, and ZeRO needs that group.
     Accelerate's own DeepSpeed, FSDP and Megatron-LM back-ends shard too, so configuring one is an error.
+
+    Scripts written for DDP or for accelerate's DeepSpeed back-end find ``model.no_sync()`` on prepared models and, with
+    a DeepSpeed config's optimizer/scheduler sections, ``state.deepspeed_plugin`` (see :mod:`.deepspeed_compat`).
 
     Tensor parallelism: ``parallelism_config=ParallelismConfig(tp_size=2)`` (or ``ZeroConfig.tensor_parallel_size``)
     builds the mesh ``("dp_shard", "tp")`` (``torch_device_mesh``); ZeRO shards over ``dp_shard`` and the prepared
@@ -106,6 +110,13 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
                 self.device.type, self.zero_config.tensor_parallel_size, ACCELERATE_NAMES
             )
         self.engines: list[ZeroEngine] = []
+        if self._deepspeed_sections:
+            self.state = StateWithDeepSpeedView(
+                self.state, DeepSpeedPluginView.of(self.zero_config, self._deepspeed_sections)
+            )
+        mark_launched_worker(self.process_index)
+        # each prepared model's state_dict dtypes as given to prepare: the dtypes DDP would save it in
+        self._given_dtypes: dict[nn.Module, dict[str, torch.dtype]] = {}
 
     @property
     def torch_device_mesh(self):
@@ -196,8 +207,13 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
         plan = self.zero_config.plan
         if self.parallel_mesh is not None:
             model = parallelize_with_optimizer(model, optimizer, self._parallelize)
+        self._given_dtypes[model] = {key: value.dtype for key, value in model.state_dict().items()}
+        # stage 3, or a model built on the meta device: the engine places (or initialises) one unit at a time
+        # (ds_strategy.zero.placement, ds_strategy.zero.sharded_init)
+        built_on_meta = any(p.is_meta for p in model.parameters())
         if (self.device_placement if placement is None else placement) and not plan.partitions_parameters:
-            model.to(self.device)  # stage 3: the engine places one unit at a time (ds_strategy.zero.placement)
+            if not built_on_meta:
+                model.to(self.device)
         if plan.converts_module:
             model.to(dtype=plan.compute_dtype)
         engine = self._build_engine(model, optimizer)
@@ -206,6 +222,7 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
         self.engines.append(engine)
         self._models.append(model)
         model._is_accelerate_prepared = True
+        model.no_sync = functools.partial(self.no_sync, model)  # DDP's method; see .deepspeed_compat
         return model
 
     def _parallelize(self, model: nn.Module) -> nn.Module:
@@ -365,15 +382,24 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
         return owners[0] if owners else None
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
-        """The whole model's state dict on every rank, as Accelerate's DDP path returns it, gathered unit by unit.
+        """The whole model's state dict on every rank, as Accelerate's DDP path returns it; see
+        ``consolidated_state_dict``."""
+        if self.engine_of(model) is None:
+            return super().get_state_dict(model, unwrap=unwrap)
+        return self.consolidated_state_dict(model, rank0_only=False)
+
+    def consolidated_state_dict(self, model: nn.Module, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """The whole state dict of a prepared model, gathered unit by unit, in the dtype each tensor had when the
+        model was prepared: DDP's rule (it trains and saves the module as given, in autocast for "bf16"/"fp16"),
+        so an fp32 model trained in bf16 saves fp32 weights, from the fp32 masters. Every rank calls it; with
+        ``rank0_only`` the others return an empty dict and hold at most one gathered unit.
 
         Its tensors are copies: the parameters themselves are views of the engine's flat buffers, which
         safetensors would take for shared tensors and drop.
         """
-        engine = self.engine_of(model)
-        if engine is None:
-            return super().get_state_dict(model, unwrap=unwrap)
-        return engine.full_state_dict(rank0_only=False)
+        state = self.engine_of(model).full_state_dict(rank0_only=rank0_only)
+        given = self._given_dtypes[model]
+        return {key: value.to(given.get(key, value.dtype)) for key, value in state.items()}
 
     def load_pretrained(self, path, prefix: str = "", model: nn.Module | None = None) -> None:
         """Load pretrained weights into a prepared model (default: the one that trains), each rank reading only

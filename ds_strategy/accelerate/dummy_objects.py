@@ -26,7 +26,9 @@ from typing import Any
 
 import torch
 from accelerate.optimizer import AcceleratedOptimizer
-from accelerate.utils.deepspeed import DummyOptim, DummyScheduler  # accelerate.utils re-exports them only when deepspeed is installed
+
+# accelerate.utils re-exports these only when deepspeed is installed; accelerate.utils.deepspeed always defines them
+from accelerate.utils.deepspeed import DummyOptim, DummyScheduler
 from torch.optim.lr_scheduler import LRScheduler
 
 from ..deepspeed.optimizer_section import read_optimizer_sections

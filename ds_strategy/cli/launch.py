@@ -10,6 +10,9 @@ on ds_strategy instead: the section becomes the DeepSpeed config accelerate woul
 (``ds_strategy.deepspeed.accelerate_yaml``), read with DeepSpeed's meaning, and the processes start as
 ``MULTI_GPU`` (on CPU-only machines ZeroAccelerator trains them on CPU with gloo). FSDP and Megatron-LM would
 shard a second time and are rejected.
+
+A script whose workers never build a ZeroAccelerator (an unmodified ``Accelerator()`` script) fails the launch,
+after it ran: each of its processes trained alone (see ``ds_strategy.accelerate.deepspeed_compat``).
 """
 
 from __future__ import annotations
@@ -38,15 +41,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import yaml
-    from accelerate.commands.launch import launch_command, launch_command_parser
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from ..accelerate.config_source import (
-        ENV_VAR,
-        SECTION,
-        config_from_mapping,
-        read_config_file,
-    )
+    from ..optional_packages import needs
+
+    with needs("accelerate", needed_by="ds-strategy launch"):  # imported here: the other commands work without it
+        from accelerate.commands.launch import launch_command, launch_command_parser
+
+        from ..accelerate.config_source import (
+            ENV_VAR,
+            SECTION,
+            config_from_mapping,
+            read_config_file,
+        )
+        from ..accelerate.deepspeed_compat import LAUNCH_MARKERS_VAR, launched_workers
 
     try:
         settings = read_config_file(args.config_file)
@@ -65,10 +73,22 @@ def run(args: argparse.Namespace) -> int:
             ["--config_file", str(accelerate_yaml), args.training_script, *args.training_script_args]
         )
         os.environ[ENV_VAR] = json.dumps(zero_section)
+        markers = Path(tmp, "workers")
+        markers.mkdir()
+        os.environ[LAUNCH_MARKERS_VAR] = str(markers)
         try:
             launch_command(launch_args)
         except (subprocess.CalledProcessError, ChildFailedError):  # the workers' output already says why
             print(f"ds-strategy launch: {args.training_script} failed", file=sys.stderr)
+            return 1
+        if launched_workers(markers) == 0:
+            print(
+                f"ds-strategy launch: error: no worker of {args.training_script} built a ZeroAccelerator, so nothing "
+                f"was sharded and each process trained alone with accelerate's Accelerator (on CPU, without a "
+                f"process group); replace Accelerator( with ds_strategy.accelerate.ZeroAccelerator( (or Trainer "
+                f"with ds_strategy.transformers.ZeroTrainer)",
+                file=sys.stderr,
+            )
             return 1
     return 0
 

@@ -1,0 +1,189 @@
+"""``ZeroTrainer``: transformers' ``Trainer`` on ds_strategy's ZeRO engine, through a ``ZeroAccelerator``.
+
+The switch from DeepSpeed is the class name: ``ZeroTrainer(model, args=TrainingArguments(..., deepspeed=
+"ds_config.json"), ...)`` (or ``zero_config=`` with a DeepSpeed JSON, ZeroConfig fields or a ZeroConfig, or
+``$DS_STRATEGY_CONFIG``; see :mod:`.trainer_config`). The Trainer's loop runs unchanged: forward, backward,
+accumulation, clipping, the optimizer step and evaluation reach the engine through the accelerator. What changes is
+what the Trainer would do with a module whose parameters are shards:
+
+- ``save_model`` gathers the model unit by unit into rank 0's state dict, in the dtypes the model was given in
+  (DDP's rule, see ``ZeroAccelerator.consolidated_state_dict``), and writes it with ``save_pretrained``: a directory
+  ``from_pretrained`` loads (for a PEFT model, its adapters only, as Trainer saves them);
+- ``checkpoint-N/`` holds that directory plus ``zero_checkpoint/``, the sharded model, optimizer and loss scale
+  each rank writes its share of (:mod:`ds_strategy.checkpoint`), beside Trainer's own scheduler, RNG and trainer
+  state files; resuming reads the sharded checkpoint after ``prepare``, at any world size or ZeRO stage;
+- ``load_best_model_at_end`` reads the best checkpoint's weights into the shards.
+
+``ZeroTrainerMixin`` carries all of it, so any Trainer subclass composes: ``class MyTrainer(ZeroTrainerMixin,
+MyBaseTrainer)``; ``ZeroSFTTrainer`` is TRL's ``SFTTrainer`` composed so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from accelerate.optimizer import AcceleratedOptimizer
+from transformers.trainer_pt_utils import reissue_pt_warnings
+
+from .. import checkpoint
+from ..accelerate import ZeroAccelerator
+from ..accelerate.checkpointing import SHARDED_DIR
+from ..checkpoint import CheckpointError
+from .trainer_config import TrainerZeroConfig, detach_deepspeed, trainer_zero_config
+
+logger = logging.getLogger(__name__)
+SCHEDULER_NAME = "scheduler.pt"  # transformers.trainer's name for it
+
+
+class ZeroTrainerMixin:
+    """The ZeRO half of a ``ZeroTrainer``; put it before a ``transformers.Trainer`` subclass in the bases.
+
+    ``zero_config``: a DeepSpeed JSON (path or dict), ZeroConfig fields, or a ZeroConfig; the default is
+    ``TrainingArguments.deepspeed``, then ``$DS_STRATEGY_CONFIG``, then ZeroConfig's defaults (stage 2).
+    """
+
+    def __init__(self, *args: Any, zero_config: Any = None, **kwargs: Any):
+        self._zero_source = zero_config
+        super().__init__(*args, **kwargs)
+
+    # -- construction -----------------------------------------------------------------------------------------
+    def create_accelerator_and_postprocess(self) -> None:
+        """Trainer's own accelerator set-up, building a ``ZeroAccelerator`` where it builds an ``Accelerator``.
+
+        Note: [Where the Trainer builds its accelerator]
+        ``Trainer.create_accelerator_and_postprocess`` assembles some twenty accelerator arguments from
+        ``TrainingArguments`` (data loader configuration, a one-step accumulation plugin, precision, dynamo) and
+        calls the name ``Accelerator`` from its module's globals, with no hook to choose the class. That name is
+        pointed at ``ZeroAccelerator`` (with this trainer's ZeroConfig) for the length of the call only, so the
+        arguments stay exactly transformers' own, version by version.
+        """
+        from_args = detach_deepspeed(self.args)
+        if from_args is not None and self._zero_source is not None:
+            raise ValueError(
+                "both TrainingArguments(deepspeed=...) and ZeroTrainer(zero_config=...) configure ZeRO; keep one"
+            )
+        _refuse_deepspeed_partitioned(self.model)
+        self.zero_settings: TrainerZeroConfig = trainer_zero_config(
+            from_args if from_args is not None else self._zero_source, self.args
+        )
+        build = functools.partial(ZeroAccelerator, self.zero_settings.zero)
+        with _trainer_accelerator_class(build):
+            super().create_accelerator_and_postprocess()
+
+    def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+        """The DeepSpeed config's ``optimizer`` section, when it has one, over the trainable parameters."""
+        if self.optimizer is None and self.zero_settings.optimizer is not None:
+            opt_model = self.model if model is None else model
+            self.optimizer = self.zero_settings.build_optimizer([p for p in opt_model.parameters() if p.requires_grad])
+        return super().create_optimizer(model)
+
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None) -> Any:
+        """The DeepSpeed config's ``scheduler`` section, when it has one, its step counts filled from the run; it
+        steps once per optimizer step, as DeepSpeed's engine steps it."""
+        if self.lr_scheduler is None and self.zero_settings.scheduler is not None:
+            optimizer = self.optimizer if optimizer is None else optimizer
+            if isinstance(optimizer, AcceleratedOptimizer):
+                optimizer = optimizer.optimizer
+            self.lr_scheduler = self.zero_settings.build_scheduler(optimizer, self.args, num_training_steps)
+            self._created_lr_scheduler = True
+        return super().create_scheduler(num_training_steps, optimizer)
+
+    @property
+    def zero_engine(self):
+        """The engine sharding the trained model, once ``train`` (or ``evaluate``) prepared it; else None."""
+        return self.accelerator.engine_of(self.model) if isinstance(self.accelerator, ZeroAccelerator) else None
+
+    # -- saving -----------------------------------------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The gathered model, written by rank 0 with ``save_pretrained``; every rank must call it."""
+        if self.zero_engine is None:
+            return super().save_model(output_dir, _internal_call)
+        output_dir = self.args.output_dir if output_dir is None else output_dir
+        state_dict = self.accelerator.consolidated_state_dict(self.model, rank0_only=True)
+        self._save(output_dir, state_dict=state_dict)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """The sharded model and optimizer into ``output_dir/zero_checkpoint``, each rank its share; the scheduler
+        as Trainer saves it. Trainer's own path would pickle rank 0's optimizer shard as the whole optimizer."""
+        engine = self.zero_engine
+        if engine is None or engine.optimizer is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        checkpoint.save(Path(output_dir, SHARDED_DIR), engine.module, engine)
+        if self.args.should_save:
+            with warnings.catch_warnings(record=True) as caught_warnings:
+                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+            reissue_pt_warnings(caught_warnings)
+
+    # -- resuming ---------------------------------------------------------------------------------------------
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
+        """Before ``prepare``: nothing, for a checkpoint with a sharded part (read after ``prepare``, by
+        ``_load_optimizer_and_scheduler``, without ever holding the whole model); else Trainer's load."""
+        if Path(resume_from_checkpoint, SHARDED_DIR).is_dir():
+            return None
+        return super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint_dir: str | None) -> None:
+        """After ``prepare``: the sharded model, optimizer and loss scale, then the scheduler."""
+        engine = self.zero_engine
+        if checkpoint_dir is None or engine is None:
+            return super()._load_optimizer_and_scheduler(checkpoint_dir)
+        sharded = Path(checkpoint_dir, SHARDED_DIR)
+        if not sharded.is_dir():
+            raise CheckpointError(
+                f"{checkpoint_dir} has no {SHARDED_DIR}/: it was not written by a ZeroTrainer, so its optimizer "
+                f"state cannot be resharded; start from its weights instead (ZeroTrainer(model=from_pretrained("
+                f"{checkpoint_dir!r})) without resume_from_checkpoint)"
+            )
+        checkpoint.load(sharded, engine.module, engine)
+        scheduler_file = Path(checkpoint_dir, SCHEDULER_NAME)
+        if scheduler_file.is_file():
+            with warnings.catch_warnings(record=True) as caught_warnings:
+                self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+            reissue_pt_warnings(caught_warnings)
+
+    def _load_best_model(self) -> None:
+        """The best checkpoint's sharded weights into the engine (optimizer state untouched)."""
+        engine = self.zero_engine
+        if engine is None:
+            return super()._load_best_model()
+        best = self.state.best_model_checkpoint
+        logger.info(f"Loading best model from {best} (score: {self.state.best_metric}).")
+        checkpoint.load(Path(best, SHARDED_DIR), engine.module, engine, load_optimizer=False)
+
+
+class ZeroTrainer(ZeroTrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` training with ds_strategy's ZeRO; see the module docstring."""
+
+
+@contextlib.contextmanager
+def _trainer_accelerator_class(build: Any):
+    """See Note: [Where the Trainer builds its accelerator]."""
+    import transformers.trainer as trainer_module
+
+    original = trainer_module.Accelerator
+    trainer_module.Accelerator = build
+    try:
+        yield
+    finally:
+        trainer_module.Accelerator = original
+
+
+def _refuse_deepspeed_partitioned(model: torch.nn.Module | None) -> None:
+    """A model built while ``TrainingArguments(deepspeed=<stage 3>)`` was alive was partitioned by
+    ``deepspeed.zero.Init`` (transformers' global DeepSpeed config); this engine cannot shard it again."""
+    if model is not None and any(hasattr(p, "ds_id") for p in model.parameters()):
+        raise ValueError(
+            "the model's parameters were partitioned by deepspeed.zero.Init: it was built while a stage-3 "
+            "TrainingArguments(deepspeed=...) existed. Build the model before the TrainingArguments, or pass the "
+            "JSON as ZeroTrainer(..., zero_config=...) instead of TrainingArguments(deepspeed=...)"
+        )
