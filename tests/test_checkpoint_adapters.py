@@ -172,11 +172,11 @@ def _fabric_load_errors(rank: int, world_size: int, path: str, scratch: str) -> 
     """Each bad save or load's error, and whether the model was still as built afterwards."""
     run = FabricRun(rank, world_size, seed=1)
     before = run.engine.full_state_dict()
-    torch.save(before, os.path.join(scratch, "plain.pt"))
+    torch.save({"other.weight": torch.ones(2)}, os.path.join(scratch, "other_model.pt"))
     attempts = {
         "unknown key": lambda: run.fabric.load(path, {**run.state(), "epoch": 0}),
         "no checkpoint": lambda: run.fabric.load(os.path.join(scratch, "missing"), run.state()),
-        "plain file": lambda: run.fabric.load_raw(os.path.join(scratch, "plain.pt"), run.model),
+        "another model's file": lambda: run.fabric.load_raw(os.path.join(scratch, "other_model.pt"), run.model),
         "no model": lambda: run.fabric.save(os.path.join(scratch, "ckpt"), {"step": 1}),
     }
     errors = {}
@@ -195,7 +195,8 @@ def test_fabric_load_errors_name_the_problem_and_change_nothing(fabric_saved, tm
     errors = result["errors"]
     assert errors["unknown key"][0] is KeyError and "'epoch'" in errors["unknown key"][1]
     assert errors["no checkpoint"][0] is CheckpointError and "no such checkpoint" in errors["no checkpoint"][1]
-    assert errors["plain file"][0] is CheckpointError and "is a file" in errors["plain file"][1]
+    other = errors["another model's file"]  # a single file loads (DDP's), if it holds this model's weights
+    assert other[0] is ValueError and "does not fit the model; nothing was loaded" in other[1]
     assert errors["no model"][0] is ValueError and "set up by fabric.setup" in errors["no model"][1]
     assert result["unchanged"]
 

@@ -3,7 +3,10 @@
 Each schedule is a pure function of DeepSpeed's ``last_batch_iteration`` i (-1 before the first step) and the
 param group's learning rate as the optimizer was built. ``DeepSpeedSchedule`` runs it as a torch
 ``LRScheduler``, whose own counter ``last_epoch`` is i + 1: torch steps once at construction, where DeepSpeed sets
-the iteration -1 value, so after k ``step()`` calls both are at the value for i = k - 1.
+the iteration -1 value, so after k ``step()`` calls both are at the value for i = k - 1. Every DeepSpeed schedule
+also takes ``last_batch_iteration`` (default -1), the iteration it resumes from: the schedule then starts at that
+iteration's value and its first ``step()`` moves to the next, as DeepSpeed's does. torch's own resume argument
+(``last_epoch``) needs the optimizer's ``initial_lr`` from a loaded checkpoint; this one is an offset in ``get_lr``.
 """
 
 from __future__ import annotations
@@ -179,20 +182,40 @@ SCHEDULES: dict[str, Callable[..., Any]] = {
 class DeepSpeedSchedule(LRScheduler):
     """A DeepSpeed schedule stepping a torch optimizer once per optimizer step (Lightning's ``interval="step"``)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, lr_at: LrAt, momentum_at: MomentumAt | None = None):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        lr_at: LrAt,
+        momentum_at: MomentumAt | None = None,
+        last_batch_iteration: int = -1,
+    ):
+        if (
+            not isinstance(last_batch_iteration, int)
+            or isinstance(last_batch_iteration, bool)
+            or last_batch_iteration < -1
+        ):
+            raise ValueError(
+                f"DeepSpeed scheduler.params.last_batch_iteration={last_batch_iteration!r} is not allowed; expected "
+                f"an integer >= -1 (-1: start from the beginning)"
+            )
+        self.first_iteration = last_batch_iteration  # DeepSpeed's i at construction (torch's last_epoch is 0)
         self.lr_at = lr_at
         # DeepSpeed leaves momentum alone for optimizers without Adam-style betas.
         self.momentum_at = momentum_at if "betas" in optimizer.defaults else None
         super().__init__(optimizer)
 
+    def iteration(self) -> int:
+        """DeepSpeed's ``last_batch_iteration``: -1 (or the one resumed from) at construction, +1 per step."""
+        return self.first_iteration + self.last_epoch
+
     def get_lr(self) -> list[float]:
-        return [self.lr_at(self.last_epoch - 1, index, base) for index, base in enumerate(self.base_lrs)]
+        return [self.lr_at(self.iteration(), index, base) for index, base in enumerate(self.base_lrs)]
 
     def step(self, epoch: int | None = None) -> None:
         super().step(epoch)
         if self.momentum_at is not None:
             for index, group in enumerate(self.optimizer.param_groups):
-                group["betas"] = self.momentum_at(self.last_epoch - 1, index)
+                group["betas"] = self.momentum_at(self.iteration(), index)
 
     def state_dict(self) -> dict[str, Any]:
         """torch's state without the formula closures, which the config rebuilds."""
@@ -200,11 +223,13 @@ class DeepSpeedSchedule(LRScheduler):
 
 
 def schedule_parameters(name: str) -> Sequence[str]:
-    """The ``scheduler.params`` keys DeepSpeed's ``name`` schedule takes."""
-    return list(inspect.signature(SCHEDULES[name]).parameters)
+    """The ``scheduler.params`` keys DeepSpeed's ``name`` schedule takes: its formula's, and where it resumes."""
+    return [*inspect.signature(SCHEDULES[name]).parameters, "last_batch_iteration"]
 
 
 def build_schedule(optimizer: torch.optim.Optimizer, name: str, params: dict[str, Any]) -> DeepSpeedSchedule:
+    params = dict(params)
+    last_batch_iteration = params.pop("last_batch_iteration", -1)
     made = SCHEDULES[name](**params)
     lr_at, momentum_at = made if isinstance(made, tuple) else (made, None)
-    return DeepSpeedSchedule(optimizer, lr_at, momentum_at)
+    return DeepSpeedSchedule(optimizer, lr_at, momentum_at, last_batch_iteration)

@@ -6,12 +6,20 @@ DCP, each rank only its shards; every other entry (plain values, and the ``state
 objects such as LR schedulers) goes into rank 0's ``extra`` under its key. The keys of the model and optimizer
 are recorded in ``extra`` too, with a marker for a value, so ``fabric.load`` checks the requested keys against
 the saved ones as Fabric does for a plain file. ``fabric.load`` may run at another world size, ZeRO stage,
-precision or offload setting; see :mod:`ds_strategy.checkpoint.directory` for the layout and atomicity.
+precision or offload setting; see :mod:`ds_strategy.checkpoint.directory` for the layout and atomicity. One
+checkpoint holds one sharded model (with several set up, save each to its own path), as with DeepSpeed and FSDP.
+
+A single file (``torch.save``d, as DDP or one device write it) loads too, as DeepSpeed's ``load_full_weights``
+and FSDP load it: every rank reads the file, a model set up by ``fabric.setup`` takes its shards of the weights
+(``ZeroEngine.load_weights``), any other module (``fabric.load_raw`` before ``setup``) loads the state dict whole,
+and the other entries are restored as Fabric restores them. Its optimizer state is refused by name: the file
+holds the unsharded optimizer's, which is not cut into the engine's shards.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from lightning.fabric.strategies.strategy import _apply_filter, _validate_keys_for_strict_loading
@@ -21,12 +29,13 @@ from torch.optim import Optimizer
 
 from .. import checkpoint
 from ..checkpoint import directory
+from ..zero.engine import ZeroEngine
 
 IN_SHARDS = "<ds_strategy: in the checkpoint's shard files>"
 
 
 class ZeroFabricCheckpointing:
-    """Checkpoint hooks of a Fabric strategy that owns a ``ZeroEngine`` as ``self.engine``."""
+    """Checkpoint hooks of a Fabric strategy that owns a ``ZeroEngine`` per model set up, as ``self.engines``."""
 
     def save_checkpoint(
         self,
@@ -40,7 +49,7 @@ class ZeroFabricCheckpointing:
                 "ZeroFabricStrategy.save_checkpoint(..., storage_options=...) is not supported: it writes "
                 "sharded checkpoint directories itself, not through a CheckpointIO plugin"
             )
-        module_key, optimizer_key = self._engine_keys(state, "save")
+        engine, module_key, optimizer_key = self._engine_keys(state, "save")
         filtered = sorted({module_key, optimizer_key} & set(filter or {}))
         if filtered:
             raise NotImplementedError(
@@ -55,8 +64,8 @@ class ZeroFabricCheckpointing:
                 _apply_filter(key, filter or {}, obj.state_dict() if isinstance(obj, _Stateful) else obj, extra)
         checkpoint.save(
             self.broadcast(str(path)),
-            self.engine.module,
-            self.engine,
+            engine.module,
+            engine,
             extra=extra,
             with_optimizer=optimizer_key is not None,
         )
@@ -70,12 +79,16 @@ class ZeroFabricCheckpointing:
     ) -> dict[str, Any]:
         """Restore the model (and optimizer) from their shards, then every other requested entry; return the
         entries that were not requested. Everything is checked before anything is restored. A bare module
-        (``fabric.load_raw``) gets its weights only. ``weights_only`` does not apply: rank 0's ``meta.pt`` is read
-        as :func:`ds_strategy.checkpoint.load` reads it."""
+        (``fabric.load_raw``) gets its weights only, also before ``fabric.setup``. A single file loads as the
+        module docstring says. ``weights_only`` applies to a single file; rank 0's ``meta.pt`` is read as
+        :func:`ds_strategy.checkpoint.load` reads it."""
         path = self.broadcast(str(path))
+        if Path(path).is_file():
+            self._refuse_optimizer_from_file(path, state)
+            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         if isinstance(state, nn.Module):
-            self._engine_keys({"model": state}, "load_raw")
-            checkpoint.load(path, state, self.engine, load_optimizer=False, strict=strict)
+            engine = self._engine_of_module(state)
+            checkpoint.load(path, state, engine, load_optimizer=False, strict=strict)
             return {}
         if isinstance(state, Optimizer) or not state:
             raise ValueError(
@@ -83,11 +96,11 @@ class ZeroFabricCheckpointing:
                 f"set up by fabric.setup, with its optimizer if it should be restored too, e.g. "
                 f"fabric.load(path, {{'model': model, 'optimizer': optimizer}})"
             )
-        module_key, optimizer_key = self._engine_keys(state, "load")
+        engine, module_key, optimizer_key = self._engine_keys(state, "load")
         saved = _saved_entries(path)
         _validate_keys_for_strict_loading(state.keys(), saved.keys(), strict=strict)
         load_optimizer = optimizer_key is not None and _is_marker(saved.get(optimizer_key))
-        remainder = checkpoint.load(path, self.engine.module, self.engine, load_optimizer=load_optimizer, strict=strict)
+        remainder = checkpoint.load(path, engine.module, engine, load_optimizer=load_optimizer, strict=strict)
         for key, obj in state.items():
             if key in (module_key, optimizer_key) or key not in remainder:
                 continue
@@ -97,21 +110,48 @@ class ZeroFabricCheckpointing:
                 state[key] = remainder.pop(key)
         return {key: value for key, value in remainder.items() if not _is_marker(value)}
 
-    def _engine_keys(self, state: dict[str, Any], verb: str) -> tuple[str, str | None]:
-        """The keys of the engine's model (required) and optimizer (optional) in ``state``."""
-        if self.engine is None:
+    def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
+        """A state dict read from a single file: a set-up model takes its shards of it, any other module all of it.
+        The engine's load is strict: a missing, unexpected or mis-shaped name raises before anything changes."""
+        engine = self._engine_of_module(module)
+        if engine is None:
+            super().load_module_state_dict(module, state_dict, strict=strict)
+        else:
+            engine.load_weights(state_dict)
+
+    def _engine_of_module(self, module: nn.Module) -> ZeroEngine | None:
+        return next((engine for engine in self.engines if engine.module is module), None)
+
+    def _refuse_optimizer_from_file(self, path: str, state: Any) -> None:
+        """A set-up optimizer in ``state`` cannot take the unsharded optimizer state a single file holds."""
+        held = {id(engine.optimizer) for engine in self.engines if engine.optimizer is not None}
+        keys = [key for key, obj in (state or {}).items() if id(obj) in held] if isinstance(state, dict) else []
+        if keys:
+            raise ValueError(
+                f"fabric.load({path!r}, state): {path} is a single-file checkpoint (DDP's or one device's); its "
+                f"model weights load into the sharded model, but its optimizer state is not cut into ZeRO shards. "
+                f"Leave {keys} out of state to continue with a fresh optimizer state, or resume from a checkpoint "
+                f"directory written by ZeroFabricStrategy"
+            )
+
+    def _engine_keys(self, state: dict[str, Any], verb: str) -> tuple[ZeroEngine, str, str | None]:
+        """The engine of the one set-up model in ``state``, its key, and its optimizer's key (optional)."""
+        if not self.engines:
             raise RuntimeError(
                 f"fabric.{verb}: call fabric.setup(model, optimizer) first; the checkpoint is written "
                 f"from the shards it creates"
             )
-        modules = [key for key, obj in state.items() if obj is self.engine.module]
+        modules = [(key, engine) for key, obj in state.items() if (engine := self._engine_of_module(obj)) is not None]
         if len(modules) != 1:
+            several = f"holds {len(modules)} models set up by fabric.setup" if modules else "holds no model"
             raise ValueError(
-                f"fabric.{verb}(path, state): the state must hold the model set up by fabric.setup once, "
-                f"e.g. {{'model': model, 'optimizer': optimizer}}; its keys are {sorted(state)}"
+                f"fabric.{verb}(path, state): the state must hold one model set up by fabric.setup, "
+                f"e.g. {{'model': model, 'optimizer': optimizer}}, but {several} (keys {sorted(state)}); "
+                f"save each sharded model, with its optimizer, to its own path"
             )
-        optimizers = [key for key, obj in state.items() if obj is self.engine.optimizer]
-        return modules[0], optimizers[0] if optimizers else None
+        module_key, engine = modules[0]
+        optimizers = [key for key, obj in state.items() if obj is engine.optimizer and obj is not None]
+        return engine, module_key, optimizers[0] if optimizers else None
 
 
 def _saved_entries(path: str) -> dict[str, Any]:

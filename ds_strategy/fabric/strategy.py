@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -15,14 +16,17 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
+from torch._dynamo.eval_frame import OptimizedModule
 from torch.optim import Optimizer
 
+from ..activation_memory import remove_activation_checkpointing
 from ..config import ZeroConfig
 from ..deepspeed_config import config_from_deepspeed
 from ..engine_owner import EngineOwnerMixin, build_engine
 from ..parallel.mesh import LIGHTNING_NAMES, ParallelMesh, build_parallel_mesh
 from ..parallel.prepare import parallelize_for_config, parallelize_with_optimizer, refuse_sequence_parallel
 from ..precision import autocast_for
+from ..precision.init_dtype import init_dtype_context
 from ..precision_flag import reconcile_precision
 from ..zero.engine import ZeroEngine
 from .checkpointing import ZeroFabricCheckpointing
@@ -38,11 +42,13 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
     Subclasses Fabric's ``DDPStrategy`` for its launchers and process-group setup, but never wraps the model in
     DDP: ``fabric.setup(model, optimizer)`` builds a :class:`ZeroEngine`, which retargets the optimizer onto this
     rank's shards; ``fabric.backward``, ``fabric.clip_gradients``, ``fabric.no_backward_sync`` and
-    ``optimizer.step()`` go to the engine. Set model and optimizer up together (``fabric.setup(model, optimizer)``)
-    or the model first (``fabric.setup_module``, or ``fabric.setup(model)`` alone) and then an optimizer over its
-    parameters (``fabric.setup_optimizers``), which the engine then takes on (``ZeroEngine.attach_optimizer``).
-    Config fields are keyword arguments or a :class:`ZeroConfig` (so ``precision=`` here is the ZeroConfig
-    field; a Fabric precision plugin goes in ``precision_plugin``).
+    ``optimizer.step()`` go to the engine. Each model set up gets its own engine (a GAN's generator and
+    discriminator, a student beside a frozen teacher or reference model), as DeepSpeed and FSDP allow; see
+    :meth:`engine_of` for which engine a call goes to. Set model and optimizer up together
+    (``fabric.setup(model, optimizer)``) or the model first (``fabric.setup_module``, or ``fabric.setup(model)``
+    alone) and then an optimizer over its parameters (``fabric.setup_optimizers``), which the engine then takes on
+    (``ZeroEngine.attach_optimizer``). Config fields are keyword arguments or a :class:`ZeroConfig` (so
+    ``precision=`` here is the ZeroConfig field; a Fabric precision plugin goes in ``precision_plugin``).
 
     Precision: Fabric's ``precision=`` flag is folded into ``ZeroConfig.precision`` (see
     :mod:`ds_strategy.precision_flag`) and the engine implements it (16-bit buffers, fp32 masters, loss scaling);
@@ -90,7 +96,7 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
                 f"with Fabric, whose training loop is yours: accumulate there (fabric.no_backward_sync(model) on all "
                 f"but the last micro-batch, the loss divided by their number) and set gradient_accumulation_steps=1"
             )
-        self.engine: ZeroEngine | None = None
+        self.engines: list[ZeroEngine] = []
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -98,6 +104,7 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
             checkpoint_io=checkpoint_io,
             precision=precision_plugin,
             process_group_backend=process_group_backend,
+            timeout=datetime.timedelta(seconds=self.config.timeout),
             start_method=start_method,
         )
         self._backward_sync_control = _ZeroBackwardSyncControl(self)
@@ -161,22 +168,65 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
         return self._shard(module, None)
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        """An optimizer over the parameters of the model set up before it; see ``ZeroEngine.attach_optimizer``."""
-        if self.engine is None:
-            raise ValueError("set the model up first (fabric.setup_module), then its optimizer")
-        self.engine.attach_optimizer(optimizer)
+        """An optimizer over the parameters of a model set up before it; see ``ZeroEngine.attach_optimizer``."""
+        given = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        owners = [engine for engine in self.engines if any(id(p) in given for p in engine.module.parameters())]
+        if len(owners) != 1:
+            raise ValueError(
+                f"fabric.setup_optimizers: the {type(optimizer).__name__} must hold parameters of exactly one model "
+                f"set up before it (fabric.setup_module(model) first), but holds parameters of {len(owners)}"
+            )
+        owners[0].attach_optimizer(optimizer)
+        _zero_grad_through_engine(optimizer, owners[0])
         return optimizer
 
     def _shard(self, module: nn.Module, optimizer: Optimizer | None) -> nn.Module:
-        """Tensor parallelism first (``parallelize_fn`` or the configured plan), then the engine over the result."""
-        if self.engine is not None:
-            raise ValueError("ZeroFabricStrategy shards one model; fabric.setup was already called with another")
+        """Tensor parallelism first (``parallelize_fn`` or the configured plan), then a new engine over the result.
+
+        A ``parallelize_fn`` may return the model compiled (``torch.compile``): the engine holds the model inside,
+        under its own parameter names (which checkpoints use), and Fabric calls the compiled wrapper, as it hands
+        every strategy call the model without it."""
+        if self._engine_of_module(module) is not None:
+            raise ValueError(f"this {type(module).__name__} was already set up; set each model up once")
         if self.parallel_mesh is not None:
             module = parallelize_with_optimizer(module, optimizer, self._parallelize)
-        self.engine = build_engine(
-            module, optimizer, self.config, device=self.root_device, log=rank_zero_info, mesh=self.parallel_mesh
+        inner = module._orig_mod if isinstance(module, OptimizedModule) else module
+        engine = build_engine(
+            inner, optimizer, self.config, device=self.root_device, log=rank_zero_info, mesh=self.parallel_mesh
         )
+        self.engines.append(engine)
+        if optimizer is not None:
+            _zero_grad_through_engine(optimizer, engine)
         return module
+
+    @property
+    def engine(self) -> ZeroEngine | None:
+        """The engine of the first model set up (the only one in a single-model loop); None before setup."""
+        return self.engines[0] if self.engines else None
+
+    def engine_of(self, module: nn.Module | None, call: str) -> ZeroEngine:
+        """The engine of ``module``; ``None`` stands for the model when only one is set up. ``call`` names the
+        Fabric call in errors: before setup, with an unknown model, or with no model while several are set up."""
+        if not self.engines:
+            raise RuntimeError(
+                f"{call} needs the model set up first: model, optimizer = fabric.setup(model, optimizer)"
+            )
+        if module is None and len(self.engines) == 1:
+            return self.engines[0]
+        if module is None:
+            raise ValueError(f"{call}: {len(self.engines)} models are set up; pass the one meant")
+        owner = self._engine_of_module(module)
+        if owner is None:
+            raise ValueError(f"{call}: this {type(module).__name__} was not set up by fabric.setup")
+        return owner
+
+    def teardown(self) -> None:
+        """Every engine's hooks removed; the first engine's by :class:`EngineOwnerMixin`, as for one model."""
+        for engine in self.engines[1:]:
+            engine.reshard()
+            engine.remove_hooks()
+            remove_activation_checkpointing(engine.module)
+        super().teardown()
 
     def _parallelize(self, module: nn.Module) -> nn.Module:
         if self.parallelize_fn is not None:
@@ -204,12 +254,30 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
 
     # -- training ---------------------------------------------------------------------------------------------
     def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
-        self.engine.backward(tensor)
+        """Through the loss scale of ``module``'s engine (``fabric.backward(loss, model=...)``), or with no model
+        named, of the one model that trains in fp16, if any. One backward may reach several models (a generator's
+        loss through the discriminator): each engine reduces the gradients of its own model."""
+        if module is not None or len(self.engines) == 1:
+            self.engine_of(module, "fabric.backward").backward(tensor)
+            return
+        scaled = [engine for engine in self.engines if engine.loss_scaler is not None and engine.optimizer is not None]
+        if len(scaled) > 1:
+            raise ValueError(
+                "fabric.backward(loss) with several models trained in fp16: each keeps its own loss scale, so name "
+                "the model the loss trains: fabric.backward(loss, model=model)"
+            )
+        scaled[0].backward(tensor) if scaled else tensor.backward(*args, **kwargs)
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> None:
+        engine = next((engine for engine in self.engines if engine.optimizer is optimizer), None)
+        if engine is None:
+            raise ValueError(
+                f"optimizer.step(): this {type(optimizer).__name__} trains no model set up by fabric.setup; set it "
+                f"up with its model, fabric.setup(model, optimizer)"
+            )
         if self.config.gradient_clipping:
-            self.engine.clip_grad_norm_(self.config.gradient_clipping)
-        self.engine.step()
+            engine.clip_grad_norm_(self.config.gradient_clipping)
+        engine.step()
 
     def clip_gradients_norm(
         self,
@@ -223,8 +291,9 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
 
         A non-finite norm under fp16 loss scaling is an overflow the engine's step will skip, not an error.
         """
-        total = self.engine.clip_grad_norm_(float(max_norm), float(norm_type))
-        overflow_expected = self.engine.loss_scaler is not None
+        engine = self.engine_of(module, "fabric.clip_gradients")
+        total = engine.clip_grad_norm_(float(max_norm), float(norm_type))
+        overflow_expected = engine.loss_scaler is not None
         if error_if_nonfinite and not overflow_expected and not math.isfinite(total.item()):
             raise RuntimeError(
                 f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}); "
@@ -233,7 +302,26 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
         return total
 
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float | int) -> None:
-        self.engine.clip_grad_value_(float(clip_val))
+        self.engine_of(module, "fabric.clip_gradients").clip_grad_value_(float(clip_val))
+
+
+def _zero_grad_through_engine(optimizer: Optimizer, engine: ZeroEngine) -> None:
+    """Make ``optimizer.zero_grad()`` clear ``engine``'s gradients.
+
+    Note: [zero_grad under Fabric]
+    The engine keeps a model's reduced gradients in its own buffers, which the retargeted optimizer's ``zero_grad``
+    does not reach, and ``engine.step()`` clears them only for the model it steps. With several models a backward
+    reaches models other than the one it trains (a generator's loss through the discriminator), and, as under
+    DDP, the user's ``opt_d.zero_grad()`` must drop what it left in the discriminator's. Fabric's optimizer wrapper
+    calls the zero_grad of the optimizer's class, so the optimizer gets a subclass of its own class (as Fabric's
+    wrapper itself does) whose ``zero_grad`` is the engine's; everything else is the class it was.
+    """
+    base = type(optimizer)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        engine.zero_grad()
+
+    optimizer.__class__ = type(base.__name__, (base,), {"zero_grad": zero_grad, "__module__": base.__module__})
 
 
 class ZeroFabricPrecision(Precision):
@@ -259,6 +347,13 @@ class ZeroFabricPrecision(Precision):
     def forward_context(self) -> contextlib.AbstractContextManager:
         return autocast_for(self.precision, self.device_type)
 
+    def tensor_init_context(self) -> contextlib.AbstractContextManager:
+        """``fabric.init_module()`` under "-true" creates the weights 16-bit, as Fabric's HalfPrecision does."""
+        return init_dtype_context(self.precision)
+
+    def module_init_context(self) -> contextlib.AbstractContextManager:
+        return self.tensor_init_context()
+
 
 class _ZeroBackwardSyncControl(_BackwardSyncControl):
     """``fabric.no_backward_sync``: accumulate without gradient communication (stage 0/1; stage 2 still reduces)."""
@@ -267,6 +362,6 @@ class _ZeroBackwardSyncControl(_BackwardSyncControl):
         self._strategy = strategy
 
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
-        if not enabled or self._strategy.engine is None:
+        if not enabled:
             return contextlib.nullcontext()
-        return self._strategy.engine.no_sync()
+        return self._strategy.engine_of(module, "fabric.no_backward_sync").no_sync()

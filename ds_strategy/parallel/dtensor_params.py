@@ -72,9 +72,20 @@ def local_tensor(param: torch.Tensor) -> torch.Tensor:
     return param._local_tensor if isinstance(param, DTensor) else param
 
 
-def point_param_at(param: torch.Tensor, view: torch.Tensor) -> None:
-    """Make ``view`` the storage ``param`` reads (Note: [DTensor parameters as flat views])."""
+def point_param_at(param: torch.Tensor, view: torch.Tensor, storage_kept: bool = False) -> None:
+    """Make ``view`` the storage ``param`` reads (Note: [DTensor parameters as flat views]). ``storage_kept``: the
+    flat buffer's memory never moves (stages 0-2), so a DTensor's local may be its own storage object over it.
+
+    Note: [DTensor locals and torch.compile]
+    Dynamo fakes every tensor a compiled forward reads. DTensor locals that are views of one flat buffer share a
+    storage object, and faking a subclass's inner tensors that alias a storage fails in torch ("set the storage of
+    a tensor on device cpu to a storage on device meta"); plain parameters, whose ``.data`` are such views, do
+    not. ``torch.from_dlpack(view)`` reads and writes the same memory through a storage object of its own (the
+    capsule keeps the buffer alive), so nothing aliases in dynamo's eyes. That is safe only while the buffer's
+    memory never moves: stage 3 frees and regathers full buffers by resizing their storage, which would leave such
+    a local pointing at freed memory, so stage 3 keeps plain views.
+    """
     if isinstance(param, DTensor):
-        param._local_tensor = view
+        param._local_tensor = torch.from_dlpack(view.detach()) if storage_kept else view
     else:
         param.data = view

@@ -185,7 +185,7 @@ class FlatParam:
 
     def point_params_at_full(self) -> None:
         for p, view in zip(self.params, self.param_views()):
-            point_param_at(p, view)
+            point_param_at(p, view, storage_kept=not self.policy.params)
 
     def point_params_at_empty(self) -> None:
         """Outside a gather a partitioned parameter is an empty tensor, never stale memory."""

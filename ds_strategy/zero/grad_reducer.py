@@ -36,6 +36,18 @@ class _Reduction(NamedTuple):
     scratch_numel: int
 
 
+def _grad_as_view(param: torch.Tensor, slot, view: torch.Tensor) -> torch.Tensor | None:
+    """Stage 0/1: ``param.grad`` becomes its view of ``grad_full``, so later backwards accumulate in place.
+
+    A tensor-parallel (DTensor) parameter keeps the dtype it was built with while its local shard lives in the
+    16-bit buffer (mixed precision), and torch refuses a ``.grad`` of another dtype than the parameter's: such a
+    parameter's ``.grad`` is left None, and the next backward's gradient is added into the view as this one was.
+    """
+    if slot.tp is None:
+        return view
+    return slot.tp.as_dtensor(view) if param.dtype == view.dtype else None
+
+
 class GradReducer:
     """Collects each parameter's gradient as autograd finishes it and reduces whole flat buffers across ranks.
 
@@ -144,23 +156,23 @@ class GradReducer:
 
     # -- backward ----------------------------------------------------------------------------------------------
     def _on_grad(self, param: torch.Tensor) -> None:
-        with profiler_range("grad.hook"):
-            fp, index = self._slot_of[id(param)]
-            if not self._callback_queued:
-                Variable._execution_engine.queue_callback(self._end_of_backward)
-                self._callback_queued = True
-            slot = fp.slots[index]
-            grad = param.grad if slot.tp is None else slot.tp.local_grad(param.grad)
-            if fp.policy.grads:
-                self._scratch_for(fp).narrow(0, slot.offset, slot.numel).copy_(grad.reshape(-1))
-                param.grad = None
-            else:
-                view = fp.grad_full.narrow(0, slot.offset, slot.numel).view(slot.shape)
-                if grad.data_ptr() != view.data_ptr():
-                    view.add_(grad)
-                    param.grad = view if slot.tp is None else slot.tp.as_dtensor(view)
-            self._ready_count[fp.index] += 1
-            self._launch_ready()
+        """Per parameter, so without a profiler range (one costs microseconds): the flat buffer's ranges carry it."""
+        fp, index = self._slot_of[id(param)]
+        if not self._callback_queued:
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
+        slot = fp.slots[index]
+        grad = param.grad if slot.tp is None else slot.tp.local_grad(param.grad)
+        if fp.policy.grads:
+            self._scratch_for(fp).narrow(0, slot.offset, slot.numel).copy_(grad.reshape(-1))
+            param.grad = None
+        else:
+            view = fp.grad_full.narrow(0, slot.offset, slot.numel).view(slot.shape)
+            if grad.data_ptr() != view.data_ptr():
+                view.add_(grad)
+                param.grad = _grad_as_view(param, slot, view)
+        self._ready_count[fp.index] += 1
+        self._launch_ready()
 
     # -- gradients handed over by a caller (pipeline schedules) --------------------------------------------------
     def collect(self, params, scale: float) -> None:
