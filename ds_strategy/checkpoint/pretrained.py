@@ -1,10 +1,11 @@
 """Load pretrained weights into a sharded model, each rank reading only the byte ranges of its own shards.
 
 Sources: a Hugging Face directory (``model.safetensors``, or shards listed in ``model.safetensors.index.json``, as
-``save_pretrained`` writes them), one ``.safetensors`` file (ours from ``consolidate`` included), or a ``.pt`` state
-dict (opened memory-mapped). Names in the source are the model's ``state_dict`` names without ``prefix`` (e.g.
-``prefix="model."`` when a LightningModule holds the Hugging Face model as ``self.model``). A weight tied to another
-(the LM head and the token embedding) may appear under either name.
+``save_pretrained`` writes them), one ``.safetensors`` file (ours from ``consolidate`` included), a ``.pt`` state
+dict (opened memory-mapped), or a state dict already in memory (a model entry of Fabric's single-file checkpoint).
+Names in the source are the model's ``state_dict`` names without ``prefix`` (e.g. ``prefix="model."`` when a
+LightningModule holds the Hugging Face model as ``self.model``). A weight tied to another (the LM head and the
+token embedding) may appear under either name.
 
 Note: [Memory while loading]
 Every check (missing, unexpected and mis-shaped names) runs on the headers before any value is read or written,
@@ -14,6 +15,12 @@ never the whole tensor, converted to the master's dtype as they are copied in. B
 which every rank holds whole, are read whole, one at a time. So no rank holds more than its shards plus one
 tensor's rows being read; the compute copies are then refreshed from the masters as after a checkpoint load
 (see [Refreshing compute parameters after a load] in :mod:`.restore`).
+
+Under tensor parallelism a flat buffer holds each DTensor parameter's local piece: a block of the stored tensor
+(``compute_local_shape_and_global_offset`` of its ``Shard``/``Replicate`` placements), so the rows read are those
+rows of that block, and only its columns. Under pipeline parallelism the model holds this rank's stages only: the
+names of the other stages' tensors (the uncut model's names, ``engine.whole_model_names``) are expected in the
+source and never read, and a tied copy (an LM head whose embedding lives on another stage) reads its owner's name.
 """
 
 from __future__ import annotations
@@ -21,12 +28,16 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Mapping
 from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from ..parallel.dtensor_params import TensorParallelSpec, local_tensor, spec_of
 from ..zero.engine import ZeroEngine
 from .rank_state import master_base
 from .restore import _refresh_compute_params
@@ -38,7 +49,10 @@ SINGLE_FILE = "model.safetensors"
 class WeightFiles:
     """The tensors of a pretrained checkpoint by name, opened lazily; reads row ranges of one tensor at a time."""
 
-    def __init__(self, path: str | os.PathLike, stack: ExitStack):
+    def __init__(self, path: str | os.PathLike | Mapping[str, torch.Tensor], stack: ExitStack):
+        if isinstance(path, Mapping):  # a state dict already read (an entry of a single-file checkpoint)
+            self._tensors, self._handles, self.where = dict(path), {}, "the given state dict"
+            return
         path = Path(path)
         if path.is_dir() and (path / INDEX_FILE).is_file():
             weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
@@ -76,21 +90,38 @@ class WeightFiles:
             for name, t in self._tensors.items()
         }
 
-    def read(self, name: str, lo: int, hi: int) -> torch.Tensor:
-        """Elements ``[lo, hi)`` of tensor ``name`` flattened, reading only the rows that cover them."""
+    def read(self, name: str, lo: int, hi: int, tp: TensorParallelSpec | None = None) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of tensor ``name`` flattened, or of this rank's tensor-parallel block of it
+        when ``tp`` is given, reading only the rows (of the block) that cover them."""
         source = self._tensors[name]
         shape = tuple(source.shape) if isinstance(source, torch.Tensor) else tuple(source.get_shape())
         if not shape:
             whole = source if isinstance(source, torch.Tensor) else self._handles[name].get_tensor(name)
             return whole.reshape(1)[lo:hi]
+        shape, offset = _local_block(name, tp) if tp is not None else (shape, (0,) * len(shape))
         row = math.prod(shape[1:])
         first, last = lo // row, -(-hi // row)
-        rows = source[first:last]
+        rows = source[
+            (slice(offset[0] + first, offset[0] + last), *(slice(o, o + n) for o, n in zip(offset[1:], shape[1:])))
+        ]
         return rows.reshape(-1)[lo - first * row : hi - first * row]
 
 
-def load_weights(engine: ZeroEngine, path: str | os.PathLike, prefix: str = "") -> None:
-    """Fill ``engine``'s model with the weights at ``path`` (see the module docstring); every rank calls it."""
+def _local_block(name: str, tp: TensorParallelSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shape, offset) of this rank's block of the global tensor ``name`` split as ``tp`` says."""
+    odd = [p for p in tp.placements if type(p) not in (Shard, Replicate)]
+    if odd:
+        raise ValueError(
+            f"load_weights cannot cut {name!r} into its tensor-parallel piece: placement {odd[0]} is not a plain "
+            f"Shard or Replicate (the ones allowed); load it before parallelizing the model"
+        )
+    shape, offset = compute_local_shape_and_global_offset(tp.shape, tp.mesh, tp.placements)
+    return tuple(shape), tuple(offset)
+
+
+def load_weights(engine: ZeroEngine, path: str | os.PathLike | Mapping[str, torch.Tensor], prefix: str = "") -> None:
+    """Fill ``engine``'s model with the weights at ``path``, or in a state dict (see the module docstring); every
+    rank calls it."""
     with ExitStack() as stack:
         files = WeightFiles(path, stack)
         groups = _check_fits(engine, files, prefix)
@@ -103,24 +134,33 @@ def load_weights(engine: ZeroEngine, path: str | os.PathLike, prefix: str = "") 
                 for slot, start, length in fp.slot_pieces(base, base + fp.master.numel()):
                     name = source_of[id(param_of[slot.name])]
                     local = slot.offset + start - base
-                    fp.master.narrow(0, local, length).copy_(files.read(name, start, start + length))
+                    fp.master.narrow(0, local, length).copy_(files.read(name, start, start + length, slot.tp))
             flat = {id(p) for fp in engine.flat_params for p in fp.params}
             for tensor, name in groups:
                 if id(tensor) not in flat:
-                    tensor.copy_(files.read(name, 0, tensor.numel()).view(tensor.shape))
+                    local = local_tensor(tensor)
+                    local.copy_(files.read(name, 0, local.numel(), spec_of(tensor)).view(local.shape))
         _refresh_compute_params(engine)
 
 
 def _check_fits(engine: ZeroEngine, files: WeightFiles, prefix: str) -> list[tuple[torch.Tensor, str]]:
     """(model tensor, name to read it from) for every tensor under ``prefix``; raises, naming every missing,
     unexpected and mis-shaped tensor, before anything is read."""
-    slot_shape = {id(p): slot.shape for fp in engine.flat_params for p, slot in zip(fp.params, fp.slots)}
+    slot_shape = {
+        id(p): slot.tp.shape if slot.tp is not None else slot.shape
+        for fp in engine.flat_params
+        for p, slot in zip(fp.params, fp.slots)
+    }
     names_of: dict[int, list[str]] = {}
     tensor_of: dict[int, torch.Tensor] = {}
-    for key, tensor in engine.module.state_dict(keep_vars=True).items():
+    state = engine.module.state_dict(keep_vars=True)
+    for key, tensor in state.items():
         if key.startswith(prefix):
             names_of.setdefault(id(tensor), []).append(key[len(prefix) :])
             tensor_of[id(tensor)] = tensor
+    for copy, owner in engine.tied_copies.items():  # a pipeline stage's copy of a weight another stage owns
+        if copy in state and owner.startswith(prefix):
+            names_of[id(state[copy])].append(owner[len(prefix) :])
     stored = files.shapes()
     missing, misshaped, groups = [], [], []
     for key, names in names_of.items():
@@ -132,6 +172,7 @@ def _check_fits(engine: ZeroEngine, files: WeightFiles, prefix: str) -> list[tup
         misshaped += [f"{name} {stored[name]} (model {want})" for name in present if stored[name] != want]
         groups.append((tensor_of[key], present[0]))
     known = {name for names in names_of.values() for name in names}
+    known |= {name[len(prefix) :] for name in engine.whole_model_names if name.startswith(prefix)}  # other stages'
     unexpected = sorted(name for name in stored if name not in known)
     if missing or unexpected or misshaped:
         problems = [

@@ -360,14 +360,10 @@ class ZeroEngine:
 
     def load_weights(self, path, prefix: str = "") -> None:
         """Load pretrained weights (Hugging Face safetensors, one file or sharded, or our consolidated file),
-        each rank reading only its shards; see :mod:`ds_strategy.checkpoint.pretrained`."""
+        each rank reading only its shards of its tensor-parallel pieces and pipeline stages; see
+        :mod:`ds_strategy.checkpoint.pretrained`."""
         from ..checkpoint.pretrained import load_weights  # that package imports this one
 
-        if self.tp_collectives is not None:
-            raise ValueError(
-                "load_weights cannot yet cut pretrained weights into tensor-parallel shards; load them into the "
-                "model before parallelizing it (in configure_model, before parallelize_module)"
-            )
         load_weights(self, path, prefix)
 
     def master_pieces(self, name: str) -> list[tuple[FlatParam, torch.Tensor, int]]:

@@ -11,11 +11,14 @@ initialised, children before parents (transformers' ``smart_apply``), then ties 
 So the generator state before each module's ``_init_weights`` in a normal build is fixed by everything drawn
 before it. :func:`hf_initialisers` computes those states without the model's memory: it rebuilds
 ``type(model)(model.config)`` on the meta device under a :class:`~.rng_replay.DrawRecorder` (the construction
-draws, in order), records each module's ``_init_weights`` draws by running it on the meta model, interleaves the
-two as ``post_init`` does (a nested model's pass right after its last construction draw), and replays the whole
-sequence on scratch tensors, saving the generator state where each module's pass begins. Materialising a module
-then restores its state and runs the real ``_init_weights`` on real storage, in any unit order, and the values
-are those of a normal build, bitwise. At the end the generator is left where a normal build leaves it.
+draws, in order), records each module's ``_init_weights`` draws by running it on that rebuilt meta model (plain
+tensors of the whole model's shapes, whatever tensor parallelism or a pipeline cut did to the user's copy),
+interleaves the two as ``post_init`` does (a nested model's pass right after its last construction draw), and
+replays the whole sequence on scratch tensors, saving the generator state where each module's pass begins.
+Materialising a module then restores its state and runs the real ``_init_weights`` on real storage, in any unit
+order, and the values are those of a normal build, bitwise. A module the user's copy lacks (cut away by a
+pipeline) gets no initialiser: every pass starts from its own saved state, so nothing depends on it having run.
+At the end the generator is left where a normal build leaves it.
 
 This holds for models built as ``type(model)(model.config)`` (``Model(config)``, ``from_config``), whose modules
 are constructed in the order they are registered and whose ``_init_weights(module)`` writes only the module's own
@@ -66,20 +69,19 @@ class _Pass:
     """One module's ``_init_weights`` call in a normal build: whose method applies, and what it draws."""
 
     name: str
-    module: nn.Module
-    owner: nn.Module
+    owner_name: str
     draws: list[Draw]
 
 
 def hf_initialisers(model: nn.Module, device: torch.device) -> tuple[list[Initialiser], torch.Tensor]:
     """Initialisers for every module of ``model`` in ``post_init`` order, each starting from the generator
     state a normal build has there, and the state a normal build ends in (restore it after the last one)."""
-    construction, owner_index = _construction_draws(model)
-    passes = _init_passes(model)
-    names = [name for name, _ in model.named_modules(remove_duplicate=False)]
+    construction, owner_index, rebuilt = _construction_draws(model)
+    passes = _init_passes(rebuilt)
+    names = [name for name, _ in rebuilt.named_modules(remove_duplicate=False)]
     index = {name: i for i, name in enumerate(names)}
     sequence: list[Draw | _Pass] = list(construction)
-    for owner_name, segment in reversed(_segments(model, passes)):  # later insertions first keeps positions valid
+    for owner_name, segment in reversed(_segments(rebuilt, passes)):  # later insertions first keeps positions valid
         last = _subtree_end(names, index[owner_name], owner_name)
         at = max((i + 1 for i, owner in enumerate(owner_index) if owner <= last), default=0)
         sequence[at:at] = segment
@@ -96,14 +98,20 @@ def hf_initialisers(model: nn.Module, device: torch.device) -> tuple[list[Initia
     final = generator_state(device)
     set_generator_state(device, start)
     tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
-    ordered = [item for item in sequence if isinstance(item, _Pass)]
-    return [Initialiser(p.module, _runner(p, states.get(id(p)), tied, device)) for p in ordered], final
+    present = dict(model.named_modules(remove_duplicate=False))
+    return [
+        Initialiser(
+            present[p.name], _runner(p, present[p.name], present[p.owner_name], states.get(id(p)), tied, device)
+        )
+        for p in sequence
+        if isinstance(p, _Pass) and p.name in present
+    ], final
 
 
-def _construction_draws(model: nn.Module) -> tuple[list[Draw], list[int]]:
-    """The draws of ``type(model)(config)`` in order, and for each the module-order index of the module that
-    owns the tensor it writes. A tied target that ``tie_weights()`` replaced is found by its shape among the tied
-    targets; a factory's draw (or an ambiguous one) inherits the previous draw's owner."""
+def _construction_draws(model: nn.Module) -> tuple[list[Draw], list[int], nn.Module]:
+    """The draws of ``type(model)(config)`` in order, for each the module-order index of the module that owns
+    the tensor it writes, and that rebuilt model (on meta). A tied target that ``tie_weights()`` replaced is found
+    by its shape among the tied targets; a factory's draw (or an ambiguous one) inherits the previous draw's owner."""
     recorder = DrawRecorder()
     with torch.device("meta"), recorder:
         rebuilt = type(model)(copy.deepcopy(model.config))
@@ -125,7 +133,7 @@ def _construction_draws(model: nn.Module) -> tuple[list[Draw], list[int]]:
             matches = [i for i, (owner, shape) in enumerate(replaced) if shape == draw.target.shape]
             previous = replaced.pop(matches[0])[0] if len(matches) == 1 else previous
         owners.append(previous)
-    return recorder.draws, owners
+    return recorder.draws, owners, rebuilt
 
 
 def _init_passes(model: nn.Module) -> dict[str, _Pass]:
@@ -133,16 +141,16 @@ def _init_passes(model: nn.Module) -> dict[str, _Pass]:
     transformers = sys.modules["transformers"]
     passes: dict[str, _Pass] = {}
 
-    def visit(prefix: str, module: nn.Module, owner: nn.Module) -> None:
+    def visit(prefix: str, module: nn.Module, owner: tuple[str, nn.Module]) -> None:
         for name, child in module.named_children():
-            child_owner = child if isinstance(child, transformers.PreTrainedModel) else owner
+            child_owner = (prefix + name, child) if isinstance(child, transformers.PreTrainedModel) else owner
             visit(f"{prefix}{name}.", child, child_owner)
         recorder = DrawRecorder()
         with torch.no_grad(), recorder:
-            owner._init_weights(module)
-        passes[prefix.rstrip(".")] = _Pass(prefix.rstrip("."), module, owner, recorder.draws)
+            owner[1]._init_weights(module)
+        passes[prefix.rstrip(".")] = _Pass(prefix.rstrip("."), owner[0], recorder.draws)
 
-    visit("", model, model)
+    visit("", model, ("", model))
     return passes
 
 
@@ -176,20 +184,28 @@ def _subtree_end(names: list[str], start: int, name: str) -> int:
     return end
 
 
-def _runner(item: _Pass, state: torch.Tensor | None, tied: set[str], device: torch.device) -> Callable[[], None]:
+def _runner(
+    item: _Pass,
+    module: nn.Module,
+    owner: nn.Module,
+    state: torch.Tensor | None,
+    tied: set[str],
+    device: torch.device,
+) -> Callable[[], None]:
+    """``owner._init_weights(module)`` from ``state``: ``item``'s pass on the user's modules."""
     prefix = f"{item.name}." if item.name else ""
-    tied_here = [n for n, p in item.module._parameters.items() if p is not None and prefix + n in tied]
+    tied_here = [n for n, p in module._parameters.items() if p is not None and prefix + n in tied]
 
     def run() -> None:
         if state is not None:
             set_generator_state(device, state)
-        real = {n: item.module._parameters[n] for n in tied_here}
+        real = {n: module._parameters[n] for n in tied_here}
         try:
             for n, p in real.items():  # a normal build initialises the target before tie_weights() replaces it
-                item.module._parameters[n] = nn.Parameter(torch.empty_like(p), requires_grad=p.requires_grad)
+                module._parameters[n] = nn.Parameter(torch.empty_like(p), requires_grad=p.requires_grad)
             with torch.no_grad():
-                item.owner._init_weights(item.module)
+                owner._init_weights(module)
         finally:
-            item.module._parameters.update(real)
+            module._parameters.update(real)
 
     return run

@@ -11,28 +11,57 @@ memory is therefore about the units whose initialisers are interleaved (usually 
 shards, never the full model. Buffers and frozen parameters, which every rank keeps whole, get storage right
 before the first initialiser whose module contains them. An initialiser must fill tensors in place; one that
 gives a parameter new storage (``module.to_empty(...)``) has its values copied back into the flat buffer.
+
+Note: [A sharded build equals a normal build]
+Invariant: whatever the layout (tensor parallel with a user or automatic plan, Megatron SP, Ulysses, any pipeline
+schedule including two stages per rank, times data parallel and every ZeRO stage), the values a rank keeps are its
+pieces of the whole model a normal build makes under the same seed, bitwise, and the generator is left where a
+normal build leaves it (Hugging Face models) or has advanced by the same draws (``reset_parameters``,
+``param_init_fn``). Two things make it so. (1) Every initialiser runs on whole tensors: while a unit is being
+initialised its tensor-parallel (DTensor) parameters are replaced, in every module that registers them, by plain
+scratch tensors of the global shape, so a random initialiser draws what it draws in a normal build (on a local
+shard every tensor-parallel rank would draw the same numbers: identical halves); when the unit's last initialiser
+has run, ``distribute_tensor`` keeps this rank's piece of tensor-parallel rank 0's tensor (as
+``parallelize_module`` does for a normal build) and the scratch goes, so memory stays one unit, counted whole.
+(2) Every initialiser of the whole model runs, in the whole model's order: the meta pieces a pipeline cut away
+are put back for the duration (``cut_pieces_restored``), and while an initialiser runs, the cut tensors it writes
+(its module's own, or its subtree's for a ``reset_parameters`` that initialises a whole subtree) are whole scratch
+tensors too, dropped right after, so the generator advances exactly as in a normal build, also across an
+initialiser that writes a kept unit and a cut piece at once (our GPT's embeddings when the tied head is on the last
+stage). Memory: those tensors of one initialiser, at most what a normal build's initialiser touches. Hugging Face
+passes restore their own recorded generator state besides (Note: [Equal to a normal Hugging Face build]), so a
+pass reaching into a cut child (GPT-2's ``c_proj``) changes nothing after it. Ranks must start from the same seed,
+as for a normal build (the broadcasts make data-parallel ranks agree regardless).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
+from torch.distributed.tensor import distribute_tensor
 
 from ..parallel.dtensor_params import local_tensor, point_param_at
+from ..parallel.pipeline_split import cut_pieces_restored
 from .hf_init import Initialiser, hf_initialisers, outermost_hf_models
 from .rng_replay import set_generator_state
 from .unit import Unit
 
 
 def reset_parameters_initialisers(
-    root: nn.Module, units: list[Unit], skip: tuple[nn.Module, ...] = ()
+    root: nn.Module, units: list[Unit], skip: tuple[nn.Module, ...] = (), cut_away: tuple[nn.Module, ...] = ()
 ) -> list[Initialiser]:
-    """In module order, the outermost modules below the root whose ``reset_parameters`` initialises parameters
-    of exactly one unit, skipping modules whose parameters are already covered (a tied LM head whose weight the
-    embedding already initialised) and the subtrees in ``skip`` (initialised otherwise)."""
-    unit_of = _unit_of(units)
+    """In module order, the outermost modules below the root (or the root itself when it has no children, a bare
+    ``nn.Linear``) whose ``reset_parameters`` initialises parameters of exactly one unit, skipping modules whose
+    parameters are already covered (a tied LM head whose weight the embedding already initialised) and the
+    subtrees in ``skip`` (initialised otherwise). Parameters only the ``cut_away`` pieces hold belong to no
+    unit: an initialiser may write them besides one unit, on scratch, for the generator's sake (Note: [A sharded
+    build equals a normal build])."""
+    unit_of: dict[int, object] = _unit_of(units)
+    elsewhere = object()
+    unit_of.update({id(p): elsewhere for piece in cut_away for p in piece.parameters() if id(p) not in unit_of})
     covered = {id(p) for module in skip for p in module.parameters()}
     plan: list[Initialiser] = []
 
@@ -40,8 +69,9 @@ def reset_parameters_initialisers(
         if any(module is s for s in skip):
             return
         params = [p for p in module.parameters() if id(p) in unit_of]
-        owners = {id(unit_of[id(p)]) for p in params}
-        if module is not root and callable(getattr(module, "reset_parameters", None)) and len(owners) == 1:
+        owners = {id(unit_of[id(p)]) for p in params if unit_of[id(p)] is not elsewhere}
+        eligible = module is not root or next(root.children(), None) is None
+        if eligible and callable(getattr(module, "reset_parameters", None)) and len(owners) <= 1 and params:
             if any(id(p) not in covered for p in params):
                 plan.append(Initialiser(module, module.reset_parameters, whole_subtree=True))
                 covered.update(id(p) for p in params)
@@ -50,7 +80,11 @@ def reset_parameters_initialisers(
             visit(child)
 
     visit(root)
-    missing = [name for name, p in root.named_parameters() if id(p) in unit_of and id(p) not in covered]
+    missing = [
+        name
+        for name, p in root.named_parameters()
+        if unit_of.get(id(p), elsewhere) is not elsewhere and id(p) not in covered
+    ]
     if missing:
         raise ValueError(
             f"cannot materialise parameters built on the meta device: no module with "
@@ -77,19 +111,39 @@ def materialise_sharded(
     device: torch.device,
     param_init_fn: Callable[[nn.Module], None] | None = None,
 ) -> None:
-    """Run the initialisers unit by unit; ``broadcast(tensor)`` makes every rank hold rank 0's values."""
+    """Run the whole model's initialisers unit by unit; ``broadcast(tensor)`` makes every rank hold rank 0's
+    values. See Note: [A sharded build equals a normal build]."""
+    with cut_pieces_restored(root) as cut_away:
+        _materialise(root, units, broadcast, device, param_init_fn, tuple(cut_away))
+    still_meta = [name for name, t in [*root.named_buffers(), *root.named_parameters()] if t.is_meta]
+    if still_meta:
+        raise ValueError(
+            f"no initialiser gave storage to {still_meta[:5]}{' ...' if len(still_meta) > 5 else ''} "
+            f"(built on the meta device); create them on a real device or pass param_init_fn"
+        )
+
+
+def _materialise(
+    root: nn.Module,
+    units: list[Unit],
+    broadcast,
+    device: torch.device,
+    param_init_fn: Callable[[nn.Module], None] | None,
+    cut_away: tuple[nn.Module, ...],
+) -> None:
     final_rng_state = None
     if param_init_fn is not None:
         plan = param_init_fn_initialisers(root, param_init_fn)
     else:
         plan, final_rng_state = _hf_initialisers(root, device)
-        plan += reset_parameters_initialisers(root, units, skip=tuple(outermost_hf_models(root)))
+        plan += reset_parameters_initialisers(root, units, tuple(outermost_hf_models(root)), cut_away)
     unit_of = _unit_of(units)
     needs = [_units_written(init.module, unit_of) for init in plan]
     remaining = {id(u): sum(1 for needed in needs for v in needed if v is u) for u in units}
     unused = [u.name for u in units if u.flat_params and not remaining[id(u)]]
     if unused:
         raise ValueError(f"cannot materialise units {unused} built on the meta device: no initialiser writes them")
+    scratch = WholeTensorScratch(root, cut_away, device)
     started: set[int] = set()
     for init, needed in zip(plan, needs):
         for unit in needed:
@@ -97,24 +151,84 @@ def materialise_sharded(
                 started.add(id(unit))
                 for fp in unit.flat_params:
                     fp.adopt_meta_params()
-        give_loose_tensors_storage(init.module, device, init.whole_subtree)
-        init.run()
+                scratch.substitute(unit)
+        with scratch.for_cut_away_tensors(init.module, init.whole_subtree):
+            give_loose_tensors_storage(init.module, device, init.whole_subtree)
+            init.run()
         for unit in needed:
             for fp in unit.flat_params:
                 _repoint(fp)
             remaining[id(unit)] -= 1
             if remaining[id(unit)] == 0:
+                scratch.keep_local_pieces(unit)
                 for fp in unit.flat_params:
                     broadcast(fp.full)
                     fp.finish_sharding()
     if final_rng_state is not None:
         set_generator_state(device, final_rng_state)
-    still_meta = [name for name, t in [*root.named_buffers(), *root.named_parameters()] if t.is_meta]
-    if still_meta:
-        raise ValueError(
-            f"no initialiser gave storage to {still_meta[:5]}{' ...' if len(still_meta) > 5 else ''} "
-            f"(built on the meta device); create them on a real device or pass param_init_fn"
-        )
+
+
+class WholeTensorScratch:
+    """Plain tensors of the global shape standing in for what an initialiser must see whole but this rank keeps
+    in part: a unit's tensor-parallel parameters, and the tensors of the pieces a pipeline cut away (Note: [A
+    sharded build equals a normal build])."""
+
+    def __init__(self, root: nn.Module, cut_away: tuple[nn.Module, ...], device: torch.device):
+        self.device = device
+        self.cut_modules = {id(m) for piece in cut_away for m in piece.modules()}
+        self.registered: dict[int, list[tuple[nn.Module, str]]] = {}
+        for module in root.modules():
+            for name, p in module._parameters.items():
+                if p is not None:
+                    self.registered.setdefault(id(p), []).append((module, name))
+
+    def _whole(self, like: torch.Tensor) -> nn.Parameter:
+        """Uninitialised storage of ``like``'s global shape (a DTensor's ``shape`` is global)."""
+        return nn.Parameter(torch.empty(like.shape, dtype=like.dtype, device=self.device), like.requires_grad)
+
+    def substitute(self, unit: Unit) -> None:
+        """Register a whole-shape scratch tensor wherever each of ``unit``'s DTensor parameters is registered."""
+        for fp in unit.flat_params:
+            for slot, p in zip(fp.slots, fp.params):
+                if slot.tp is not None:
+                    whole = self._whole(p)
+                    for module, name in self.registered[id(p)]:
+                        module._parameters[name] = whole
+
+    def keep_local_pieces(self, unit: Unit) -> None:
+        """Copy this rank's piece of each scratch tensor into its parameter's flat view and register the
+        parameter again. The piece is cut from tensor-parallel rank 0's tensor, as ``parallelize_module`` does."""
+        for fp in unit.flat_params:
+            for slot, p, view in zip(fp.slots, fp.params, fp.param_views()):
+                if slot.tp is None:
+                    continue
+                module, name = self.registered[id(p)][0]
+                whole = module._parameters[name].detach()
+                view.copy_(distribute_tensor(whole, slot.tp.mesh, slot.tp.placements).to_local().reshape(view.shape))
+                for module, name in self.registered[id(p)]:
+                    module._parameters[name] = p
+
+    @contextlib.contextmanager
+    def for_cut_away_tensors(self, module: nn.Module, recurse: bool) -> Iterator[None]:
+        """Inside, the meta tensors of ``module`` (with ``recurse``, of its subtree) that belong to cut-away pieces
+        are scratch an initialiser can fill, drawing what it draws in a normal build; on exit the values are
+        dropped and the meta tensors return."""
+        saved: list[tuple[dict, str, torch.Tensor]] = []
+        wholes: dict[int, nn.Parameter] = {}
+        for sub in module.modules() if recurse else (module,):
+            if id(sub) not in self.cut_modules:
+                continue
+            for table in (sub._parameters, sub._buffers):
+                for name, tensor in table.items():
+                    if tensor is not None and tensor.is_meta:
+                        saved.append((table, name, tensor))
+                        whole = wholes.setdefault(id(tensor), self._whole(tensor))
+                        table[name] = whole if table is sub._parameters else whole.detach()
+        try:
+            yield
+        finally:
+            for table, name, tensor in saved:
+                table[name] = tensor
 
 
 def _hf_initialisers(root: nn.Module, device: torch.device) -> tuple[list[Initialiser], torch.Tensor | None]:

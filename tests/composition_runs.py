@@ -1,0 +1,408 @@
+"""The composition matrix: {build} x {layout} x {ZeRO stage} x {entry point}, pruned to a pairwise-covering set of
+cells, each trained on real gloo ranks and compared with one process training a normally built copy.
+
+Every cell builds the same tiny Hugging Face Llama (``pipeline_runs.tiny_llama``: 4 layers, hidden 16, 2 heads),
+hands it to an entry point under a layout, records the full state dict right after setup (which must equal a
+normal build bitwise) and after ``STEPS`` SGD steps on the global batches of ``pipeline_runs.batches`` (which must
+match the reference in fp32). The axes are data, so a new way to build (say another empty-init path) is one more
+:class:`Build` in ``BUILDS``; a combination an entry point refuses is listed in ``refusal`` with the words its
+error must contain, and the matrix checks that it is refused so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import os
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from pipeline_runs import batches, loss_fn, tiny_llama
+
+STEPS, GLOBAL_BATCH, BLOCKS = 3, 8, 4
+MODEL = "llama"
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A way to spread the model over ``world`` ranks; the data-parallel size is what the other sizes leave."""
+
+    name: str
+    world: int
+    tp: int = 1
+    pp: int = 1
+    sp: int = 1
+    megatron_sp: bool = False
+
+    @property
+    def dp(self) -> int:
+        return self.world // (self.tp * self.pp * self.sp)
+
+    def dp_rank(self, rank: int) -> int:
+        """Mesh order (pp, dp, sp, tp): the data-parallel coordinate of global ``rank``."""
+        return (rank // (self.sp * self.tp)) % self.dp
+
+    def fields(self) -> dict:
+        fields = {}
+        if self.tp > 1:
+            fields.update(tensor_parallel_size=self.tp, tensor_parallel_plan="auto", sequence_parallel=self.megatron_sp)
+        if self.pp > 1:
+            fields.update(pipeline_parallel_size=self.pp)
+        if self.sp > 1:
+            fields.update(sequence_parallel_size=self.sp)
+        return fields
+
+
+LAYOUTS = {
+    layout.name: layout
+    for layout in (
+        Layout("dp", 2),
+        Layout("tp", 2, tp=2),
+        Layout("dp x tp", 4, tp=2),
+        Layout("pp", 2, pp=2),
+        Layout("pp x dp", 4, pp=2),
+        Layout("pp x tp", 4, tp=2, pp=2),
+        Layout("ulysses sp", 2, sp=2),
+        Layout("megatron sp", 2, tp=2, megatron_sp=True),
+    )
+}
+STAGES = (0, 1, 2, 3)
+ENTRIES = ("engine", "lightning", "fabric", "accelerate")
+
+
+@dataclasses.dataclass(frozen=True)
+class Build:
+    """How every rank gets its model. ``empty_on(rank, layout)``: whether that rank builds it empty, in the entry
+    point's own way (the engine: ``torch.device("meta")``; Lightning: in ``configure_model``, on meta under stage
+    3; Fabric: ``init_module(empty_init=True)`` under stage 3, where it means meta; Accelerate:
+    ``init_empty_weights()``), else normally under ``torch.manual_seed(0)``. ``fields``: the ZeroConfig fields it
+    needs. ``pretrained_seed``: load, after setup, the weights a normal build under that seed saved
+    (``load_pretrained``); the initial state must then equal that build instead. ``sync_module_states`` streams
+    over the data-parallel group, as DDP's does: the first data-parallel replica (every tensor-parallel rank and
+    pipeline stage of it) builds the model, the other replicas build it empty."""
+
+    name: str
+    empty_on: Callable[[int, Layout], bool]
+    fields: tuple[tuple[str, object], ...] = ()
+    pretrained_seed: int | None = None
+
+    @property
+    def seed(self) -> int:
+        """The seed of the normal build the initial state must equal."""
+        return 0 if self.pretrained_seed is None else self.pretrained_seed
+
+
+BUILDS = {
+    build.name: build
+    for build in (
+        Build("normal", lambda rank, layout: False),
+        Build("meta", lambda rank, layout: True),
+        Build("sync_module_states", lambda rank, layout: layout.dp_rank(rank) != 0, (("sync_module_states", True),)),
+        Build("load_pretrained", lambda rank, layout: True, pretrained_seed=5),
+    )
+}
+
+
+def refusal(entry: str, layout: Layout) -> str | None:
+    """The words the error of a combination refused by design must contain (None: it must run)."""
+    adapter = {"fabric": "the Fabric strategy", "accelerate": "ZeroAccelerator"}.get(entry)
+    if adapter and layout.pp > 1:
+        return f"pipeline_parallel_size={layout.pp} is not supported by {adapter}"
+    if adapter and layout.sp > 1:
+        return f"sequence_parallel_size={layout.sp} is not supported by {adapter}"
+    return None
+
+
+# Refused by the configuration itself, whatever the entry point: (fields, words of the error).
+REFUSED_CONFIGS = (
+    (
+        {"sequence_parallel_size": 2, "pipeline_parallel_size": 2},
+        "pipeline_parallel_size=2 is not allowed with sequence_parallel_size=2",
+    ),
+    (
+        {"sequence_parallel_size": 2, "tensor_parallel_size": 2},
+        "sequence_parallel_size=2 is not allowed with tensor_parallel_size=2",
+    ),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    build: str
+    layout: str
+    stage: int
+    entry: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.entry}-{self.layout.replace(' ', '')}-stage{self.stage}-{self.build}"
+
+    def refused(self) -> str | None:
+        return refusal(self.entry, LAYOUTS[self.layout])
+
+
+# The reported cases (a Lightning configure_model build on meta under dp x tp and under pp x dp, stage 3): always run.
+REPORTED = (Cell("meta", "dp x tp", 3, "lightning"), Cell("meta", "pp x dp", 3, "lightning"))
+
+
+def pairwise_cells() -> list[Cell]:
+    """A deterministic greedy pairwise-covering set: every pair of values of two axes appears in some cell that
+    runs (a pair with a refused (entry, layout) is covered by the refusal itself, listed by :func:`refused_cells`).
+    Starting from ``REPORTED``, each round takes the runnable cell covering most uncovered pairs, on fewer ranks
+    first, then in axis order."""
+    axes = (tuple(BUILDS), tuple(LAYOUTS), STAGES, ENTRIES)
+    candidates = [Cell(*values) for values in itertools.product(*axes) if not Cell(*values).refused()]
+
+    def pairs(cell: Cell) -> set:
+        values = dataclasses.astuple(cell)
+        return {(i, values[i], j, values[j]) for i, j in itertools.combinations(range(4), 2)}
+
+    uncovered = set().union(*(pairs(c) for c in candidates)) - set().union(*(pairs(c) for c in REPORTED))
+    chosen: list[Cell] = list(REPORTED)
+    while uncovered:
+        best = max(candidates, key=lambda c: (len(pairs(c) & uncovered), -LAYOUTS[c.layout].world))
+        chosen.append(best)
+        uncovered -= pairs(best)
+    return chosen
+
+
+def refused_cells() -> list[Cell]:
+    """One cell per refused (entry, layout), at stage 3 with a normal build."""
+    return [
+        Cell("normal", layout, 3, entry) for entry in ENTRIES for layout in LAYOUTS if refusal(entry, LAYOUTS[layout])
+    ]
+
+
+# -- one cell on one rank -------------------------------------------------------------------------------------
+
+
+def build_model(seed: int = 0):
+    torch.manual_seed(seed)
+    return tiny_llama(BLOCKS)
+
+
+def reference(seed: int) -> dict:
+    """One process, the normally built model, SGD at lr 1 on each whole global batch (mean token loss)."""
+    torch.set_num_threads(1)
+    model = build_model(seed)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    losses = []
+    for x, y in batches(MODEL, STEPS, GLOBAL_BATCH):
+        loss = loss_fn(model(input_ids=x).logits, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {
+        "initial": initial,
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "losses": losses,
+    }
+
+
+def _my_batches(layout: Layout, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's data-parallel slice of every global batch (whole sequences)."""
+    per_rank = GLOBAL_BATCH // layout.dp
+    lo = layout.dp_rank(rank) * per_rank
+    return [(x[lo : lo + per_rank], y[lo : lo + per_rank]) for x, y in batches(MODEL, STEPS, GLOBAL_BATCH)]
+
+
+def _sp_loss(model, x: torch.Tensor, y: torch.Tensor, group) -> torch.Tensor:
+    """Ulysses: this rank's slice of the sequence, and the token mean over the whole sequence."""
+    from ds_strategy.parallel.ulysses import sequence_parallel_loss, shard_sequence
+
+    local = shard_sequence({"input_ids": x}, group)
+    length, r = local["input_ids"].shape[1], dist.get_rank(group)
+    logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
+    return sequence_parallel_loss(logits, y[:, r * length : (r + 1) * length], group)
+
+
+def _plain_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return loss_fn(model(input_ids=x).logits, y)
+
+
+def _make(build: Build, rank: int, layout: Layout, empty: Callable[[], contextlib.AbstractContextManager]):
+    """The model under seed 0, built normally or, where ``build`` says so, under the context ``empty()``."""
+    with empty() if build.empty_on(rank, layout) else contextlib.nullcontext():
+        return build_model(0)
+
+
+def run_cell(rank: int, world_size: int, cell: Cell, pretrained: str) -> dict:
+    """Build, set up, (load,) record the initial state, train ``STEPS`` steps, record the final state."""
+    torch.set_num_threads(1)
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")  # processes already exist: no entry point may launch
+    build, layout = BUILDS[cell.build], LAYOUTS[cell.layout]
+    fields = {"stage": cell.stage, **layout.fields(), **dict(build.fields)}
+    return ENTRY_RUNNERS[cell.entry](rank, build, layout, fields, pretrained)
+
+
+def _outcome(initial: dict, final: dict, held: set[str], on_meta: bool) -> dict:
+    """The tensors this rank holds (a pipeline stage's), under the uncut model's names."""
+    return {
+        "initial": {k: v for k, v in initial.items() if k in held},
+        "final": {k: v for k, v in final.items() if k in held},
+        "on_meta": on_meta,
+    }
+
+
+def _unprefixed(state: dict) -> dict:
+    return {k.removeprefix("model."): v for k, v in state.items()}
+
+
+def _engine_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrained: str) -> dict:
+    from ds_strategy.config import ZeroConfig
+    from ds_strategy.engine_owner import build_engine, cut_for_pipeline
+    from ds_strategy.parallel.mesh import build_parallel_mesh
+    from ds_strategy.parallel.pipeline import PipelineRunner
+    from ds_strategy.parallel.prepare import parallelize_for_config
+    from ds_strategy.parallel.ulysses import attend_with_ulysses
+
+    config = ZeroConfig(**fields)
+    mesh = build_parallel_mesh("cpu", layout.tp, sequence_parallel_size=layout.sp, pipeline_parallel_size=layout.pp)
+    assert mesh.dp_rank == layout.dp_rank(rank)
+    model = _make(build, rank, layout, lambda: torch.device("meta"))
+    on_meta = any(p.is_meta for p in model.parameters())
+    parallelize_for_config(model, mesh, config)
+    if layout.sp > 1:
+        attend_with_ulysses(model, mesh.sp_group)
+    plan = cut_for_pipeline(model, config, mesh)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    engine = build_engine(
+        model, optimizer, config, device=torch.device("cpu"), log=lambda _: None, mesh=mesh, stage_plan=plan
+    )
+    if build.pretrained_seed is not None:
+        engine.load_weights(pretrained)
+    initial = engine.full_state_dict(rank0_only=False)
+    runner = PipelineRunner(model, engine, plan, mesh, config, torch.device("cpu")) if plan is not None else None
+    for x, y in _my_batches(layout, rank):
+        if runner is not None:
+            runner.train_step(x, y, loss_fn, 1.0)
+        else:
+            engine.backward(_sp_loss(model, x, y, mesh.sp_group) if layout.sp > 1 else _plain_loss(model, x, y))
+        engine.step()
+    held = set(dict(model.named_parameters())) | set(dict(model.named_buffers()))
+    return _outcome(initial, engine.full_state_dict(rank0_only=False), held, on_meta)
+
+
+def _lightning_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrained: str) -> dict:
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import ds_strategy
+
+    class Module(L.LightningModule):
+        """Built in ``__init__`` (normally) or in ``configure_model`` (in the strategy's sharded context)."""
+
+        def __init__(self):
+            super().__init__()
+            self.empty = build.empty_on(rank, layout)
+            if not self.empty:
+                self.model = build_model(0)
+
+        def configure_model(self):
+            if self.empty and not hasattr(self, "model"):
+                self.model = build_model(0)
+                self.on_meta = any(p.is_meta for p in self.model.parameters())
+
+        def on_fit_start(self):
+            if build.pretrained_seed is not None:
+                self.trainer.strategy.load_pretrained(pretrained, prefix="model.")
+            self.initial = self.trainer.strategy.engine.full_state_dict(rank0_only=False)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            strategy = self.trainer.strategy
+            if layout.pp > 1:
+                return strategy.pipeline_step(x, y, loss_fn)
+            if layout.sp > 1:
+                return _sp_loss(self.model, x, y, self.device_mesh["sequence_parallel"].get_group())
+            return _plain_loss(self.model, x, y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.model.parameters(), lr=1.0)
+
+    module = Module()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=layout.world,
+        strategy=ds_strategy.ZeroStrategy(**fields),
+        max_steps=STEPS,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
+    )
+    mine = _my_batches(layout, rank)
+    data = TensorDataset(torch.cat([x for x, _ in mine]), torch.cat([y for _, y in mine]))
+    trainer.fit(module, DataLoader(data, batch_size=len(mine[0][0])))
+    final = trainer.strategy.engine.full_state_dict(rank0_only=False)
+    held = set(dict(module.named_parameters())) | set(dict(module.named_buffers()))
+    outcome = _outcome(module.initial, final, held, getattr(module, "on_meta", False))
+    return {**outcome, "initial": _unprefixed(outcome["initial"]), "final": _unprefixed(outcome["final"])}
+
+
+def _fabric_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrained: str) -> dict:
+    import lightning as L
+
+    from ds_strategy import ZeroFabricStrategy
+
+    fabric = L.Fabric(accelerator="cpu", devices=layout.world, strategy=ZeroFabricStrategy(**fields))
+    fabric.launch()
+    # init_module(empty_init=True) builds on meta under stage 3 only; below it means "leave uninitialised"
+    model = _make(build, rank, layout, lambda: fabric.init_module(empty_init=True if fields["stage"] == 3 else None))
+    on_meta = any(p.is_meta for p in model.parameters())
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    if build.pretrained_seed is not None:
+        fabric.strategy.load_pretrained(pretrained)
+    engine = fabric.strategy.engine
+    initial = engine.full_state_dict(rank0_only=False)
+    for x, y in _my_batches(layout, rank):
+        fabric.backward(_plain_loss(model, x, y))
+        optimizer.step()
+        optimizer.zero_grad()
+    held = set(engine.module.state_dict())
+    return _outcome(initial, engine.full_state_dict(rank0_only=False), held, on_meta)
+
+
+def _accelerate_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrained: str) -> dict:
+    from accelerate import init_empty_weights
+    from accelerate.state import AcceleratorState, GradientState
+
+    from ds_strategy.accelerate import ZeroAccelerator
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(layout.world), LOCAL_WORLD_SIZE=str(layout.world))
+    accelerator = ZeroAccelerator(fields, cpu=True)
+    model = _make(build, rank, layout, init_empty_weights)
+    on_meta = any(p.is_meta for p in model.parameters())
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    if build.pretrained_seed is not None:
+        accelerator.load_pretrained(pretrained)
+    engine = accelerator.engine
+    initial = engine.full_state_dict(rank0_only=False)
+    for x, y in _my_batches(layout, rank):
+        accelerator.backward(_plain_loss(model, x, y))
+        optimizer.step()
+        optimizer.zero_grad()
+    held = set(engine.module.state_dict())
+    return _outcome(initial, engine.full_state_dict(rank0_only=False), held, on_meta)
+
+
+ENTRY_RUNNERS = {
+    "engine": _engine_entry,
+    "lightning": _lightning_entry,
+    "fabric": _fabric_entry,
+    "accelerate": _accelerate_entry,
+}
+
+
+def run_cells(rank: int, world_size: int, cells: list[Cell], pretrained: str) -> dict:
+    """Every cell in turn in one process group (starting ranks is the slow part)."""
+    return {cell.id: run_cell(rank, world_size, cell, pretrained) for cell in cells}
