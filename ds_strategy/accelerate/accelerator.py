@@ -38,6 +38,9 @@ _OTHER_SHARDING = {
     "fsdp_plugin": "ACCELERATE_USE_FSDP",
     "megatron_lm_plugin": "ACCELERATE_USE_MEGATRON_LM",
 }
+# A model built on meta by ds_strategy.transformers.sharded_from_pretrained carries the directory of its weights here;
+# ``prepare`` has its engine read them, sharded, right after materialising it.
+PRETRAINED_WEIGHTS_ATTR = "_ds_strategy_pretrained_weights"
 
 
 class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
@@ -205,6 +208,7 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
 
     def _shard(self, model: nn.Module, optimizer: Optimizer | None, placement: bool | None) -> nn.Module:
         plan = self.zero_config.plan
+        weights = _pretrained_weights(model)
         if self.parallel_mesh is not None:
             model = parallelize_with_optimizer(model, optimizer, self._parallelize)
         self._given_dtypes[model] = {key: value.dtype for key, value in model.state_dict().items()}
@@ -217,6 +221,8 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
         if plan.converts_module:
             model.to(dtype=plan.compute_dtype)
         engine = self._build_engine(model, optimizer)
+        if weights is not None:
+            engine.load_weights(weights)
         if plan.autocasts:
             model.forward = _in_autocast(model.forward, self.zero_config.precision, self.device.type)
         self.engines.append(engine)
@@ -456,6 +462,19 @@ def _owning_model(optimizer: Optimizer, models: list[nn.Module]) -> nn.Module:
         f"{type(optimizer).__name__} holds parameters of no model being prepared, or of several: "
         f"prepare its model in the same prepare() call or an earlier one, one optimizer per model"
     )
+
+
+def _pretrained_weights(model: nn.Module) -> str | None:
+    """The directory ``sharded_from_pretrained`` recorded on ``model``, taken off it. Recorded on a submodule, it
+    means a wrapper (PEFT's, a LightningModule) whose names the checkpoint lacks: refused, never left random."""
+    wrapped = [name for name, module in model.named_modules() if name and PRETRAINED_WEIGHTS_ATTR in module.__dict__]
+    if wrapped:
+        raise ValueError(
+            f"{type(model).__name__}.{wrapped[0]} was built by sharded_from_pretrained and then wrapped; its weights "
+            f"are read only into the model as built: prepare that model itself (a wrapper that only adds a name "
+            f"prefix can load them after prepare with accelerator.load_pretrained(path, prefix=...))"
+        )
+    return model.__dict__.pop(PRETRAINED_WEIGHTS_ATTR, None)
 
 
 def _reject_other_sharding(kwargs: Mapping[str, Any]) -> None:

@@ -8,6 +8,7 @@ from ..optional_packages import needs
 
 # the whole adapter needs transformers, whose Trainer needs accelerate: without them, fail here saying what to install
 with needs("transformers", "accelerate", needed_by="ds_strategy.transformers"):
+    from .pretrained import sharded_from_pretrained
     from .trainer import ZeroTrainer, ZeroTrainerMixin
     from .trainer_config import TrainerZeroConfig, fill_from_training_args, trainer_zero_config
 
@@ -17,6 +18,7 @@ __all__ = [
     "ZeroTrainer",
     "ZeroTrainerMixin",
     "fill_from_training_args",
+    "sharded_from_pretrained",
     "trainer_zero_config",
 ]
 

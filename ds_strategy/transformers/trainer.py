@@ -13,6 +13,10 @@ what the Trainer would do with a module whose parameters are shards:
   each rank writes its share of (:mod:`ds_strategy.checkpoint`), beside Trainer's own scheduler, RNG and trainer
   state files; resuming reads the sharded checkpoint after ``prepare``, at any world size or ZeRO stage;
 - ``load_best_model_at_end`` reads the best checkpoint's weights into the shards.
+- ``generate`` at stage 3 gathers each unit for each token's forward through the engine's hooks (also inside TRL's
+  ``unwrap_model_for_generation``), or each unit once for a ``gathered_for_generation()`` block;
+- a model from :func:`.sharded_from_pretrained` stays on the meta device until ``prepare``, which reads its weights
+  sharded.
 
 ``ZeroTrainerMixin`` carries all of it, so any Trainer subclass composes: ``class MyTrainer(ZeroTrainerMixin,
 MyBaseTrainer)``; ``ZeroSFTTrainer`` is TRL's ``SFTTrainer`` composed so.
@@ -78,6 +82,12 @@ class ZeroTrainerMixin:
         with _trainer_accelerator_class(build):
             super().create_accelerator_and_postprocess()
 
+    def _move_model_to_device(self, model: torch.nn.Module, device: torch.device) -> None:
+        """Not a model still on the meta device (``sharded_from_pretrained``): ``prepare`` materialises it, one unit
+        at a time, where the engine places it."""
+        if not any(p.is_meta for p in model.parameters()):
+            super()._move_model_to_device(model, device)
+
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         """The DeepSpeed config's ``optimizer`` section, when it has one, over the trainable parameters."""
         if self.optimizer is None and self.zero_settings.optimizer is not None:
@@ -100,6 +110,14 @@ class ZeroTrainerMixin:
     def zero_engine(self):
         """The engine sharding the trained model, once ``train`` (or ``evaluate``) prepared it; else None."""
         return self.accelerator.engine_of(self.model) if isinstance(self.accelerator, ZeroAccelerator) else None
+
+    def gathered_for_generation(self) -> contextlib.AbstractContextManager:
+        """``with trainer.gathered_for_generation(): trainer.model.generate(...)``: the model's units gathered once
+        for the block rather than once per generated token (see ``ZeroEngine.gathered_parameters``; the whole model
+        is held on every rank meanwhile). Every rank enters it. Without it ``generate`` works too, gathering each
+        unit for each token's forward at one unit's memory."""
+        engine = self.zero_engine
+        return engine.gathered_parameters() if engine is not None else contextlib.nullcontext()
 
     # -- saving -----------------------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:

@@ -1,8 +1,9 @@
 """TRL's trainers on ZeRO, composed from :class:`ZeroTrainerMixin` (imports ``trl``).
 
 ``ZeroSFTTrainer`` is ``trl.SFTTrainer`` with ZeroTrainer's accelerator, saving and resuming. TRL's DPO and GRPO
-trainers are not composed here: their reference model and generation need a gather of stage-3 shards that is not
-wired up (see the README's "Hugging Face Trainer and TRL").
+trainers are not composed here, untested: their generation through ``unwrap_model_for_generation`` works at stage 3,
+but they prepare reference and reward models with ``accelerator.prepare_model``, which leaves them whole on every
+rank (see the README's "Hugging Face Trainer and TRL").
 """
 
 from __future__ import annotations

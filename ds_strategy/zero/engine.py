@@ -434,6 +434,28 @@ class ZeroEngine:
             if was_sharded:
                 unit.release()
 
+    @contextlib.contextmanager
+    def gathered_parameters(self):
+        """Every unit's full parameters for the block, kept across its no-grad forwards (stage 3; a no-op below).
+
+        For generation: ``generate`` runs one forward per token, and each would otherwise gather and free every
+        unit again (correct, at one unit's memory). Inside this block each unit is gathered once, so the whole
+        model is held on every rank until the block ends, as DeepSpeed's ``GatheredParameters`` holds it; then
+        every unit gathered here is freed. Collective: every rank of the engine's group enters it. Not for
+        training: a forward with grad enabled frees its units as usual.
+        """
+        if self.gatherer is None:
+            yield
+            return
+        with contextlib.ExitStack() as stack:
+            for unit in self.units:
+                stack.enter_context(self.gathered(unit))
+            self.gatherer.holding = True
+            try:
+                yield
+            finally:
+                self.gatherer.holding = False
+
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """The module's whole ``state_dict`` in fp32 for parameters, gathered one unit at a time.
 

@@ -81,6 +81,7 @@ class ParamGatherer:
         self._backward_started: set[Unit] = set()
         self.peak_gathered_numel = 0
         self.working_set = working_set
+        self.holding = False  # ZeroEngine.gathered_parameters: no-grad forwards keep their units gathered
         self._handles = []
         for unit in self.units if hooks else ():
             self._handles.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
@@ -131,6 +132,8 @@ class ParamGatherer:
                 unit.set_training_state(TrainingState.IDLE)
                 if torch.is_grad_enabled():
                     self._register_pre_backward(unit, output)
+                if self.holding and not torch.is_grad_enabled():
+                    return
                 last = bool(self.order) and unit is self.order[-1] and not self._recording
                 if not torch.is_grad_enabled() or (self.reshard_after_forward and not last):
                     unit.release(keep_for_backward=torch.is_grad_enabled())
