@@ -7,6 +7,12 @@ normal build bitwise) and after ``STEPS`` SGD steps on the global batches of ``p
 match the reference in fp32). The axes are data, so a new way to build (say another empty-init path) is one more
 :class:`Build` in ``BUILDS``; a combination an entry point refuses is listed in ``refusal`` with the words its
 error must contain, and the matrix checks that it is refused so.
+
+Every Lightning cell's ``configure_model`` also creates tensors that are not parameters (a plain buffer on the
+LightningModule, a torchmetrics ``MeanMetric`` updated with each step's loss), which must be real and hold their
+values under every stage (Lightning builds parameters only on meta): the outcome's ``extras``. ``BF16_CELLS`` run
+``init_module()`` under "bf16-true", which creates 16-bit weights; they are outside the fp32 pairwise set and are
+checked against a bf16 reference (see ``test_composition_matrix``).
 """
 
 from __future__ import annotations
@@ -81,12 +87,16 @@ class Build:
     needs. ``pretrained_seed``: load, after setup, the weights a normal build under that seed saved
     (``load_pretrained``); the initial state must then equal that build instead. ``sync_module_states`` streams
     over the data-parallel group, as DDP's does: the first data-parallel replica (every tensor-parallel rank and
-    pipeline stage of it) builds the model, the other replicas build it empty."""
+    pipeline stage of it) builds the model, the other replicas build it empty. ``init_module``: the entry points
+    that have one (``entries``) build under ``trainer.init_module`` / ``fabric.init_module``, with
+    ``empty_init=True`` under stage 3 (sharded on meta, then initialised) and the default below it (a normal build
+    on the device; ``empty_init=True`` there means uninitialised memory, as under DDP)."""
 
     name: str
     empty_on: Callable[[int, Layout], bool]
     fields: tuple[tuple[str, object], ...] = ()
     pretrained_seed: int | None = None
+    entries: tuple[str, ...] = ("engine", "lightning", "fabric", "accelerate")
 
     @property
     def seed(self) -> int:
@@ -101,6 +111,7 @@ BUILDS = {
         Build("meta", lambda rank, layout: True),
         Build("sync_module_states", lambda rank, layout: layout.dp_rank(rank) != 0, (("sync_module_states", True),)),
         Build("load_pretrained", lambda rank, layout: True, pretrained_seed=5),
+        Build("init_module", lambda rank, layout: True, entries=("lightning", "fabric")),
     )
 }
 
@@ -134,33 +145,55 @@ class Cell:
     layout: str
     stage: int
     entry: str
+    precision: str = "32-true"
 
     @property
     def id(self) -> str:
-        return f"{self.entry}-{self.layout.replace(' ', '')}-stage{self.stage}-{self.build}"
+        suffix = "" if self.precision == "32-true" else f"-{self.precision}"
+        return f"{self.entry}-{self.layout.replace(' ', '')}-stage{self.stage}-{self.build}{suffix}"
+
+    @property
+    def axes(self) -> tuple:
+        """The values of the four axes the pairwise set covers."""
+        return self.build, self.layout, self.stage, self.entry
 
     def refused(self) -> str | None:
         return refusal(self.entry, LAYOUTS[self.layout])
 
+    def applies(self) -> bool:
+        """Whether the entry point has the build path at all (only Lightning and Fabric have ``init_module``)."""
+        return self.entry in BUILDS[self.build].entries
+
 
 # The reported cases (a Lightning configure_model build on meta under dp x tp and under pp x dp, stage 3): always run.
 REPORTED = (Cell("meta", "dp x tp", 3, "lightning"), Cell("meta", "pp x dp", 3, "lightning"))
+# Issue 26, item 1: Lightning's init_module(empty_init=True) at stage 3 builds on meta, here cut over tp: always run.
+REQUIRED = (*REPORTED, Cell("init_module", "tp", 3, "lightning"))
+
+# init_module() under "bf16-true" (issue 26, item 10): 16-bit weights, built sharded (stage 3) and normally (stage 1).
+BF16_CELLS = (
+    Cell("init_module", "dp", 3, "lightning", "bf16-true"),
+    Cell("init_module", "dp", 1, "lightning", "bf16-true"),
+    Cell("init_module", "dp", 3, "fabric", "bf16-true"),
+    Cell("init_module", "dp", 1, "fabric", "bf16-true"),
+)
 
 
 def pairwise_cells() -> list[Cell]:
     """A deterministic greedy pairwise-covering set: every pair of values of two axes appears in some cell that
-    runs (a pair with a refused (entry, layout) is covered by the refusal itself, listed by :func:`refused_cells`).
-    Starting from ``REPORTED``, each round takes the runnable cell covering most uncovered pairs, on fewer ranks
-    first, then in axis order."""
+    runs (a pair with a refused (entry, layout) is covered by the refusal itself, listed by :func:`refused_cells`;
+    a build path an entry point does not have pairs with no cell). Starting from ``REQUIRED``, each round takes the
+    runnable cell covering most uncovered pairs, on fewer ranks first, then in axis order."""
     axes = (tuple(BUILDS), tuple(LAYOUTS), STAGES, ENTRIES)
-    candidates = [Cell(*values) for values in itertools.product(*axes) if not Cell(*values).refused()]
+    every = [Cell(*values) for values in itertools.product(*axes)]
+    candidates = [cell for cell in every if cell.applies() and not cell.refused()]
 
     def pairs(cell: Cell) -> set:
-        values = dataclasses.astuple(cell)
+        values = cell.axes
         return {(i, values[i], j, values[j]) for i, j in itertools.combinations(range(4), 2)}
 
-    uncovered = set().union(*(pairs(c) for c in candidates)) - set().union(*(pairs(c) for c in REPORTED))
-    chosen: list[Cell] = list(REPORTED)
+    uncovered = set().union(*(pairs(c) for c in candidates)) - set().union(*(pairs(c) for c in REQUIRED))
+    chosen: list[Cell] = list(REQUIRED)
     while uncovered:
         best = max(candidates, key=lambda c: (len(pairs(c) & uncovered), -LAYOUTS[c.layout].world))
         chosen.append(best)
@@ -183,10 +216,11 @@ def build_model(seed: int = 0):
     return tiny_llama(BLOCKS)
 
 
-def reference(seed: int) -> dict:
-    """One process, the normally built model, SGD at lr 1 on each whole global batch (mean token loss)."""
+def reference(seed: int, dtype: torch.dtype = torch.float32) -> dict:
+    """One process, the normally built model (converted to ``dtype``), SGD at lr 1 on each whole global batch (mean
+    token loss)."""
     torch.set_num_threads(1)
-    model = build_model(seed)
+    model = build_model(seed).to(dtype)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     losses = []
@@ -225,7 +259,8 @@ def _plain_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _make(build: Build, rank: int, layout: Layout, empty: Callable[[], contextlib.AbstractContextManager]):
-    """The model under seed 0, built normally or, where ``build`` says so, under the context ``empty()``."""
+    """The model under seed 0, built normally or, where ``build`` says so, under the context ``empty()`` (for
+    ``init_module``, the entry point's)."""
     with empty() if build.empty_on(rank, layout) else contextlib.nullcontext():
         return build_model(0)
 
@@ -235,16 +270,25 @@ def run_cell(rank: int, world_size: int, cell: Cell, pretrained: str) -> dict:
     torch.set_num_threads(1)
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")  # processes already exist: no entry point may launch
     build, layout = BUILDS[cell.build], LAYOUTS[cell.layout]
-    fields = {"stage": cell.stage, **layout.fields(), **dict(build.fields)}
+    fields = {"stage": cell.stage, "precision": cell.precision, **layout.fields(), **dict(build.fields)}
     return ENTRY_RUNNERS[cell.entry](rank, build, layout, fields, pretrained)
 
 
-def _outcome(initial: dict, final: dict, held: set[str], on_meta: bool) -> dict:
+def _as_built(model: torch.nn.Module) -> dict:
+    """Where and in which dtypes the parameters were created, before any setup."""
+    return {
+        "on_meta": any(p.is_meta for p in model.parameters()),
+        "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+    }
+
+
+def _outcome(initial: dict, final: dict, held: set[str], built: dict, extras: dict | None = None) -> dict:
     """The tensors this rank holds (a pipeline stage's), under the uncut model's names."""
     return {
         "initial": {k: v for k, v in initial.items() if k in held},
         "final": {k: v for k, v in final.items() if k in held},
-        "on_meta": on_meta,
+        **built,
+        "extras": extras,
     }
 
 
@@ -264,7 +308,7 @@ def _engine_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrai
     mesh = build_parallel_mesh("cpu", layout.tp, sequence_parallel_size=layout.sp, pipeline_parallel_size=layout.pp)
     assert mesh.dp_rank == layout.dp_rank(rank)
     model = _make(build, rank, layout, lambda: torch.device("meta"))
-    on_meta = any(p.is_meta for p in model.parameters())
+    built = _as_built(model)
     parallelize_for_config(model, mesh, config)
     if layout.sp > 1:
         attend_with_ulysses(model, mesh.sp_group)
@@ -284,47 +328,61 @@ def _engine_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrai
             engine.backward(_sp_loss(model, x, y, mesh.sp_group) if layout.sp > 1 else _plain_loss(model, x, y))
         engine.step()
     held = set(dict(model.named_parameters())) | set(dict(model.named_buffers()))
-    return _outcome(initial, engine.full_state_dict(rank0_only=False), held, on_meta)
+    return _outcome(initial, engine.full_state_dict(rank0_only=False), held, built)
+
+
+BUFFER_VALUE = 0.5  # the plain buffer every Lightning cell's configure_model creates
 
 
 def _lightning_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrained: str) -> dict:
     import lightning as L
+    import torchmetrics
     from torch.utils.data import DataLoader, TensorDataset
 
     import ds_strategy
 
     class Module(L.LightningModule):
-        """Built in ``__init__`` (normally) or in ``configure_model`` (in the strategy's sharded context)."""
+        """Built in ``__init__`` (normally, or under ``trainer.init_module``) or in ``configure_model`` (in the
+        strategy's sharded context), which also creates a buffer and a metric, never parameters."""
 
-        def __init__(self):
+        def __init__(self, empty: bool):
             super().__init__()
-            self.empty = build.empty_on(rank, layout)
+            self.empty = empty
             if not self.empty:
                 self.model = build_model(0)
 
         def configure_model(self):
             if self.empty and not hasattr(self, "model"):
                 self.model = build_model(0)
-                self.on_meta = any(p.is_meta for p in self.model.parameters())
+            if not hasattr(self, "metric"):
+                self.register_buffer("scale", torch.full((4,), BUFFER_VALUE), persistent=False)
+                self.metric = torchmetrics.MeanMetric()
+            self.built = _as_built(self.model)
 
         def on_fit_start(self):
             if build.pretrained_seed is not None:
                 self.trainer.strategy.load_pretrained(pretrained, prefix="model.")
             self.initial = self.trainer.strategy.engine.full_state_dict(rank0_only=False)
+            self.extras = {"scale": self.scale.clone(), "metric_on_meta": self.metric.mean_value.is_meta}
 
         def training_step(self, batch, batch_idx):
             x, y = batch
             strategy = self.trainer.strategy
             if layout.pp > 1:
-                return strategy.pipeline_step(x, y, loss_fn)
-            if layout.sp > 1:
-                return _sp_loss(self.model, x, y, self.device_mesh["sequence_parallel"].get_group())
-            return _plain_loss(self.model, x, y)
+                loss = strategy.pipeline_step(x, y, loss_fn)
+            elif layout.sp > 1:
+                loss = _sp_loss(self.model, x, y, self.device_mesh["sequence_parallel"].get_group())
+            else:
+                loss = _plain_loss(self.model, x, y)
+            self.metric.update(loss.detach().float())
+            return loss
+
+        def on_train_end(self):
+            self.extras["mean_loss"] = self.metric.compute().item()  # over every rank and step
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.model.parameters(), lr=1.0)
 
-    module = Module()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=layout.world,
@@ -338,12 +396,17 @@ def _lightning_entry(rank: int, build: Build, layout: Layout, fields: dict, pret
         use_distributed_sampler=False,
         num_sanity_val_steps=0,
     )
+    if build.name == "init_module":
+        with trainer.init_module(empty_init=True if fields["stage"] == 3 else None):
+            module = Module(empty=False)
+    else:
+        module = Module(empty=build.empty_on(rank, layout))
     mine = _my_batches(layout, rank)
     data = TensorDataset(torch.cat([x for x, _ in mine]), torch.cat([y for _, y in mine]))
     trainer.fit(module, DataLoader(data, batch_size=len(mine[0][0])))
     final = trainer.strategy.engine.full_state_dict(rank0_only=False)
     held = set(dict(module.named_parameters())) | set(dict(module.named_buffers()))
-    outcome = _outcome(module.initial, final, held, getattr(module, "on_meta", False))
+    outcome = _outcome(module.initial, final, held, module.built, module.extras)
     return {**outcome, "initial": _unprefixed(outcome["initial"]), "final": _unprefixed(outcome["final"])}
 
 
@@ -356,7 +419,8 @@ def _fabric_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrai
     fabric.launch()
     # init_module(empty_init=True) builds on meta under stage 3 only; below it means "leave uninitialised"
     model = _make(build, rank, layout, lambda: fabric.init_module(empty_init=True if fields["stage"] == 3 else None))
-    on_meta = any(p.is_meta for p in model.parameters())
+    # (the "meta" and "init_module" builds are one path here: Fabric builds on meta only through init_module)
+    built = _as_built(model)
     model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=1.0))
     if build.pretrained_seed is not None:
         fabric.strategy.load_pretrained(pretrained)
@@ -367,7 +431,7 @@ def _fabric_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrai
         optimizer.step()
         optimizer.zero_grad()
     held = set(engine.module.state_dict())
-    return _outcome(initial, engine.full_state_dict(rank0_only=False), held, on_meta)
+    return _outcome(initial, engine.full_state_dict(rank0_only=False), held, built)
 
 
 def _accelerate_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrained: str) -> dict:
@@ -381,7 +445,7 @@ def _accelerate_entry(rank: int, build: Build, layout: Layout, fields: dict, pre
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(layout.world), LOCAL_WORLD_SIZE=str(layout.world))
     accelerator = ZeroAccelerator(fields, cpu=True)
     model = _make(build, rank, layout, init_empty_weights)
-    on_meta = any(p.is_meta for p in model.parameters())
+    built = _as_built(model)
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=1.0))
     if build.pretrained_seed is not None:
         accelerator.load_pretrained(pretrained)
@@ -392,7 +456,7 @@ def _accelerate_entry(rank: int, build: Build, layout: Layout, fields: dict, pre
         optimizer.step()
         optimizer.zero_grad()
     held = set(engine.module.state_dict())
-    return _outcome(initial, engine.full_state_dict(rank0_only=False), held, on_meta)
+    return _outcome(initial, engine.full_state_dict(rank0_only=False), held, built)
 
 
 ENTRY_RUNNERS = {

@@ -60,6 +60,17 @@ def _init_module_dtypes(rank: int, world_size: int) -> dict:
     return dtypes
 
 
+# -- init_module(empty_init=True) created and never entered ---------------------------------------------------------
+def _init_module_left_unused(rank: int, world_size: int) -> dict:
+    fabric = _fabric(rank, world_size, stage=3)
+    context = fabric.init_module(empty_init=True)  # e.g. built conditionally and then not used
+    devices = {"created": torch.empty(1).device.type}
+    with context:
+        devices["inside"] = torch.empty(1).device.type
+    devices["after"] = torch.empty(1).device.type
+    return devices
+
+
 # -- item 5: single-file checkpoints (DDP's, one device's) -----------------------------------------------------------
 def _single_file_loads(rank: int, world_size: int, full_file: str, raw_file: str) -> dict:
     fabric = _fabric(rank, world_size, stage=3)
@@ -208,6 +219,7 @@ def _scenarios(rank: int, world_size: int, full_file: str, raw_file: str) -> dic
     return {
         "bare_linear": _capture(_bare_linear_built_empty, rank, world_size),
         "dtypes": _capture(_init_module_dtypes, rank, world_size),
+        "left_unused": _capture(_init_module_left_unused, rank, world_size),
         "single_file": _capture(_single_file_loads, rank, world_size, full_file, raw_file),
         "several_models_stage2": _capture(_several_models, rank, world_size, 2),
         "several_models_stage3": _capture(_several_models, rank, world_size, 3),
@@ -260,6 +272,14 @@ def test_fabric_init_module_under_true_16bit_precisions_creates_16bit_weights(ra
             assert dtypes[stage, "bf16-true"] == torch.bfloat16
             assert dtypes[stage, "16-true"] == torch.float16
             assert dtypes[stage, "bf16-mixed"] == torch.float32  # the engine makes its 16-bit buffers itself
+
+
+@pytest.mark.slow
+def test_fabric_init_module_enters_meta_only_inside_with(ranks):
+    """The context was entered when created: ``fabric.init_module(empty_init=True)`` left unused made meta the
+    default device for everything after it."""
+    for devices in _outcome(ranks, "left_unused"):
+        assert devices == {"created": "cpu", "inside": "meta", "after": "cpu"}
 
 
 def test_trainer_init_module_under_true_16bit_precisions_creates_16bit_weights():

@@ -3,7 +3,9 @@ does, on Lightning's own ``BoringModel`` (issue 26): each test is the user's cod
 where the issue says so and on 2 gloo ranks otherwise."""
 
 import copy
+import json
 import os
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -80,21 +82,53 @@ def test_save_checkpoint_refuses_a_folder_that_is_not_a_checkpoint(tmp_path):
 
 
 # -- 4: save after fit and test ----------------------------------------------------------------------------------
-def _fit_test_save(rank: int, world_size: int, strategy: str, out: Path) -> list[str]:
+class _AdamOnOneBatch(BoringModel):
+    """Adam (moments a resume must get back) on the same batch every step, so a resumed run sees exactly the
+    batches an uninterrupted one does wherever Lightning restarts its epoch."""
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.05)
+
+    def train_dataloader(self):
+        row = torch.randn(1, 32, generator=torch.Generator().manual_seed(0))
+        return torch.utils.data.DataLoader(row.expand(8, 32), batch_size=2)
+
+
+def _model(seed: int = 0) -> BoringModel:
+    torch.manual_seed(seed)
+    return _AdamOnOneBatch()
+
+
+def _fit_test_save(rank: int, world_size: int, strategy: str, out: Path) -> dict:
     trainer = _trainer(world_size, strategy)
-    module = BoringModel()
+    module = _model()
     trainer.fit(module)
     trainer.test(module, verbose=False)
-    with pytest.warns(UserWarning, match="without optimizer state"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         trainer.save_checkpoint(out / "a.ckpt")
-    return sorted(os.listdir(out / "a.ckpt"))
+    resumed = _trainer(world_size, strategy, max_steps=4)
+    resumed.fit(_model(seed=1), ckpt_path=out / "a.ckpt")
+    uninterrupted = _trainer(world_size, strategy, max_steps=4)
+    uninterrupted.fit(_model())
+    return {
+        "warnings": [str(w.message) for w in caught],
+        "resumed": resumed.strategy.lightning_module_state_dict(),
+        "uninterrupted": uninterrupted.strategy.lightning_module_state_dict(),
+    }
 
 
 @pytest.mark.parametrize("strategy", ["zero1", "zero3"])
-def test_save_checkpoint_after_fit_and_test(tmp_path, strategy):
-    """The test's engine has no optimizer while Lightning still lists the fit's: a weights-only save, warned."""
-    (files,) = run_ranks(_fit_test_save, 1, strategy, tmp_path)
-    assert "manifest.json" in files and "meta.pt" in files
+def test_save_checkpoint_after_fit_and_test_keeps_the_optimizer_state(tmp_path, strategy):
+    """As under DDP, the save after ``trainer.test`` has the fit's Adam moments, so resuming from it equals an
+    uninterrupted run. Before, the test's engine (no optimizer) made it a weights-only save, warned, and a resume
+    restarted Adam's moments."""
+    (outcome,) = run_ranks(_fit_test_save, 1, strategy, tmp_path)
+    assert not [w for w in outcome["warnings"] if "without optimizer state" in w], outcome["warnings"]
+    manifest = json.loads((tmp_path / "a.ckpt" / "manifest.json").read_text())
+    assert manifest["optimizer_state"]["layer.weight"].keys() == {"exp_avg", "exp_avg_sq", "step"}
+    for name, value in outcome["uninterrupted"].items():
+        torch.testing.assert_close(outcome["resumed"][name], value, rtol=1e-6, atol=1e-7, msg=name)
 
 
 # -- 7: lightning_module_state_dict ------------------------------------------------------------------------------

@@ -236,16 +236,20 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
         parallelize_for_config(module, self.parallel_mesh, self.config)
         return module
 
-    def module_init_context(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def module_init_context(self, empty_init: bool | None = None):
         """``fabric.init_module(empty_init=True)`` under stage 3 builds on the meta device, and the engine
         materialises one unit at a time (see :mod:`ds_strategy.zero.sharded_init`); otherwise stage 3 builds on
-        the CPU, for the engine to place unit by unit (:mod:`ds_strategy.zero.placement`)."""
+        the CPU, for the engine to place unit by unit (:mod:`ds_strategy.zero.placement`).
+
+        Every device and dtype is entered by ``with`` only (Fabric returns this from ``fabric.init_module`` as
+        called): a context created and never entered must leave the default device alone, not leave it on meta."""
         if not self.config.plan.partitions_parameters:
-            return super().module_init_context(empty_init)
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.device("meta") if empty_init else torch.device("cpu"))
-        stack.enter_context(self.precision.module_init_context())
-        return stack
+            with super().module_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta") if empty_init else torch.device("cpu"), self.precision.module_init_context():
+            yield
 
     def module_to_device(self, module: nn.Module) -> None:
         """Stage 3 never moves the whole model: the engine places it one unit at a time as it flattens it."""

@@ -34,6 +34,7 @@ class ZeroCheckpointing:
 
     _warned_directory_suffix = False
     _optimizer_order: list[list[str]] | None = None
+    _fit_engine = None  # the fit's engine while validate/test/predict run on one without its optimizer
 
     def record_optimizer_order(self, optimizer) -> None:
         """Remember, per param group, the names of the parameters in the order ``optimizer`` lists them, for
@@ -68,12 +69,35 @@ class ZeroCheckpointing:
             return super().lightning_module_state_dict()
         return self.engine.full_state_dict(rank0_only=False)
 
+    def keep_fit_optimizer(self, fitting: bool) -> None:
+        """Called by ``setup`` before it builds the engine: keep the fit's engine when the model is set up again
+        without an optimizer, so that a save afterwards still writes the fit's optimizer state.
+
+        Note: [A save after fit and test keeps the optimizer state]
+        ``trainer.validate/test/predict`` after ``fit`` run ``setup`` again, which builds an engine without an
+        optimizer over the same module, while Lightning still lists the fit's optimizer and a later
+        ``trainer.save_checkpoint`` saves it (as under DDP). The fit's engine (torn down: no hooks, its shards and
+        optimizer state still held, as DDP holds its optimizer) is kept until the next fit and gives the
+        checkpoint's optimizer state and manifest; the weights come from the current engine, whose layout is the
+        same (same module, config and ranks). An offloaded optimizer's state is released at teardown, so it is not
+        kept (the save warns instead).
+        """
+        if fitting:
+            self._fit_engine = None
+        elif self.engine is not None and self.engine.optimizer is not None:
+            self._fit_engine = None if self.engine.plan.offloads_optimizer else self.engine
+
+    def _optimizer_engine(self):
+        """The engine whose optimizer state a save writes: this one's, else the fit's kept for it (or None)."""
+        if self.engine is not None and self.engine.optimizer is not None:
+            return self.engine
+        return self._fit_engine
+
     def optimizer_state(self, optimizer) -> dict[str, Any] | None:
-        """This rank's share of the optimizer state; None when the engine has no optimizer (``trainer.test`` after
-        ``fit`` sets the model up again without one, while Lightning still lists the fit's optimizer)."""
-        if self.engine is None or self.engine.optimizer is None:
-            return None
-        return checkpoint.optimizer_state(self.engine)
+        """This rank's share of the optimizer state (of the fit's engine after validate/test/predict, see Note: [A
+        save after fit and test keeps the optimizer state]); None when there is none to save."""
+        engine = self._optimizer_engine()
+        return None if engine is None else checkpoint.optimizer_state(engine)
 
     def save_checkpoint(self, checkpoint_dict: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         """Write a sharded checkpoint directory at ``filepath`` (also when it ends in ``.ckpt``; warned once)."""
@@ -91,8 +115,8 @@ class ZeroCheckpointing:
         if optimizers and optimizer is None:
             warnings.warn(
                 f"saving {path} without optimizer state: the model was set up again without its optimizer "
-                f"(trainer.validate/test/predict after fit), so the fit's optimizer state is gone; save before "
-                f"validating or testing to keep it",
+                f"(trainer.validate/test/predict after a fit with an offloaded optimizer, whose state is released "
+                f"at teardown); save before validating or testing to keep it",
                 stacklevel=2,
             )
         if optimizer is not None and self._optimizer_order is not None:
@@ -101,7 +125,11 @@ class ZeroCheckpointing:
             path,
             model,
             optimizer,
-            checkpoint.manifest_for(self.lightning_module, self.engine, optimizer is not None),
+            checkpoint.manifest_for(
+                self.lightning_module,
+                self._optimizer_engine() if optimizer is not None else self.engine,
+                optimizer is not None,
+            ),
             extra=checkpoint_dict,
         )
 

@@ -168,6 +168,7 @@ class ZeroStrategyMixin(EngineOwnerMixin):
         dp_size = self.parallel_mesh.dp_size if self.parallel_mesh is not None else self.world_size
         config = self.config.resolve_batch_sizes(dp_size)
         self._check_trainer_matches(trainer, config)
+        self.keep_fit_optimizer(fitting=optimizer is not None)
         self.engine = build_engine(
             self.lightning_module,
             optimizer,
