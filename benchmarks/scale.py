@@ -1,20 +1,31 @@
-"""The largest model that trains here, per system: measure, fit bytes per parameter, predict, then run the prediction.
+"""How large a model trains here, per system, and what loading a pretrained one costs each rank.
 
-    python benchmarks/scale.py                                  # every system, our GPT and HF Llama, 3 sizes each
-    python benchmarks/scale.py --systems zero3-nvme --models gpt --depths 2,8 --run-largest
-    python benchmarks/scale.py --budget-gib 20 --nvme-path /work/nvme
+    python benchmarks/scale.py --quick                        # small sizes, every row kind (~10 min on 2 cores)
+    python benchmarks/scale.py --nvme-path /work/scratch       # the README table: >= 1B rows for ours (~30 min)
 
-For each system (DDP, FSDP2, DeepSpeed stage 3 where it runs on the CPU, and ours: stage 3, + CPU offload, + NVMe)
-and model family (``ds_strategy.models.GPT``; Hugging Face ``LlamaForCausalLM`` from a config), a model of fixed
-width and a few depths trains 2 optimizer steps on one repeated batch (1 x 64 tokens per rank) on fresh gloo ranks.
-A size "trains" when both losses are finite and the second is below the first. Each rank samples its anonymous
-RSS (``RssAnon`` in ``/proc/self/status``, every millisecond on a thread; ``ru_maxrss`` counts file-backed maps
-too) from before the model is built to after the second step. A least-squares line through (parameters, peak)
-gives the bytes per parameter per rank and the fixed cost; the largest trainable model for a budget (default: the
-machine's memory, all ranks together) follows from it, and for NVMe also from the free disk at ``--nvme-path``
-(20 bytes per parameter over all ranks: parameter, master, two Adam moments and gradient files, fp32). With
-``--run-largest`` the predicted limit of each of our systems (at 90%) is then trained for real and reported with
-its seconds per step and the disk bandwidth its step used. Writes ``results/scale.{md,json,png}``.
+Training rows. Each system (ours: stage 3 with parameters and optimizer on NVMe, and stage 3 in memory; DDP;
+FSDP2 ``fully_shard``, and with ``CPUOffloadPolicy``; DeepSpeed stage 3 on the CPU accelerator) trains a model
+of fixed width at a few depths, 2 optimizer steps (AdamW, clipping at 1.0) on one repeated batch of 1 x
+``--tokens`` tokens per rank, on fresh gloo ranks; our GPT (``ds_strategy.models.GPT``) and a Hugging Face
+``LlamaForCausalLM`` from a config. Ours and FSDP2 build on the meta device; DDP and DeepSpeed build the whole
+model on every rank (as their users do). A size "trains" when both losses are finite and the second is below the
+first. Each rank samples its anonymous RSS (``RssAnon`` in ``/proc/self/status``, ``ds_strategy.host_memory``)
+from before the build to after the second step, and reads ``/proc/self/io`` around the second step: bytes read
+from and written to storage per step (the NVMe files, and the page cache's write-back of the gradient maps), and
+those over the step's seconds. Every rank of every system starts with ``MALLOC_MMAP_THRESHOLD_`` at 1 MiB, the
+setting our offload makes itself (Note: [Large host blocks are mapped and unmapped] in ``ds_strategy.host_memory``),
+so the table compares what each system keeps alive, not glibc's heap. A least-squares line through (parameters,
+peak) per system gives its bytes per parameter per rank and fixed cost, and from them the largest model the
+machine's memory (all ranks) holds; for NVMe also the free disk at ``--nvme-path`` (20 bytes per parameter over
+all ranks: parameter, master, two Adam moments and gradient files, fp32).
+
+Loading rows. A Llama of ``--load-depth`` blocks is written once with ``save_pretrained`` (bf16, several
+shards) under ``--nvme-path``, then loaded on 2 ranks (a) into stage 3 built on the meta device through
+``ZeroEngine.load_weights`` (what ``load_pretrained`` calls), each rank reading only its shards, and (b) as FSDP2
+users do: ``fully_shard`` on the meta device, ``to_empty``, then rank 0 ``from_pretrained`` and
+``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)``. Reported: each rank's peak RssAnon
+above its value before the load, and seconds. Rows are written to ``results/<name>.{md,json}`` as each finishes,
+so a run stopped at a deadline keeps what it measured; files under ``--nvme-path`` are removed at the end.
 """
 
 from __future__ import annotations
@@ -32,43 +43,68 @@ from pathlib import Path
 import torch
 
 from ds_strategy.autotune.launcher import launch_ranks
-from ds_strategy.host_memory import PeakRssAnon
+from ds_strategy.host_memory import MAP_LARGE_BLOCKS_BYTES, PeakRssAnon
 
 RESULTS = Path(__file__).resolve().parent / "results"
 OURS = {
     "zero3": {},
-    "zero3-cpu": {"offload_optimizer": "cpu", "offload_params": "cpu"},
     "zero3-nvme": {"offload_optimizer": "nvme", "offload_params": "nvme", "buffer_size": 1 << 22},
 }
-SYSTEMS = ("ddp", "fsdp2", "ds-zero3", *OURS)
-WIDTH, TOKENS, VOCAB = 1024, 64, 1024
+SYSTEMS = ("ddp", "fsdp2", "fsdp2-offload", "ds-zero3", *OURS)
+VOCAB = 1024
+LR = float(os.environ.get("DS_STRATEGY_SCALE_LR", "1e-3"))  # set from --lr by main; ranks inherit it
 NVME_DISK_BYTES_PER_PARAM = 20
+LOAD = ("load", "llama", ())  # where in a plan the sharded-loading rows are measured
+# (system, model, depths) in the order run, most wanted first, so that a run stopped at a deadline has them: width
+# 2048 (~50M parameters a block, depth 20 is ~1.0B); NVMe writes ~20 bytes per parameter per step
+FULL_PLAN = [
+    ("zero3-nvme", "gpt", (1, 2, 20)),
+    LOAD,
+    ("ddp", "gpt", (1, 2)),
+    ("fsdp2", "gpt", (1, 2)),
+    ("fsdp2-offload", "gpt", (1, 2)),
+    ("ds-zero3", "gpt", (1, 2)),
+    ("zero3-nvme", "llama", (20,)),
+    ("zero3-nvme", "gpt", (4,)),
+    ("zero3", "gpt", (1, 2)),
+]
+QUICK_PLAN = [(system, "gpt", (1, 2)) for system in SYSTEMS] + [("zero3-nvme", "llama", (2,)), LOAD]
 
 
-def build_model(family: str, depth: int, meta: bool):
-    """(model, loss_of(tokens)); ``meta``: built on the meta device, for ZeRO-3 to materialise unit by unit."""
+def build_model(family: str, depth: int, width: int, tokens: int, meta: bool):
+    """(model, loss_of(tokens)); ``meta``: built on the meta device, for the system to materialise."""
     torch.manual_seed(0)
     with torch.device("meta") if meta else torch.device("cpu"):
         if family == "gpt":
             from ds_strategy.models import GPT, GPTConfig
 
-            model = GPT(GPTConfig(vocab_size=VOCAB, block_size=TOKENS, n_layer=depth, n_head=WIDTH // 64, n_embd=WIDTH))
+            config = GPTConfig(vocab_size=VOCAB, block_size=tokens, n_layer=depth, n_head=width // 64, n_embd=width)
+            model = GPT(config)
             return model, lambda x: model(x, x)[1]
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers import LlamaForCausalLM
 
-        config = LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=WIDTH,
-            intermediate_size=int(WIDTH * 2.75),
-            num_hidden_layers=depth,
-            num_attention_heads=WIDTH // 64,
-            max_position_embeddings=TOKENS,
-        )
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(llama_config(depth, width, tokens))
         return model, lambda x: model(input_ids=x, labels=x).loss
 
 
-def build_system(system: str, family: str, depth: int, nvme_path: str):
+def llama_config(depth: int, width: int, tokens: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=width,
+        intermediate_size=int(width * 2.75),
+        num_hidden_layers=depth,
+        num_attention_heads=width // 64,
+        max_position_embeddings=max(tokens, 64),
+    )
+
+
+def blocks_of(model, family: str):
+    return model.model.layers if family == "llama" else model.blocks
+
+
+def build_system(system: str, family: str, depth: int, width: int, tokens: int, nvme_path: str):
     """(step(tokens) -> loss, trainable parameter count, close) for one system on this rank."""
     from ds_strategy.models import weight_decay_groups
 
@@ -76,8 +112,8 @@ def build_system(system: str, family: str, depth: int, nvme_path: str):
         from ds_strategy.config import ZeroConfig
         from ds_strategy.zero.engine import ZeroEngine
 
-        model, loss_of = build_model(family, depth, meta=True)
-        optimizer = torch.optim.AdamW(weight_decay_groups(model, 0.1), lr=1e-3, fused=True)
+        model, loss_of = build_model(family, depth, width, tokens, meta=True)
+        optimizer = torch.optim.AdamW(weight_decay_groups(model, 0.1), lr=LR, fused=True)
         options = {**OURS[system], **({"nvme_path": nvme_path} if "nvme" in system else {})}
         engine = ZeroEngine(model, optimizer, ZeroConfig(stage=3, **options))
 
@@ -89,43 +125,32 @@ def build_system(system: str, family: str, depth: int, nvme_path: str):
             return loss.item()
 
         return step, sum(fp.numel for fp in engine.flat_params), engine.remove_hooks
-    model, loss_of = build_model(family, depth, meta=False)
-    psi = sum(p.numel() for p in model.parameters())
     if system == "ds-zero3":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        import deepspeed
-
-        config = {
-            "train_micro_batch_size_per_gpu": 1,
-            "gradient_clipping": 1.0,
-            "zero_allow_untested_optimizer": True,
-            "steps_per_print": 10**9,
-            "zero_optimization": {"stage": 3},
-        }
-        engine, *_ = deepspeed.initialize(
-            model=model, config=config, optimizer=torch.optim.AdamW(weight_decay_groups(model, 0.1), lr=1e-3)
-        )
-
-        def step(x):
-            loss = engine(input_ids=x, labels=x).loss if family == "llama" else engine(x, x)[1]
-            engine.backward(loss)
-            engine.step()
-            return loss.item()
-
-        return step, psi, engine.destroy
+        return _deepspeed(family, depth, width, tokens)
+    meta = system.startswith("fsdp2")
+    model, loss_of = build_model(family, depth, width, tokens, meta=meta)
+    psi = sum(p.numel() for p in model.parameters())
     if system == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         wrapped = DistributedDataParallel(model, gradient_as_bucket_view=True)
         loss_fn = (lambda x: wrapped(input_ids=x, labels=x).loss) if family == "llama" else (lambda x: wrapped(x, x)[1])
     else:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-        for block in model.model.layers if family == "llama" else model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+        policy = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if system == "fsdp2-offload" else {}
+        for block in blocks_of(model, family):
+            fully_shard(block, **policy)
+        fully_shard(model, **policy)
+        model.to_empty(device="cpu")
+        with torch.no_grad():  # the same initialisation for every rank's shards; its values do not matter here
+            for p in model.parameters():
+                p.normal_(0.0, 0.02)
+            for name, buffer in model.named_buffers():
+                if "inv_freq" in name:
+                    buffer.copy_(model.model.rotary_emb.original_inv_freq)
         loss_fn = loss_of
-    optimizer = torch.optim.AdamW(weight_decay_groups(model, 0.1), lr=1e-3)
+    optimizer = torch.optim.AdamW(weight_decay_groups(model, 0.1), lr=LR)
 
     def step(x):
         loss = loss_fn(x)
@@ -138,48 +163,79 @@ def build_system(system: str, family: str, depth: int, nvme_path: str):
     return step, psi, lambda: None
 
 
-def measure_rank(rank: int, world_size: int, system: str, family: str, depth: int, nvme_path: str) -> dict:
+def _deepspeed(family: str, depth: int, width: int, tokens: int):
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    from ds_strategy.models import weight_decay_groups
+
+    model, _ = build_model(family, depth, width, tokens, meta=False)
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_clipping": 1.0,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "zero_optimization": {"stage": 3},
+    }
+    optimizer = torch.optim.AdamW(weight_decay_groups(model, 0.1), lr=LR)
+    engine, *_ = deepspeed.initialize(model=model, config=config, optimizer=optimizer)
+
+    def step(x):
+        loss = engine(input_ids=x, labels=x).loss if family == "llama" else engine(x, x)[1]
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+
+    return step, sum(p.ds_numel for p in model.parameters()), engine.destroy
+
+
+def measure_rank(rank: int, world_size: int, system: str, family: str, depth: int, width: int, tokens: int, nvme_path):
     """Train 2 steps on one repeated batch; peak RssAnon from before the build to after the second step."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     sampler = PeakRssAnon().start()
     started = time.perf_counter()
-    step, psi, close = build_system(system, family, depth, nvme_path)
+    step, psi, close = build_system(system, family, depth, width, tokens, nvme_path)
     built = time.perf_counter()
-    x = torch.randint(0, VOCAB, (1, TOKENS), generator=torch.Generator().manual_seed(rank))
-    losses, times, io = [], [], []
+    x = torch.randint(0, VOCAB, (1, tokens), generator=torch.Generator().manual_seed(rank))
+    losses, times = [], []
     for _ in range(2):
         io_before, t0 = _disk_bytes(), time.perf_counter()
         losses.append(step(x))
         times.append(time.perf_counter() - t0)
-        io.append(_disk_bytes() - io_before)
+        io = [after - before for after, before in zip(_disk_bytes(), io_before)]
     peak = sampler.stop()
     close()
     dist.destroy_process_group()
-    return {
-        "peak": peak,
-        "psi": psi,
-        "losses": losses,
-        "build_s": built - started,
-        "step_s": times[-1],
-        "disk_bytes": io[-1],
-    }
+    return {"peak": peak, "psi": psi, "losses": losses, "build_s": built - started, "step_s": times[-1], "io": io}
 
 
-def _disk_bytes() -> int:
-    """Bytes this process read from and wrote to storage (``/proc/self/io``)."""
+def _disk_bytes() -> tuple[int, int]:
+    """(read, written) bytes of storage IO by this process (``/proc/self/io``)."""
     fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
-    return int(fields["read_bytes"]) + int(fields["write_bytes"])
+    return int(fields["read_bytes"]), int(fields["write_bytes"])
 
 
-def measure(system: str, family: str, depth: int, world_size: int, nvme_path: str, timeout: float) -> dict:
-    outcome = launch_ranks(measure_rank, world_size, system, family, depth, nvme_path, timeout=timeout)
-    row = {"system": system, "model": family, "depth": depth}
+def time_left(args) -> float:
+    """Seconds a measurement may take: ``--timeout``, or less so as to end by ``--deadline``."""
+    return min(args.timeout, args.deadline - time.time())
+
+
+def measure(system: str, family: str, depth: int, args) -> dict:
+    started, row = time.perf_counter(), {"kind": "train", "system": system, "model": family, "depth": depth}
+    if time_left(args) < 60:
+        return {**row, "error": "not run: --deadline"}
+    outcome = launch_ranks(
+        measure_rank, 2, system, family, depth, args.width, args.tokens, args.nvme_path, timeout=time_left(args)
+    )
+    row["wall_s"] = time.perf_counter() - started
     if not outcome.ok:
         return {**row, "error": str(outcome.error).strip().splitlines()[-1][:200]}
     ranks = outcome.values
     losses = ranks[0]["losses"]
+    step_s = max(r["step_s"] for r in ranks)
+    read, written = (sum(r["io"][i] for r in ranks) for i in (0, 1))
     return {
         **row,
         "params": ranks[0]["psi"],
@@ -187,11 +243,96 @@ def measure(system: str, family: str, depth: int, world_size: int, nvme_path: st
         "trains": all(math.isfinite(v) for v in losses) and losses[1] < losses[0],
         "losses": losses,
         "build_s": max(r["build_s"] for r in ranks),
-        "step_s": max(r["step_s"] for r in ranks),
-        "disk_mb_per_s": sum(r["disk_bytes"] for r in ranks) / max(r["step_s"] for r in ranks) / 1e6,
+        "step_s": step_s,
+        "read_gb_per_step": read / 1e9,
+        "write_gb_per_step": written / 1e9,
+        "read_gb_per_s": read / 1e9 / step_s,
+        "write_gb_per_s": written / 1e9 / step_s,
     }
 
 
+# -- sharded loading ------------------------------------------------------------------------------------------------
+def write_checkpoint(path: Path, depth: int, width: int) -> dict:
+    """A bf16 Llama saved with ``save_pretrained`` in about 5 shards; returns its parameter count and size."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(llama_config(depth, width, 64)).to(torch.bfloat16)
+    psi = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(path, max_shard_size=max(2**20, 2 * psi // 5))
+    del model
+    files = list(path.glob("*.safetensors"))
+    return {"params": psi, "files": len(files), "bytes": sum(f.stat().st_size for f in files)}
+
+
+def load_rank(rank: int, world_size: int, system: str, path: str, depth: int, width: int) -> dict:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    started = time.perf_counter()
+    model, _ = build_model("llama", depth, width, 64, meta=True)
+    if system == "ours":
+        from ds_strategy.config import ZeroConfig
+        from ds_strategy.zero.engine import ZeroEngine
+
+        engine = ZeroEngine(model, None, ZeroConfig(stage=3))
+        build_s = time.perf_counter() - started
+        largest_unit = max(sum(fp.padded_numel * 4 for fp in unit.flat_params) for unit in engine.units)
+        largest_tensor = max(slot.numel * 4 for fp in engine.flat_params for slot in fp.slots)
+        dist.barrier()
+        with PeakRssAnon() as peak:
+            started = time.perf_counter()
+            engine.load_weights(path)
+            seconds = time.perf_counter() - started
+        engine.remove_hooks()
+        extra = {"largest_unit": largest_unit, "largest_tensor": largest_tensor}
+    else:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        from torch.distributed.fsdp import fully_shard
+        from transformers import LlamaForCausalLM
+
+        for block in blocks_of(model, "llama"):
+            fully_shard(block)
+        fully_shard(model)
+        model.to_empty(device="cpu")
+        build_s = time.perf_counter() - started
+        dist.barrier()
+        with PeakRssAnon() as peak:
+            started = time.perf_counter()
+            full = LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float32).state_dict() if rank == 0 else {}
+            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+            set_model_state_dict(model, full, options=options)
+            del full
+            seconds = time.perf_counter() - started
+        extra = {}
+    dist.destroy_process_group()
+    return {"growth": peak.growth, "peak": peak.peak, "seconds": seconds, "build_s": build_s, **extra}
+
+
+def measure_loading(path: Path, depth: int, args, checkpoint: dict) -> list[dict]:
+    rows = []
+    for system in ("ours", "fsdp2"):
+        row = {"kind": "load", "system": system, "model": "llama", "depth": depth, **checkpoint}
+        outcome = launch_ranks(load_rank, 2, system, str(path), depth, args.width, timeout=max(1, time_left(args)))
+        if not outcome.ok:
+            rows.append({**row, "error": str(outcome.error).strip().splitlines()[-1][:200]})
+        else:
+            ranks = outcome.values
+            rows.append(
+                {
+                    **row,
+                    "growth_per_rank": [r["growth"] for r in ranks],
+                    "peak_per_rank": max(r["peak"] for r in ranks),
+                    "seconds": max(r["seconds"] for r in ranks),
+                    "build_s": max(r["build_s"] for r in ranks),
+                    **{k: ranks[0][k] for k in ("largest_unit", "largest_tensor") if k in ranks[0]},
+                }
+            )
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+# -- fits and results -----------------------------------------------------------------------------------------------
 def fit(rows: list[dict]) -> tuple[float, float] | None:
     """(fixed bytes, bytes per parameter) per rank: least squares through the sizes that trained."""
     points = [(r["params"], r["peak_per_rank"]) for r in rows if r.get("trains")]
@@ -203,9 +344,9 @@ def fit(rows: list[dict]) -> tuple[float, float] | None:
     return (sy - slope * sx) / n, slope
 
 
-def predict(line: tuple[float, float], budget: int, world_size: int, system: str, free_disk: int) -> dict:
+def predict(line: tuple[float, float], budget: int, system: str, free_disk: int) -> dict:
     fixed, slope = line
-    by_memory = (budget / world_size - fixed) / slope if slope > 0 else math.inf
+    by_memory = (budget / 2 - fixed) / slope if slope > 0 else math.inf
     by_disk = free_disk / NVME_DISK_BYTES_PER_PARAM if "nvme" in system else math.inf
     return {
         "bytes_per_param_per_rank": slope,
@@ -217,72 +358,35 @@ def predict(line: tuple[float, float], budget: int, world_size: int, system: str
     }
 
 
-def depth_for(family: str, params: float) -> int:
-    """The depth whose model has about ``params`` parameters at this width."""
-    per_block = 12 * WIDTH * WIDTH if family == "gpt" else 4 * WIDTH * WIDTH + 3 * WIDTH * int(WIDTH * 2.75)
-    return max(1, int((params - 2 * VOCAB * WIDTH) // per_block))
+def fits_of(rows: list[dict], budget: int, free_disk: int) -> dict:
+    fits = {}
+    for key in dict.fromkeys((r["system"], r["model"]) for r in rows if r["kind"] == "train"):
+        line = fit([r for r in rows if r["kind"] == "train" and (r["system"], r["model"]) == key])
+        if line is not None:
+            fits["/".join(key)] = predict(line, budget, key[0], free_disk)
+    return fits
 
 
-def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {SYSTEMS}")
-    parser.add_argument("--models", default="gpt,llama", help="gpt, llama or both")
-    parser.add_argument("--depths", default="2,4,8", help="depths measured (width 1024: ~12.6M params a block)")
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--budget-gib", type=float, default=None, help="memory budget, all ranks (default: MemTotal)")
-    parser.add_argument("--nvme-path", default=tempfile.gettempdir())
-    parser.add_argument("--run-largest", action="store_true", help="then train each of our predicted limits")
-    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per measurement")
-    parser.add_argument("--name", default="scale")
-    return parser.parse_args(argv)
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    budget = int(args.budget_gib * 2**30) if args.budget_gib else machine
-    free_disk = shutil.disk_usage(args.nvme_path).free
-    rows, fits = [], {}
-    for family in args.models.split(","):
-        for system in args.systems.split(","):
-            measured = []
-            for depth in map(int, args.depths.split(",")):
-                measured.append(measure(system, family, depth, args.world_size, args.nvme_path, args.timeout))
-                print(json.dumps(measured[-1]), flush=True)
-            rows += measured
-            line = fit(measured)
-            if line is not None:
-                fits[f"{system}/{family}"] = predict(line, budget, args.world_size, system, free_disk)
-                if args.run_largest and system in OURS:
-                    depth = depth_for(family, 0.9 * fits[f"{system}/{family}"]["limit"])
-                    largest = measure(system, family, depth, args.world_size, args.nvme_path, args.timeout)
-                    rows.append({**largest, "predicted_largest": True})
-                    print(json.dumps(rows[-1]), flush=True)
-    command = "python benchmarks/scale.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    write_results(args.name, command, rows, fits, budget, free_disk, args.world_size)
-    return 0
-
-
-def write_results(
-    name: str, command: str, rows: list[dict], fits: dict, budget: int, free_disk: int, world_size: int
-) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
+def write_results(args, command: str, rows: list[dict], budget: int, free_disk: int, done: bool) -> None:
+    fits = fits_of(rows, budget, free_disk)
+    status = "" if done else " (partial: still running or stopped before the end)"
     lines = [
-        f"`{command}`: {world_size} gloo ranks, {os.cpu_count()} cores, budget {budget / 2**30:.1f} GiB, "
-        f"free disk {free_disk / 1e9:.0f} GB, batch 1x{TOKENS} tokens per rank, width {WIDTH}",
+        f"`{command}`{status}: 2 gloo ranks, {os.cpu_count()} cores, memory {budget / 2**30:.1f} GiB, free disk "
+        f"{free_disk / 1e9:.0f} GB, width {args.width}, batch 1x{args.tokens} tokens per rank, fp32, "
+        f"AdamW lr {args.lr:g}, MALLOC_MMAP_THRESHOLD_={MAP_LARGE_BLOCKS_BYTES} on every rank",
         "",
-        "| system | model | params | peak RssAnon / rank | trains | s/step | disk MB/s |",
-        "|---|---|---|---|---|---|---|",
+        "| system | model | params | peak RssAnon / rank | trains | s/step | read GB/step | write GB/step | "
+        "read GB/s | write GB/s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
+    for r in (r for r in rows if r["kind"] == "train"):
         if "error" in r:
-            lines.append(f"| {r['system']} | {r['model']} | depth {r['depth']} | failed: {r['error']} | | | |")
+            lines.append(f"| {r['system']} | {r['model']} | depth {r['depth']} | failed: {r['error']} ||||||")
             continue
         lines.append(
-            f"| {r['system']}{' (predicted largest)' if r.get('predicted_largest') else ''} | {r['model']} | "
-            f"{r['params'] / 1e6:,.0f}M | {r['peak_per_rank'] / 2**30:.2f} GiB | "
-            f"{'yes' if r['trains'] else 'no'} "
-            f"| {r['step_s']:.1f} | {r['disk_mb_per_s']:.0f} |"
+            f"| {r['system']} | {r['model']} | {_params(r['params'])} | {r['peak_per_rank'] / 2**30:.2f} GiB | "
+            f"{'yes' if r['trains'] else 'no'} | {r['step_s']:.1f} | {r['read_gb_per_step']:.2f} | "
+            f"{r['write_gb_per_step']:.2f} | {r['read_gb_per_s']:.2f} | {r['write_gb_per_s']:.2f} |"
         )
     lines += [
         "",
@@ -295,33 +399,51 @@ def write_results(
             f"{_billions(f['limit_by_memory'])} | {_billions(f['limit_by_disk'])} | {_billions(f['limit'])} "
             f"({f['bound']}) |"
         )
-    (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
-    (RESULTS / f"{name}.json").write_text(
-        json.dumps(
-            {"command": command, "rows": rows, "fits": fits, "budget": budget, "free_disk": free_disk},
-            indent=1,
-            default=str,
-        )
-    )
-    _plot(RESULTS / f"{name}.png", rows)
-    print("\n".join(lines))
-
-
-def _billions(value: float) -> str:
-    return "unbounded" if math.isinf(value) else f"{value / 1e9:.2f}B"
+    loads = [r for r in rows if r["kind"] == "load"]
+    if loads:
+        lines += [
+            "",
+            "| load into 2 ranks | checkpoint | peak RssAnon growth / rank | peak RssAnon / rank | build s | load s |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in loads:
+            what = f"{_params(r['params'])} bf16, {r['files']} files, {r['bytes'] / 1e9:.1f} GB"
+            if "error" in r:
+                lines.append(f"| {r['system']} | {what} | failed: {r['error']} | | | |")
+                continue
+            growth = " / ".join(f"{g / 2**30:.2f}" for g in r["growth_per_rank"])
+            bound = (
+                f" (unit {r['largest_unit'] / 2**30:.2f} + tensor {r['largest_tensor'] / 2**30:.2f})"
+                if "largest_unit" in r
+                else ""
+            )
+            name = "ours: stage 3 on meta + load_pretrained" if r["system"] == "ours" else r["system"]
+            if r["system"] == "fsdp2":
+                name = "FSDP2: fully_shard + from_pretrained (rank 0) + set_model_state_dict(broadcast_from_rank0)"
+            lines.append(
+                f"| {name} | {what} | {growth} GiB{bound} | {r['peak_per_rank'] / 2**30:.2f} GiB | "
+                f"{r['build_s']:.1f} | {r['seconds']:.1f} |"
+            )
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{args.name}.md").write_text("\n".join(lines) + "\n")
+    payload = {"command": command, "done": done, "rows": rows, "fits": fits, "budget": budget, "free_disk": free_disk}
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(payload, indent=1, default=str))
+    _plot(RESULTS / f"{args.name}.png", [r for r in rows if r["kind"] == "train" and "error" not in r])
 
 
 def _plot(path: Path, rows: list[dict]) -> None:
-    import matplotlib
+    """Peak RssAnon per rank against parameters, one line per system and model (skipped without matplotlib)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(7, 4.5))
-    for key in dict.fromkeys((r["system"], r["model"]) for r in rows if "error" not in r):
-        points = sorted(
-            (r["params"], r["peak_per_rank"]) for r in rows if "error" not in r and (r["system"], r["model"]) == key
-        )
+    for key in dict.fromkeys((r["system"], r["model"]) for r in rows):
+        points = sorted((r["params"], r["peak_per_rank"]) for r in rows if (r["system"], r["model"]) == key)
         axes.plot([p / 1e6 for p, _ in points], [m / 2**30 for _, m in points], marker="o", label="/".join(key))
     axes.set_xlabel("parameters (M)")
     axes.set_ylabel("peak RssAnon per rank (GiB)")
@@ -329,6 +451,88 @@ def _plot(path: Path, rows: list[dict]) -> None:
     axes.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def _params(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:,.0f}M"
+
+
+def _billions(value: float) -> str:
+    return "unbounded" if math.isinf(value) else f"{value / 1e9:.2f}B"
+
+
+def _plan_of(rows: str) -> list[tuple[str, str, tuple[int, ...]]]:
+    """``--rows``: "load" or "system/model/depth" items, comma-separated, as a plan."""
+    plan = []
+    for item in rows.split(","):
+        if item == "load":
+            plan.append(LOAD)
+            continue
+        system, model, depth = item.split("/")
+        if system not in SYSTEMS or model not in ("gpt", "llama"):
+            raise SystemExit(f"--rows item {item!r}: system must be one of {SYSTEMS}, model gpt or llama")
+        plan.append((system, model, (int(depth),)))
+    return plan
+
+
+def _epoch_of(hh_mm: str) -> float:
+    """The next time it is ``hh_mm`` UTC, in seconds since the epoch."""
+    now = time.time()
+    hours, minutes = map(int, hh_mm.split(":"))
+    today = now - now % 86400 + hours * 3600 + minutes * 60
+    return today if today > now else today + 86400
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="width 256, depths 1-2, a 4-block checkpoint")
+    parser.add_argument("--width", type=int, default=None, help="model width (default 2048; --quick 256)")
+    parser.add_argument("--tokens", type=int, default=16, help="tokens per rank per step")
+    parser.add_argument("--load-depth", type=int, default=None, help="Llama blocks of the checkpoint (default 20)")
+    parser.add_argument("--skip-loading", action="store_true")
+    parser.add_argument("--rows", default=None, help="instead of the plan: system/model/depth,... and/or load")
+    parser.add_argument("--nvme-path", default=None, help="NVMe files and the checkpoint go here (removed after)")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per measurement")
+    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate of every system")
+    parser.add_argument("--deadline", default=None, help="UTC HH:MM: measurements are cut off at it")
+    parser.add_argument("--name", default=None, help="results/<name>.{md,json} (default scale, or scale-quick)")
+    args = parser.parse_args(argv)
+    args.width = args.width or (256 if args.quick else 2048)
+    args.load_depth = args.load_depth or (4 if args.quick else 20)
+    args.name = args.name or ("scale-quick" if args.quick else "scale")
+    args.deadline = _epoch_of(args.deadline) if args.deadline else math.inf
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    command = "python benchmarks/scale.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MAP_LARGE_BLOCKS_BYTES)  # ranks inherit it: see the docstring
+    os.environ["DS_STRATEGY_SCALE_LR"] = str(args.lr)
+    scratch = Path(tempfile.mkdtemp(prefix="ds-strategy-scale-", dir=args.nvme_path))
+    args.nvme_path = str(scratch / "nvme")
+    Path(args.nvme_path).mkdir()
+    budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    free_disk = shutil.disk_usage(scratch).free
+    rows: list[dict] = []
+    try:
+        plan = _plan_of(args.rows) if args.rows else QUICK_PLAN if args.quick else FULL_PLAN
+        for system, family, depths in plan:
+            if (system, family, depths) == LOAD:
+                if not args.skip_loading and time_left(args) > 300:
+                    checkpoint = write_checkpoint(scratch / "checkpoint", args.load_depth, args.width)
+                    rows += measure_loading(scratch / "checkpoint", args.load_depth, args, checkpoint)
+                    shutil.rmtree(scratch / "checkpoint")
+            for depth in depths:
+                rows.append(measure(system, family, depth, args))
+                print(json.dumps(rows[-1]), flush=True)
+            write_results(args, command, rows, budget, free_disk, done=False)
+        write_results(args, command, rows, budget, free_disk, done=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    print((RESULTS / f"{args.name}.md").read_text())
+    return 0
 
 
 if __name__ == "__main__":

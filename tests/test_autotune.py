@@ -65,6 +65,7 @@ def _by(result, stage, micro_batch):
     return trial
 
 
+@pytest.mark.slow
 def test_configurations_the_estimate_puts_over_budget_are_rejected_without_running(tuned):
     _, result = tuned
     for micro_batch in (8, 4, 1):
@@ -72,6 +73,7 @@ def test_configurations_the_estimate_puts_over_budget_are_rejected_without_runni
         assert trial.status == "rejected" and "estimate" in trial.reason and trial.seconds == 0.0
 
 
+@pytest.mark.slow
 def test_a_crashing_trial_is_recorded_as_failed_with_its_exit_code(tuned):
     _, result = tuned
     crashed = _by(result, 2, 8)
@@ -79,6 +81,7 @@ def test_a_crashing_trial_is_recorded_as_failed_with_its_exit_code(tuned):
     assert f"exited with code {CRASH_EXIT_CODE}" in crashed.reason
 
 
+@pytest.mark.slow
 def test_the_rest_run_and_the_best_is_the_fastest_measured(tuned):
     _, result = tuned
     measured = [_by(result, 2, 4), _by(result, 2, 1)]
@@ -87,6 +90,7 @@ def test_the_rest_run_and_the_best_is_the_fastest_measured(tuned):
     assert result.best is max(measured, key=lambda t: t.samples_per_s)
 
 
+@pytest.mark.slow
 def test_the_winner_is_written_as_hydra_yaml_and_deepspeed_json(tuned, tmp_path):
     tuner, result = tuned
     yaml_path, json_path = tuner.write(result, tmp_path / "strategy" / "autotuned.yaml", tmp_path / "ds.json")

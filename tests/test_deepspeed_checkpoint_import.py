@@ -123,6 +123,7 @@ def update_error(ours: dict, theirs: dict, saved: dict) -> float:
     return max(((ours[n] - theirs[n]).norm() / (theirs[n] - saved[n]).norm().clamp_min(1e-12)).item() for n in theirs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(recipe.CASES))
 def test_imported_weights_equal_deepspeeds_own_consolidation(imported, references, case):
     """The fp32 master weights, tied names included, are bit for bit what DeepSpeed's zero_to_fp32 extracts."""
@@ -141,6 +142,7 @@ def test_imported_weights_equal_deepspeeds_own_consolidation(imported, reference
     + [(2, label) for label in CROSS_STAGE]
     + [(4, c) for c in FOUR_RANKS],
 )
+@pytest.mark.slow
 def test_resumed_training_matches_deepspeed_continuing(imported, resumed, references, world_size, label):
     case = CROSS_STAGE[label][0] if label in CROSS_STAGE else label
     reference = references[case]
@@ -160,6 +162,7 @@ def test_resumed_training_matches_deepspeed_continuing(imported, resumed, refere
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_fp16_loss_scaler_resumes_where_deepspeed_left_it(resumed, references, world_size):
     """DeepSpeed's scale schedule continues: the same steps overflow and are skipped, counted since step 0."""
@@ -170,6 +173,7 @@ def test_fp16_loss_scaler_resumes_where_deepspeed_left_it(resumed, references, w
     assert scaler["cur_scale"] == reference["loss_scales"][-1]
 
 
+@pytest.mark.slow
 def test_update_error_bound_rejects_a_resume_without_adam_moments(imported, references):
     """Negative control for the 16-bit bound: the same resume with fresh Adam moments is far outside it."""
     resume(0, 1, imported, {"zero2_bf16": ("zero2_bf16", None)}, load_optimizer=False)

@@ -256,6 +256,7 @@ def _reference():
     return {f"net.{k}": v for k, v in model.state_dict().items()}, 0.05 * min((LIGHTNING_STEPS - 1) / 4, 1.0)
 
 
+@pytest.mark.slow
 def test_lightning_module_without_an_optimizer_trains_from_the_config_sections_and_checks_deepspeeds_rules():
     ranks = run_ranks(_fit_from_sections, WORLD, timeout=240)
     reference, last_lr = _reference()

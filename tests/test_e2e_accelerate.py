@@ -17,6 +17,8 @@ from e2e_runs import (
 from ds_strategy import cli
 from ds_strategy.accelerate import ZeroAccelerator, load_zero_config
 
+pytestmark = pytest.mark.slow  # multi-rank scenarios of tens of seconds: not in the fast tier
+
 
 def _yaml_with(tmp_path, extra: str) -> str:
     """configs/accelerate/zero2.yaml with ``extra`` lines appended (a free port keeps parallel runs apart)."""

@@ -8,6 +8,8 @@ from e2e_runs import EXAMPLES, PYTHON, assert_sharded_checkpoint, assert_trained
 
 from ds_strategy import ZeroFabricStrategy
 
+pytestmark = pytest.mark.slow  # multi-rank scenarios of tens of seconds: not in the fast tier
+
 
 def test_fabric_trains_sharded_by_strategy_name_and_saves_a_sharded_checkpoint(tmp_path):
     run(

@@ -9,6 +9,8 @@ from e2e_runs import EXAMPLES, PYTHON, SCRIPTS, assert_trained_sharded, run
 
 from ds_strategy import ZeroStrategy
 
+pytestmark = pytest.mark.slow  # multi-rank scenarios of tens of seconds: not in the fast tier
+
 
 def test_pytorch_lightning_trainer_trains_sharded_by_strategy_name(tmp_path):
     run([PYTHON, SCRIPTS / "lightning_by_name.py", "pytorch_lightning", "zero1", tmp_path])

@@ -13,6 +13,8 @@ import ds_strategy
 from ds_strategy.config import ZeroConfig
 from ds_strategy.zero.engine import ZeroEngine
 
+pytestmark = pytest.mark.slow  # multi-rank scenarios of tens of seconds: not in the fast tier
+
 
 def _engine(optimizer_cls=torch.optim.AdamW, stage: int = 2, **optimizer_kwargs):
     torch.manual_seed(0)

@@ -129,6 +129,7 @@ def _totals(report: dict) -> dict:
     return {kind: sum(places.values()) for kind, places in report.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", STAGES)
 def test_estimate_is_within_10_percent_of_peak_memory_report(measured, stage):
     estimate = estimate_memory(models.TinyGPT(), 2, stage, precision="32-true", config=ZeroConfig(stage=stage, **ZERO))
@@ -138,6 +139,7 @@ def test_estimate_is_within_10_percent_of_peak_memory_report(measured, stage):
         assert report[kind] == pytest.approx(sum(estimate.bytes[kind].values()), rel=0.10)
 
 
+@pytest.mark.slow
 def test_nvme_optimizer_offload_below_stage_3_puts_the_optimizer_state_on_nvme():
     estimate = estimate_memory(PSI, N, stage=2, offload_optimizer="nvme", precision="bf16-mixed")
     assert estimate.nvme >= 12 * PSI / N

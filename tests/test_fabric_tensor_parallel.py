@@ -16,6 +16,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ds_strategy import ZeroFabricStrategy
 
+pytestmark = pytest.mark.slow  # multi-rank scenarios of tens of seconds: not in the fast tier
+
 
 def parallelize(model, device_mesh):
     """What a ModelParallelStrategy user passes as ``parallelize_fn``."""

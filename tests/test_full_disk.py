@@ -30,6 +30,8 @@ from ds_strategy.models import GPT, GPTConfig
 from ds_strategy.offload import OffloadIOError, OffloadSetupError
 from ds_strategy.zero.engine import ZeroEngine
 
+pytestmark = pytest.mark.slow  # multi-rank scenarios of tens of seconds: not in the fast tier
+
 EFBIG = "[Errno 27] File too large (EFBIG)"
 SHARD_LIMIT = 64 << 10  # below a TinyGPT zero2 shard file on 2 ranks (about 260 KiB)
 META_LIMIT = 1 << 20  # above every shard file, below the meta.pt holding a 2 MiB extra tensor

@@ -12,6 +12,8 @@ from models import EDGE_MODELS, MLP, FrozenParamModel, OddSizeModel, TinyGPT, pa
 from ds_strategy.data import CharDataset, SyntheticTokens, stdlib_tokens
 from ds_strategy.models import GPT, gpt_config
 
+pytestmark = pytest.mark.slow  # multi-rank scenarios of tens of seconds: not in the fast tier
+
 
 def _all_reduce_rank(rank, world_size):
     t = torch.tensor([float(rank + 1)])

@@ -49,6 +49,7 @@ def test_bad_value_names_the_override():
         zero_config(cfg.strategy, cfg.precision)
 
 
+@pytest.mark.slow
 def test_bad_override_fails_before_any_process_starts(tmp_path):
     result = run([PYTHON, EXAMPLES / "train.py", "strategy.stage=5", f"hydra.run.dir={tmp_path}"], check=False)
     assert result.returncode != 0
@@ -56,6 +57,7 @@ def test_bad_override_fails_before_any_process_starts(tmp_path):
     assert "Initializing distributed" not in output(result)
 
 
+@pytest.mark.slow
 def test_hydra_override_run_trains_sharded_on_two_processes(tmp_path):
     run(
         [

@@ -13,6 +13,8 @@ import ds_strategy
 from ds_strategy.accelerate import ZeroAccelerator
 from ds_strategy.config import ZeroConfig
 
+pytestmark = pytest.mark.slow  # multi-rank scenarios of tens of seconds: not in the fast tier
+
 
 def _assert_like_reference(ranks: list[dict], expected: dict) -> None:
     """Parameters within 1e-5 in norm (AdamW amplifies rounding in single entries, as training_loops explains),

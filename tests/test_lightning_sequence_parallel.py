@@ -20,6 +20,8 @@ from ds_strategy.parallel.mesh import mesh_shape
 from ds_strategy.parallel.ulysses import HF_ATTENTION_NAME, sequence_parallel_loss, shard_sequence
 from ds_strategy.zero.engine import ZeroEngine
 
+pytestmark = pytest.mark.slow  # multi-rank scenarios of tens of seconds: not in the fast tier
+
 STEPS, PER_RANK, SP, CLIP, RTOL = 3, 2, 2, 0.5, 1e-5
 LLAMA = {"hidden_size": 64, "num_attention_heads": 4}
 

@@ -13,6 +13,8 @@ from torch.utils.data import DataLoader, Subset, TensorDataset
 
 import ds_strategy  # noqa: F401  (registers the strategy names)
 
+pytestmark = pytest.mark.slow  # multi-rank scenarios of tens of seconds: not in the fast tier
+
 STEPS, ACCUMULATE, BATCH, WORLD = 4, 2, 4, 2
 
 

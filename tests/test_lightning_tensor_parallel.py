@@ -17,6 +17,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ds_strategy
 
+pytestmark = pytest.mark.slow  # multi-rank scenarios of tens of seconds: not in the fast tier
+
 
 class LlamaModule(L.LightningModule):
     """``own_plan``: configure_model parallelizes the layers itself; else the strategy's ``tensor_parallel_plan``."""

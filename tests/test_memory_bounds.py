@@ -14,6 +14,8 @@ from ds_strategy.config import ZeroConfig
 from ds_strategy.models import GPT, GPTConfig, weight_decay_groups
 from ds_strategy.zero.engine import ZeroEngine
 
+pytestmark = pytest.mark.slow  # multi-rank scenarios of tens of seconds: not in the fast tier
+
 STAGES = (1, 2, 3)
 SLOW_S = 0.02
 

@@ -5,6 +5,8 @@ import pytest
 from distributed import run_ranks
 from training_loops import Recipe, train_stages
 
+pytestmark = pytest.mark.slow  # multi-rank scenarios of tens of seconds: not in the fast tier
+
 RECIPE = Recipe(model="TinyGPT", steps=1, accumulate=1)
 STAGES = (0, 1, 2)
 

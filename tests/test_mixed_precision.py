@@ -25,6 +25,8 @@ from ds_strategy.models import gpt_config
 from ds_strategy.precision import autocast_for
 from ds_strategy.zero.engine import ZeroEngine
 
+pytestmark = pytest.mark.slow  # multi-rank scenarios of tens of seconds: not in the fast tier
+
 WORLD = 2
 STEPS = 20
 PER_RANK_BATCH = 4

@@ -18,6 +18,8 @@ from multinode_runs import WORLD_SIZE, differing, rank_records, run_nodes
 from ds_strategy.checkpoint import consolidate
 from ds_strategy.models import GPT, gpt_config
 
+pytestmark = pytest.mark.slow  # multi-rank scenarios of tens of seconds: not in the fast tier
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, tuple[Path, list[dict]]]:

@@ -1,7 +1,13 @@
 """With parameters and optimizer on NVMe (stage 3), anonymous resident memory per rank does not grow with the model:
-two GPTs of one width (so one working set: a unit gathered, its gradient scratch, the swap buffers) and depths
-giving ~14M and ~57M parameters peak within 0.25 bytes per added parameter of each other, construction and
-training included, and the NVMe run trains exactly as the same run with everything in memory."""
+two GPTs of one width (so one working set: units gathered, their gradient scratch, the swap buffers) and depths
+giving ~7M and ~50M parameters peak within 0.25 bytes per added parameter per rank of each other, construction and
+training included, and the NVMe run trains exactly as the same run with everything in memory.
+
+The ranks start with glibc's default allocator settings (no ``MALLOC_MMAP_THRESHOLD_``): returning freed unit
+buffers is the engine's job (Note: [Large host blocks are mapped and unmapped] in ``ds_strategy.host_memory``);
+without it this slope is 4-7 bytes per parameter, with it -0.3 to 0.1. Two tokens keep activations, which do grow
+with depth, near 0.03 bytes per parameter, and the depths differ by 24 blocks so that what a peak catches in
+flight moves the slope little."""
 
 import pytest
 import torch
@@ -12,9 +18,11 @@ from ds_strategy.host_memory import PeakRssAnon
 from ds_strategy.models import GPT, GPTConfig, weight_decay_groups
 from ds_strategy.zero.engine import ZeroEngine
 
-WIDTH, TOKENS = 768, 16
-DEPTHS = (2, 8)
+WIDTH, TOKENS = 384, 2
+DEPTHS = (4, 28)
 BOUND_B_PER_PARAM = 0.25
+
+pytestmark = pytest.mark.slow
 
 
 def _train(depth: int, options: dict, steps: int = 2) -> dict:
@@ -40,36 +48,36 @@ def _train(depth: int, options: dict, steps: int = 2) -> dict:
 
 
 def nvme_and_in_memory(rank: int, world_size: int, nvme_path: str) -> dict:
-    nvme = {"offload_optimizer": "nvme", "offload_params": "nvme", "nvme_path": nvme_path, "buffer_size": 1 << 20}
+    """The in-memory run, then the same run on NVMe (compared bitwise; it also takes the one-time costs of a first
+    NVMe run in a process: threads, pools, lazily imported code), then the two measured NVMe runs, smaller first,
+    so that whatever one leaves behind can only raise the slope."""
+    nvme = {"offload_optimizer": "nvme", "offload_params": "nvme", "nvme_path": nvme_path, "buffer_size": 1 << 18}
+    nvme["overlap_comm"] = False  # each reduction finished before the next: a peak that does not hang on timing
     small, large = DEPTHS
-    runs = {large: _train(large, nvme)}
-    runs[large].pop("state")  # nothing of one run may stay alive while the next is measured
-    runs[small] = _train(small, nvme)
     in_memory = _train(small, {})
+    first = _train(small, nvme)
+    same_losses = first["losses"] == in_memory["losses"]
+    same_params = all(torch.equal(first["state"][k], v) for k, v in in_memory["state"].items())
+    del first, in_memory
+    runs = {small: _train(small, nvme)}
+    runs[small].pop("state")  # nothing of one run may stay alive while the next is measured
+    runs[large] = _train(large, nvme)
     return {
         "peak": {d: r["peak"] for d, r in runs.items()},
         "psi": {d: r["psi"] for d, r in runs.items()},
-        "same_losses": runs[small]["losses"] == in_memory["losses"],
-        "same_params": all(torch.equal(runs[small]["state"][k], v) for k, v in in_memory["state"].items()),
+        "same_losses": same_losses,
+        "same_params": same_params,
     }
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory, monkeypatch_module):
-    # large blocks are then always mmap-ed and returned on free, so RssAnon is what is alive, not heap slack
-    monkeypatch_module.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+def measured(tmp_path_factory):
     return run_ranks(nvme_and_in_memory, 2, str(tmp_path_factory.mktemp("nvme")), timeout=300)
 
 
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as patch:
-        yield patch
-
-
 def test_anonymous_memory_per_rank_does_not_grow_with_the_model(measured):
+    small, large = DEPTHS
     for rank in measured:
-        small, large = DEPTHS
         growth = (rank["peak"][large] - rank["peak"][small]) / (rank["psi"][large] - rank["psi"][small])
         assert growth <= BOUND_B_PER_PARAM, (growth, rank["peak"], rank["psi"])
 

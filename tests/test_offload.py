@@ -18,6 +18,8 @@ from distributed import run_ranks
 from ds_strategy.config import ZeroConfig
 from ds_strategy.zero.engine import ZeroEngine
 
+pytestmark = pytest.mark.slow  # multi-rank scenarios of tens of seconds: not in the fast tier
+
 STEPS, ACCUMULATE, GLOBAL_BATCH = 3, 2, 8
 NVME = {"buffer_size": 1024, "buffer_count": 3}  # many sub-groups per shard: the pipeline really streams
 

@@ -20,6 +20,8 @@ from ds_strategy.config import ZeroConfig
 from ds_strategy.offload import OffloadSetupError
 from ds_strategy.zero.engine import ZeroEngine
 
+pytestmark = pytest.mark.slow  # multi-rank scenarios of tens of seconds: not in the fast tier
+
 WIDTH = 2560  # two 2560x2560 layers: 13.1M parameters, Adam's moments 105 MB
 
 

@@ -4,6 +4,8 @@ import pytest
 from distributed import run_ranks
 from training_loops import Recipe, assert_matches, check_jobs, train_reference, train_stages
 
+pytestmark = pytest.mark.slow  # multi-rank scenarios of tens of seconds: not in the fast tier
+
 STAGES = (0, 1, 2)
 GPT = Recipe(model="TinyGPT")
 MLP = Recipe(model="MLP")

@@ -17,6 +17,8 @@ from pipeline_checkpoint_runs import run_jobs
 
 from ds_strategy.checkpoint import consolidate
 
+pytestmark = pytest.mark.slow  # multi-rank scenarios of tens of seconds: not in the fast tier
+
 MODELS = ("gpt", "llama")
 
 

@@ -26,6 +26,8 @@ from pipeline_runs import (
 from ds_strategy.parallel.mesh import mesh_shape
 from ds_strategy.parallel.pipeline_split import _balanced, plan_stages, split_blocks
 
+pytestmark = pytest.mark.slow  # multi-rank scenarios of tens of seconds: not in the fast tier
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
 STAGES = (0, 1, 2, 3)
 PARTITION_ALL = {"param_persistence_threshold": 0}  # the tiny models' parameters would all stay gathered

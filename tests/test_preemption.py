@@ -10,6 +10,8 @@ import pytest
 import torch
 from e2e_runs import EXIT_ABORT, SCRIPTS, output, run
 
+pytestmark = pytest.mark.slow  # multi-rank scenarios of tens of seconds: not in the fast tier
+
 FAULT_STEP, STEPS = 2, 4
 
 

@@ -13,6 +13,8 @@ from ds_strategy.config import ZeroConfig
 from ds_strategy.host_memory import PeakRssAnon
 from ds_strategy.zero.engine import ZeroEngine
 
+pytestmark = pytest.mark.slow  # multi-rank scenarios of tens of seconds: not in the fast tier
+
 # ~29 MB of fp32 weights: 8 blocks of 3.1 MB and a 4 MB embedding, so holding the model would dwarf the bound.
 SHAPE = {"vocab_size": 4096, "n_embd": 256, "n_layer": 8}
 MiB = 2**20

@@ -11,6 +11,8 @@ from ds_strategy.config import ZeroConfig
 from ds_strategy.profiler_ranges import PREFIX
 from ds_strategy.zero.engine import ZeroEngine
 
+pytestmark = pytest.mark.slow  # multi-rank scenarios of tens of seconds: not in the fast tier
+
 
 def _profiled_step(rank: int, world_size: int, zero: dict) -> set[str]:
     torch.manual_seed(0)

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from e2e_runs import REPO, SCRIPTS, output
 
+pytestmark = pytest.mark.slow  # multi-rank scenarios of tens of seconds: not in the fast tier
+
 LEAVE_BOUND_S = 1.0 + 4.0  # POLL_S, plus scheduling noise on a loaded machine
 EXIT_BOUND_S = 60.0  # the whole job gone: every process's teardown, far below the 300 s collective timeout
 

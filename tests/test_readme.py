@@ -8,6 +8,7 @@ import shlex
 import shutil
 from pathlib import Path
 
+import pytest
 from e2e_runs import PYTHON, REPO, assert_trained_sharded, output, run
 
 from ds_strategy.cli.config_table import documented_fields, markdown_tables
@@ -42,6 +43,7 @@ def test_ci_runs_the_test_command_in_a_virtual_environment_it_creates_outside_th
     assert "mktemp -d" in (REPO / ".ci/run").read_text(), "the venv must live outside the clone"
 
 
+@pytest.mark.slow
 def test_readme_main_job_command_trains_sharded():
     """The quick start's last step, with the same arguments, from the repository root as the README implies."""
     main_job, _ = _quick_start_commands()
@@ -56,6 +58,7 @@ def test_readme_main_job_command_trains_sharded():
         shutil.rmtree(out_dir, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_readme_usage_example_runs_and_halves_the_optimizer_state(tmp_path):
     (usage,) = _code_blocks("python")
     script = tmp_path / "usage.py"

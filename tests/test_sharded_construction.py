@@ -16,6 +16,8 @@ from ds_strategy.config import ZeroConfig
 from ds_strategy.zero.engine import ZeroEngine
 from ds_strategy.zero.placement import modules_by_unit
 
+pytestmark = pytest.mark.slow  # multi-rank scenarios of tens of seconds: not in the fast tier
+
 STEPS = 5
 STAGE3 = ZeroConfig(stage=3, param_persistence_threshold=0)
 

@@ -16,6 +16,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ds_strategy import ZeroFabricStrategy, ZeroStrategy
 
+pytestmark = pytest.mark.slow  # multi-rank scenarios of tens of seconds: not in the fast tier
+
 ZERO3 = {"stage": 3, "param_persistence_threshold": 0}
 
 

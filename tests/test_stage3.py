@@ -14,6 +14,8 @@ from ds_strategy.config import ZeroConfig
 from ds_strategy.models import GPT, gpt_config
 from ds_strategy.zero.engine import ZeroEngine
 
+pytestmark = pytest.mark.slow  # multi-rank scenarios of tens of seconds: not in the fast tier
+
 PARTITION_ALL = {"param_persistence_threshold": 0}
 
 

@@ -19,6 +19,8 @@ from tensor_parallel_runs import (
 from ds_strategy.checkpoint import consolidate
 from ds_strategy.parallel.mesh import mesh_shape
 
+pytestmark = pytest.mark.slow  # multi-rank scenarios of tens of seconds: not in the fast tier
+
 STAGES = (0, 1, 2, 3)
 
 

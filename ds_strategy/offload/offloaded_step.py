@@ -6,6 +6,24 @@ rank) and nothing else of the engine. It places parameter shards (:class:`ParamO
 engine's five calls: ``on_reduced`` (start a gradient's copy to the host), ``step`` (the host step, the user's
 ``optimizer.step()`` for what stayed on the device, and the write-back), ``places`` / ``own_tensors`` /
 ``describe`` (reports) and ``close`` (teardown: threads stopped, NVMe files removed).
+
+Note: [What NVMe offload keeps in memory]
+With stage 3, parameters and optimizer on NVMe, the files hold everything that grows with the model: per rank
+Ψ/N parameters in the compute dtype (c bytes), the fp32 master, k optimizer states (Adam: 2) and the reduced
+gradient shard, c + 4(1 + k) + g bytes per parameter / N. On a CPU device the gradient shard is accumulated in
+place through its file's shared map (file-backed pages the kernel writes back, unmapped after each step, never
+anonymous memory); on an accelerator it is copied to the file's map once reduced. What stays in anonymous memory
+per rank is the working set, bounded by units (Note: [The bound the peak is held to] in
+``ds_strategy.zero.memory_report``): gathered units, root + 2U elements x c; gradient scratch and reduce-scatter
+outputs, up to 2U x g + 2U/N x g; the NVMe swap buffers, ``buffer_count`` x S x (4(1 + k) + c) with S the
+sub-group size (at most ``buffer_size``); plus parameters below ``param_persistence_threshold``, activations and
+a fixed baseline (interpreter, libraries, threads). U is the largest unit's element count, so at fixed width the
+peak does not grow with depth: at width 2048 in fp32 (U = 50M, S = 4M) that is 0.4 + 0.4 + 0.27 GB over a ~0.3 GB
+baseline, and ``benchmarks/scale.py`` measured 1.37 GiB per rank at 204M parameters and 1.41 GiB at 1.01B;
+``tests/test_nvme_flat.py`` holds it to <= 0.25 bytes per added parameter per rank,
+which needs glibc to return freed unit buffers (Note: [Large host blocks are mapped and unmapped] in
+``ds_strategy.host_memory``): :meth:`OffloadedStep.shard_store`, the first thing an offloading engine calls, sets
+that up.
 """
 
 from __future__ import annotations
@@ -13,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ZeroConfig
+from ..host_memory import map_large_blocks
 from ..profiler_ranges import profiler_range
 from ..zero.flat_param import FlatParam
 from ..zero.memory_report import PLACES
@@ -27,7 +46,10 @@ class OffloadedStep:
 
     @staticmethod
     def shard_store(config: ZeroConfig, rank: int) -> ShardFiles | None:
-        """Stage-3 NVMe parameter shards go to files as the engine cuts them (see :class:`ShardFiles`)."""
+        """Stage-3 NVMe parameter shards go to files as the engine cuts them (see :class:`ShardFiles`). Called
+        before any unit is built, so large host blocks are returned on free from then on (see [What NVMe offload
+        keeps in memory])."""
+        map_large_blocks()
         if config.offload_params == "nvme" and config.plan.partitions_parameters:
             return ShardFiles(config.nvme_path, rank)
         return None
