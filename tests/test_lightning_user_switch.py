@@ -312,7 +312,9 @@ class _MeshModel(BoringModel):
 
 def _fit_on_mesh(rank: int, world_size: int, tensor_parallel_size: int) -> dict:
     trainer = _trainer(world_size, ds_strategy.ZeroStrategy(stage=2, tensor_parallel_size=tensor_parallel_size))
+    torch.manual_seed(rank)  # ranks built apart must still train one model (tp rank 0's, as DDP's rank 0's)
     module = _MeshModel()
+    torch.manual_seed(0)  # BoringModel's data comes from the generator: the same batches on every rank
     trainer.fit(module)
     return {"mesh": module.mesh_sizes, "state": trainer.strategy.lightning_module_state_dict()}
 

@@ -14,6 +14,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from ..comm.accounting import StepCommMeter
+from ..comm.process_exit import destroy_process_groups_at_exit
 from ..comm.rank_failure import report_failure
 from ..config import ZeroConfig
 from ..deepspeed.optimizer_section import OptimizerSections
@@ -132,6 +133,13 @@ class ZeroStrategyMixin(EngineOwnerMixin):
         if max(config.tensor_parallel_size, config.sequence_parallel_size, config.pipeline_parallel_size) > 1:
             self.parallel_mesh = mesh
         self.lightning_module._device_mesh = mesh.mesh
+        destroy_process_groups_at_exit(self._release_mesh)  # [Why every process group is destroyed at exit]
+
+    def _release_mesh(self) -> None:
+        """Drop the references to the mesh's groups held here and by the LightningModule, before they are destroyed."""
+        self.parallel_mesh = None
+        if self._lightning_module is not None:
+            self._lightning_module._device_mesh = None
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, int]:

@@ -12,9 +12,11 @@ state kept for an old tensor would not fit the local shard that replaced it, so 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -45,12 +47,25 @@ def parallelize_for_config(
     if plan is not None:
         resolved = tensor_parallel_plan(module, mesh.tp_size, sequence_parallel=config.sequence_parallel, plan=plan)
         apply_tensor_parallel_plan(module, mesh.tp_mesh, resolved)
-    if not _is_parallelized(module) and not replicate_unparallelized:
+    if _is_parallelized(module):
+        return
+    if not replicate_unparallelized:
         raise ValueError(
             f"tensor_parallel_size={mesh.tp_size} but {type(module).__name__} has no tensor-parallel parameters: "
             f"parallelize it in configure_model (parallelize_module on self.device_mesh['tensor_parallel']) or "
             f"pass tensor_parallel_plan='auto' or a plan dict"
         )
+    _replicate_over_tp(module, mesh)
+
+
+def _replicate_over_tp(module: nn.Module, mesh: ParallelMesh) -> None:
+    """Give every tensor-parallel rank of a replicated model tp rank 0's values, as DDP gives every rank rank 0's at
+    construction: the engine reduces over dp only, so tp ranks that started apart would train apart. Tensors still on
+    meta are left to the sharded build, which draws the same values on every rank."""
+    with torch.no_grad():
+        for tensor in itertools.chain(module.parameters(), module.buffers()):
+            if tensor.device.type != "meta":
+                dist.broadcast(tensor, group=mesh.tp_group, group_src=0)
 
 
 def parallelize_with_optimizer(
