@@ -273,6 +273,7 @@ def test_accelerate_prepare_refuses_what_it_cannot_shard_with_the_reason(acceler
     assert "holds parameters of no model being prepared" in foreign
 
 
+@pytest.mark.slow
 def test_accelerates_own_test_sync_checks_pass_under_zero_accelerator_at_stage_1():
     """accelerate's test_sync.py under ZeroAccelerator (2 processes, torchrun): every check passes or fails for a
     reason benchmarks/accelerate_scripts.py states (the full table over scripts and stages is that script's)."""

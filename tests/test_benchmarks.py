@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # multi-rank scenarios of tens of seconds: not in the fast tier
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 

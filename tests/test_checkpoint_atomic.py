@@ -65,6 +65,7 @@ def _kill_victim_once_it_has_written(procs: list, victim: int, flag: Path) -> No
     assert procs[victim].exitcode == -signal.SIGKILL
 
 
+@pytest.mark.slow
 def test_rank_killed_mid_save_leaves_previous_checkpoint_loadable_and_resumable(tmp_path):
     ctx = mp.get_context("spawn")
     procs = [

@@ -11,6 +11,8 @@ from checkpoint_chaos import KillPoint, draw, reference_run, run_trial
 from ds_strategy.checkpoint import latest, save
 from ds_strategy.checkpoint.directory import MANIFEST, partial_path, previous_path
 
+pytestmark = pytest.mark.slow  # multi-rank scenarios of tens of seconds: not in the fast tier
+
 TRIALS = 21  # three of each kill point
 
 

@@ -13,6 +13,8 @@ from e2e_runs import (
     thread_listings,
 )
 
+pytestmark = pytest.mark.slow  # multi-rank scenarios of tens of seconds: not in the fast tier
+
 
 def test_exit_with_gloo_work_in_flight_is_clean_once_collectives_exist():
     """The torch 2.13 reproducer (aborts about 1 run in 10 left ``bare``) exits 0 on every rank of 2 jobs."""

@@ -52,6 +52,7 @@ def test_keys_that_do_not_map_fail_naming_them(tmp_path):
         deepspeed_config_from_accelerate({"zero_stage": 2, "deepspeed_config_file": str(STAGE1_JSON)}, tmp_path)
 
 
+@pytest.mark.slow
 def test_accelerates_deepspeed_template_launches_two_process_training(tmp_path):
     """The template names its JSON relative to its own directory, as in accelerate's repository."""
     templates = tmp_path / "config_yaml_templates"
