@@ -111,9 +111,7 @@ class EngineOwnerMixin:
 
     def teardown(self) -> None:
         if self.engine is not None:
-            self.engine.reshard()
-            self.engine.remove_hooks()
-            remove_activation_checkpointing(self.engine.module)
+            release_engine(self.engine)
         else:  # setup failed: the error already raised must not be followed by another from moving meta tensors
             _drop_meta_tensors(getattr(self, "lightning_module", None))
         super().teardown()
@@ -137,3 +135,11 @@ def _drop_meta_tensors(module) -> None:
         for name, buffer in sub._buffers.items():
             if buffer is not None and buffer.is_meta:
                 sub._buffers[name] = torch.empty(0, dtype=buffer.dtype)
+
+
+def release_engine(engine: ZeroEngine) -> None:
+    """What a strategy's teardown undoes on its model: full parameters back to shards, the engine's hooks and its
+    activation checkpointing removed."""
+    engine.reshard()
+    engine.remove_hooks()
+    remove_activation_checkpointing(engine.module)

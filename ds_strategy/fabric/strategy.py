@@ -19,10 +19,9 @@ from torch import nn
 from torch._dynamo.eval_frame import OptimizedModule
 from torch.optim import Optimizer
 
-from ..activation_memory import remove_activation_checkpointing
 from ..config import ZeroConfig
 from ..deepspeed_config import config_from_deepspeed
-from ..engine_owner import EngineOwnerMixin, build_engine
+from ..engine_owner import EngineOwnerMixin, build_engine, release_engine
 from ..parallel.mesh import LIGHTNING_NAMES, ParallelMesh, build_parallel_mesh
 from ..parallel.prepare import parallelize_for_config, parallelize_with_optimizer, refuse_sequence_parallel
 from ..precision import autocast_for
@@ -223,9 +222,7 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
     def teardown(self) -> None:
         """Every engine's hooks removed; the first engine's by :class:`EngineOwnerMixin`, as for one model."""
         for engine in self.engines[1:]:
-            engine.reshard()
-            engine.remove_hooks()
-            remove_activation_checkpointing(engine.module)
+            release_engine(engine)
         super().teardown()
 
     def _parallelize(self, module: nn.Module) -> nn.Module:
