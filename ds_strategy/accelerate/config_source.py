@@ -38,19 +38,27 @@ def load_config(source: ZeroConfig | Mapping | str | os.PathLike | None = None) 
     written (only those present; empty for any other source)."""
     if isinstance(source, ZeroConfig):
         return source, {}
-    if source is None:
-        value = os.environ.get(ENV_VAR, "").strip()
-        if not value:
-            return ZeroConfig(), {}
-        source = json.loads(value) if value.startswith("{") else value
-        where = f"${ENV_VAR}"
-    else:
-        where = str(source) if not isinstance(source, Mapping) else "the ZeRO config mapping"
-    options = source if isinstance(source, Mapping) else read_config_file(source)
+    options, where = read_options(source)
+    if options is None:
+        return ZeroConfig(), {}
     try:
         return config_from_mapping(options)
     except ValueError as error:
         raise ValueError(f"{where}: {error}") from error
+
+
+def read_options(source: Mapping | str | os.PathLike | None) -> tuple[Mapping[str, Any] | None, str]:
+    """The mapping ``source`` holds as written (a file read; ``$DS_STRATEGY_CONFIG``, inline JSON or a file path,
+    for None) and where it came from, for errors; None when the variable is unset or empty."""
+    if source is None:
+        value = os.environ.get(ENV_VAR, "").strip()
+        if not value:
+            return None, f"${ENV_VAR}"
+        source = json.loads(value) if value.startswith("{") else value
+        where = f"${ENV_VAR}"
+    else:
+        where = str(source) if not isinstance(source, Mapping) else "the ZeRO config mapping"
+    return (source if isinstance(source, Mapping) else read_config_file(source)), where
 
 
 def read_config_file(path: str | os.PathLike) -> dict[str, Any]:

@@ -27,14 +27,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
-import os
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from ..accelerate.config_source import ENV_VAR, SECTION, config_from_mapping, read_config_file
+from ..accelerate.config_source import SECTION, config_from_mapping, read_options
 from ..config import ZeroConfig
 from ..deepspeed.optimizer_section import read_optimizer_sections
 from ..deepspeed.rule_kinds import AUTO
@@ -142,13 +140,10 @@ def _read(source: Any) -> dict[str, Any] | None:
     section opened), or None for a ZeroConfig or nothing configured."""
     if isinstance(source, ZeroConfig):
         return None
-    if source is None:
-        value = os.environ.get(ENV_VAR, "").strip()
-        if not value:
-            return None
-        source = json.loads(value) if value.startswith("{") else value
-    options = dict(source) if isinstance(source, Mapping) else read_config_file(source)
-    return dict(options[SECTION] or {}) if SECTION in options else options
+    options, _where = read_options(source)
+    if options is None:
+        return None
+    return dict(options[SECTION] or {}) if SECTION in options else dict(options)
 
 
 def _check_owned_by_trainer(zero: ZeroConfig, args: Any) -> None:
