@@ -424,10 +424,15 @@ def _fabric_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrai
     model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=1.0))
     if build.pretrained_seed is not None:
         fabric.strategy.load_pretrained(pretrained)
-    engine = fabric.strategy.engine
+    return _train_prepared(fabric.strategy.engine, model, optimizer, fabric.backward, layout, rank, built)
+
+
+def _train_prepared(engine, model, optimizer, backward, layout: Layout, rank: int, built: dict) -> dict:
+    """The steps of a Fabric or Accelerate cell once the entry point has set the model up: its own ``backward``
+    and the wrapped optimizer's ``step``/``zero_grad``, as a user's loop under it calls them."""
     initial = engine.full_state_dict(rank0_only=False)
     for x, y in _my_batches(layout, rank):
-        fabric.backward(_plain_loss(model, x, y))
+        backward(_plain_loss(model, x, y))
         optimizer.step()
         optimizer.zero_grad()
     held = set(engine.module.state_dict())
@@ -449,14 +454,7 @@ def _accelerate_entry(rank: int, build: Build, layout: Layout, fields: dict, pre
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=1.0))
     if build.pretrained_seed is not None:
         accelerator.load_pretrained(pretrained)
-    engine = accelerator.engine
-    initial = engine.full_state_dict(rank0_only=False)
-    for x, y in _my_batches(layout, rank):
-        accelerator.backward(_plain_loss(model, x, y))
-        optimizer.step()
-        optimizer.zero_grad()
-    held = set(engine.module.state_dict())
-    return _outcome(initial, engine.full_state_dict(rank0_only=False), held, built)
+    return _train_prepared(accelerator.engine, model, optimizer, accelerator.backward, layout, rank, built)
 
 
 ENTRY_RUNNERS = {
