@@ -83,7 +83,7 @@ from ds_strategy.engine_owner import build_engine, cut_for_pipeline
 from ds_strategy.host_memory import PeakRssAnon
 from ds_strategy.models import GPT, GPTConfig, weight_decay_groups
 from ds_strategy.parallel.mesh import build_parallel_mesh
-from ds_strategy.parallel.pipeline import PipelineRunner, ZeroPipelineStage
+from ds_strategy.compose.pipeline_runner import PipelineRunner, ZeroPipelineStage
 from ds_strategy.parallel.pipeline_schedules import SCHEDULES, stages_per_rank
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -50,7 +50,7 @@ def build_engine(
     over its tensor-parallel group; without one (or with tp=1) inputs stay whole, as DeepSpeed does without a
     model-parallel unit. With a ``stage_plan`` (``module`` already cut by :func:`cut_for_pipeline`) the engine
     holds this rank's pipeline stages: its units are the plan's blocks, it spans the pipeline group in norms and
-    takes gradients from :class:`~ds_strategy.parallel.pipeline.PipelineRunner` (Note: [Pipeline gradients]).
+    takes gradients from :class:`~ds_strategy.compose.pipeline_runner.PipelineRunner` (Note: [Pipeline gradients]).
     """
     if config.has_auto_values:
         config = config.resolve_auto(hidden_size_of(module))

@@ -300,8 +300,8 @@ def _engine_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrai
     from ds_strategy.config import ZeroConfig
     from ds_strategy.engine_owner import build_engine, cut_for_pipeline
     from ds_strategy.parallel.mesh import build_parallel_mesh
-    from ds_strategy.parallel.pipeline import PipelineRunner
-    from ds_strategy.parallel.prepare import parallelize_for_config
+    from ds_strategy.compose.pipeline_runner import PipelineRunner
+    from ds_strategy.compose.tensor_parallel import parallelize_for_config
     from ds_strategy.parallel.ulysses import attend_with_ulysses
 
     config = ZeroConfig(**fields)

@@ -16,7 +16,7 @@ from ds_strategy.checkpoint.rank_state import master_base, stored_names
 from ds_strategy.config import ZeroConfig
 from ds_strategy.engine_owner import build_engine, cut_for_pipeline
 from ds_strategy.parallel.mesh import build_parallel_mesh
-from ds_strategy.parallel.prepare import parallelize_for_config
+from ds_strategy.compose.tensor_parallel import parallelize_for_config
 
 GLOBAL_BATCH = 4
 SAVED_AT, STEPS = 2, 4  # save after step 2 of 4; the steps after are what resuming must reproduce

@@ -212,7 +212,7 @@ def assert_matches(run: dict, reference: dict, rtol: float = 1e-5) -> None:
 
 def error_without_a_plan(rank: int, world_size: int) -> str:
     """What the strategy says of a model that nothing parallelized although tensor_parallel_size is 2."""
-    from ds_strategy.parallel.prepare import parallelize_for_config
+    from ds_strategy.compose.tensor_parallel import parallelize_for_config
 
     mesh = build_parallel_mesh("cpu", 2)
     try:

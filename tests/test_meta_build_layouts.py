@@ -18,7 +18,7 @@ from distributed import run_ranks
 from ds_strategy.config import ZeroConfig
 from ds_strategy.engine_owner import build_engine, cut_for_pipeline
 from ds_strategy.parallel.mesh import build_parallel_mesh
-from ds_strategy.parallel.prepare import parallelize_for_config
+from ds_strategy.compose.tensor_parallel import parallelize_for_config
 
 
 def issue_llama():

@@ -21,7 +21,7 @@ from torch.optim import Optimizer
 from ..config import ZeroConfig
 from ..engine_owner import build_engine
 from ..parallel.mesh import ACCELERATE_NAMES, ParallelMesh, build_parallel_mesh
-from ..parallel.prepare import parallelize_for_config, parallelize_with_optimizer, refuse_sequence_parallel
+from ..compose.tensor_parallel import parallelize_for_config, parallelize_with_optimizer, refuse_sequence_parallel
 from ..precision import autocast_for
 from ..precision_flag import ACCELERATE_MIXED_PRECISION, reconcile_precision
 from ..zero.engine import ZeroEngine

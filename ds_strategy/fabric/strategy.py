@@ -23,7 +23,7 @@ from ..config import ZeroConfig
 from ..deepspeed_config import config_from_deepspeed
 from ..engine_owner import EngineOwnerMixin, build_engine, release_engine
 from ..parallel.mesh import LIGHTNING_NAMES, ParallelMesh, build_parallel_mesh
-from ..parallel.prepare import parallelize_for_config, parallelize_with_optimizer, refuse_sequence_parallel
+from ..compose.tensor_parallel import parallelize_for_config, parallelize_with_optimizer, refuse_sequence_parallel
 from ..precision import autocast_for
 from ..precision.init_dtype import init_dtype_context
 from ..precision_flag import reconcile_precision

@@ -22,9 +22,9 @@ from ..deepspeed_config import read_deepspeed_config
 from ..engine_owner import EngineOwnerMixin, build_engine, cut_for_pipeline
 from ..micro_batch import check_micro_batch
 from ..parallel.mesh import LIGHTNING_NAMES, ParallelMesh, build_parallel_mesh
-from ..parallel.pipeline import PipelineRunner
+from ..compose.pipeline_runner import PipelineRunner
 from ..parallel.pipeline_split import StagePlan
-from ..parallel.prepare import parallelize_for_config
+from ..compose.tensor_parallel import parallelize_for_config
 from ..parallel.ulysses import attend_with_ulysses
 from ..precision_flag import reconcile_precision
 from ..zero.engine import ZeroEngine

@@ -89,7 +89,7 @@ class ZeroEngine:
         and left out of the norm (the owner counts them); ``whole_model_names``: the uncut model's ``state_dict``
         names in order, by which checkpoints order every stage's entries. ``gradients_from_hooks`` False: no
         autograd hooks; the caller hands gradients over with ``reducer.collect``/``reduce``/``finish`` and gathers
-        stage-3 units itself (Note: [Pipeline gradients] in :mod:`ds_strategy.parallel.pipeline`).
+        stage-3 units itself (Note: [Pipeline gradients] in :mod:`ds_strategy.compose.pipeline_runner`).
         ``step_runner``: where the optimizer step runs (see :mod:`.step_runner`); by default on the device, or
         the registered offload runner when ``config`` offloads. The order below is the order of construction:
         communication first (units gather through it), then units and their flat buffers, placed or initialised

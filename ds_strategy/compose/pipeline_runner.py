@@ -51,9 +51,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from .dtensor_params import local_tensor
-from .pipeline_schedules import schedule_class, stages_per_rank
-from .pipeline_split import StagePlan
+from ..parallel.dtensor_params import local_tensor
+from ..parallel.pipeline_schedules import schedule_class, stages_per_rank
+from ..parallel.pipeline_split import StagePlan
 
 
 class StageModule(nn.Module):

@@ -21,8 +21,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..config import ZeroConfig
-from .auto_plan import apply_tensor_parallel_plan, tensor_parallel_plan
-from .mesh import ParallelMesh
+from ..parallel.auto_plan import apply_tensor_parallel_plan, tensor_parallel_plan
+from ..parallel.mesh import ParallelMesh
 
 
 def parallelize_for_config(
