@@ -33,8 +33,10 @@ from typing import TYPE_CHECKING
 import torch
 import transformers
 
+from ds_strategy.checkpoint.pretrained import load_weights
 from ds_strategy.config import ZeroConfig
 from ds_strategy.host_memory import PeakRssAnon
+from ds_strategy.offload import OffloadedStep
 from ds_strategy.zero.engine import ZeroEngine
 
 if TYPE_CHECKING:
@@ -148,7 +150,7 @@ def check_loading(size: str, device: torch.device, scratch: Path) -> Check:
     model = llama(size, meta=True)
     engine = ZeroEngine(model, torch.optim.AdamW(model.parameters()), _stage3(), device=device)
     with DevicePeak(device) as peak:
-        engine.load_weights(scratch / "llama")
+        load_weights(engine, scratch / "llama")
     reference = llama(size, seed=1).to(device)  # the model that was saved
     ids = torch.randint(0, SIZES[size]["vocab_size"], (1, 32), generator=torch.Generator().manual_seed(0)).to(device)
     with torch.no_grad():
@@ -173,6 +175,7 @@ def check_offload(size: str, device: torch.device) -> Check:
         torch.optim.AdamW(model.parameters()),
         _stage3(offload_optimizer="cpu", offload_params="cpu"),
         device=device,
+        step_runner=OffloadedStep,
     )
     ids = torch.randint(0, SIZES[size]["vocab_size"], (1, 32), generator=torch.Generator().manual_seed(0)).to(device)
     losses = []

@@ -48,6 +48,7 @@ from suite_harness import PART_SHARES, Budget, Item, Report, Runner, hard_stop_a
 
 from ds_strategy.config import ZeroConfig
 from ds_strategy.estimate import ModelSize, estimate_memory
+from ds_strategy.offload import step_runner_for
 from ds_strategy.precision import autocast_for
 from ds_strategy.zero.engine import ZeroEngine
 
@@ -165,11 +166,13 @@ def train(
         pin = device.type == "cuda" and any(
             system.get(k, "none") != "none" for k in ("offload_optimizer", "offload_params")
         )
+        zero = ZeroConfig(**system, precision=precision, pin_memory=pin)
         engine = ZeroEngine(
             model,
             torch.optim.AdamW(model.parameters(), lr=3e-3),
-            ZeroConfig(**system, precision=precision, pin_memory=pin),
+            zero,
             device=device,
+            step_runner=step_runner_for(zero),
         )
         backward, step = engine.backward, engine.step
     else:

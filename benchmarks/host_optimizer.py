@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ds_strategy.config import ZeroConfig
-from ds_strategy.offload import CpuAdam
+from ds_strategy.offload import CpuAdam, step_runner_for
 from ds_strategy.zero.engine import ZeroEngine
 
 BLOCK = 64 << 20
@@ -140,7 +140,10 @@ def engine_step_seconds(numel: int, repeats: int, cold: bool = False, **offload)
     """A one-rank stage-1 engine over one flat parameter with random gradients: seconds per ``engine.step()``;
     ``cold``: with the NVMe files out of the page cache before each step."""
     module = OneTensor(numel)
-    engine = ZeroEngine(module, torch.optim.AdamW(module.parameters(), fused=True), ZeroConfig(stage=1, **offload))
+    config = ZeroConfig(stage=1, **offload)
+    engine = ZeroEngine(
+        module, torch.optim.AdamW(module.parameters(), fused=True), config, step_runner=step_runner_for(config)
+    )
     (fp,) = engine.flat_params
     fp.grad_full.normal_()
     try:  # later steps see zeroed gradients: the same work

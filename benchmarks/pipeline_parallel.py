@@ -9,7 +9,7 @@ sequences per step; each data-parallel rank takes its slice, the ranks of one pi
 
   dp<N>-z<s>               the baseline: no pipeline, ZeRO stage s over all N ranks, ``model(x, y)``,
                            ``engine.backward(loss)``, ``engine.step()``.
-  pp<p>[xdp<d>]-<sched>-z<s>  ``cut_for_pipeline`` then ``build_engine(stage_plan=...)`` and ``PipelineRunner``
+  pp<p>[xdp<d>]-<sched>-z<s>  ``compose_model`` (cut, engine, ``PipelineRunner``)
                            with ``pipeline_schedule=<sched>`` (gpipe, 1f1b, interleaved_1f1b, zero_bubble, zbv;
                            the last three hold two stages per rank), ``--microbatches`` per step on every pipeline,
                            ``runner.train_step`` then ``engine.step()``.
@@ -78,13 +78,13 @@ from accounting import release_free_memory
 from torch import nn
 
 from ds_strategy.autotune.launcher import launch_ranks
+from ds_strategy.compose import compose_model
+from ds_strategy.compose.pipeline_runner import PipelineRunner, ZeroPipelineStage
 from ds_strategy.config import ZeroConfig
-from ds_strategy.engine_owner import build_engine, cut_for_pipeline
 from ds_strategy.host_memory import PeakRssAnon
 from ds_strategy.models import GPT, GPTConfig, weight_decay_groups
 from ds_strategy.parallel.mesh import build_parallel_mesh
-from ds_strategy.compose.pipeline_runner import PipelineRunner, ZeroPipelineStage
-from ds_strategy.parallel.pipeline_schedules import SCHEDULES, stages_per_rank
+from ds_strategy.parallel.pipeline_schedules import SCHEDULES, stage_count, stages_per_rank
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MIB = 2**20
@@ -258,10 +258,10 @@ def train_dp(variant: Variant, recipe: Recipe, batches: list, mesh, clock: Stage
     """The baseline: the whole GPT under ZeRO over every rank, the engine's ordinary backward."""
     model = _seeded_gpt(recipe)
     psi_local = unique_numel(model)  # before stage 3 empties the parameters
-    engine = build_engine(
+    engine = compose_model(
         model, _adamw(model, recipe), ZeroConfig(stage=variant.stage, param_persistence_threshold=0),
-        device=torch.device("cpu"), log=lambda _: None, mesh=mesh,
-    )  # fmt: skip
+        mesh=mesh, device=torch.device("cpu"), log=lambda _: None,
+    ).engine  # fmt: skip
 
     def step(x, y) -> tuple[torch.Tensor, float, float]:
         start = time.perf_counter()
@@ -286,14 +286,16 @@ def train_pipeline(variant: Variant, recipe: Recipe, batches: list, mesh, clock:
         pipeline_microbatches=recipe.microbatches,
         param_persistence_threshold=0,
     )
-    plan = cut_for_pipeline(model, config, mesh)
-    gc.collect()  # the blocks of other ranks' stages
-    psi_local = unique_numel(model)  # this rank's stages, before stage 3 empties the parameters
-    engine = build_engine(
-        model, _adamw(model, recipe), config, device=torch.device("cpu"), log=lambda _: None, mesh=mesh,
-        stage_plan=plan,
-    )  # fmt: skip
-    runner = PipelineRunner(model, engine, plan, mesh, config, torch.device("cpu"))
+    psi_local = 0
+
+    def optimizer() -> torch.optim.Optimizer:  # compose_model builds it once the model is cut to this rank's stages
+        nonlocal psi_local
+        gc.collect()  # the blocks of other ranks' stages
+        psi_local = unique_numel(model)  # this rank's stages, before stage 3 empties the parameters
+        return _adamw(model, recipe)
+
+    composed = compose_model(model, optimizer, config, mesh=mesh, device=torch.device("cpu"), log=lambda _: None)
+    engine, runner = composed.engine, composed.pipeline
     schedule_end = [0.0]
     run_schedule = runner.schedule.step
 
@@ -311,7 +313,7 @@ def train_pipeline(variant: Variant, recipe: Recipe, batches: list, mesh, clock:
         return loss, schedule_end[0], clock.busy
 
     try:
-        return _train(engine, step, recipe, batches, psi_local, stage_ids=plan.stage_ids)
+        return _train(engine, step, recipe, batches, psi_local, stage_ids=composed.stage_plan.stage_ids)
     finally:
         engine.remove_hooks()
 
@@ -507,7 +509,7 @@ def check_batch(recipe: Recipe, chosen: list[Variant]) -> None:
                 f"--global-batch {recipe.global_batch} does not split over {v.name}'s dp={v.dp} ranks"
                 + (f" and then into --microbatches {recipe.microbatches}" if v.pp > 1 else "")
             )
-        stages = v.pp * stages_per_rank(v.schedule) if v.schedule else 1
+        stages = stage_count(v.pp, v.schedule) if v.schedule else 1
         if recipe.model.n_layer % stages or recipe.microbatches < stages and v.pp > 1:
             raise SystemExit(f"{v.name} has {stages} stages: --n-layer and --microbatches must be multiples of it")
 

@@ -21,8 +21,8 @@ all ranks: parameter, master, two Adam moments and gradient files, fp32).
 
 Loading rows. A Llama of ``--load-depth`` blocks is written once with ``save_pretrained`` (bf16, several
 shards) under ``--nvme-path``, then loaded on 2 ranks (a) into stage 3 built on the meta device through
-``ZeroEngine.load_weights`` (what ``load_pretrained`` calls), each rank reading only its shards, and (b) as FSDP2
-users do: ``fully_shard`` on the meta device, ``to_empty``, then rank 0 ``from_pretrained`` and
+``checkpoint.pretrained.load_weights`` (what ``load_pretrained`` calls), each rank reading only its shards, and
+(b) as FSDP2 users do: ``fully_shard`` on the meta device, ``to_empty``, then rank 0 ``from_pretrained`` and
 ``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)``. Reported: each rank's peak RssAnon
 above its value before the load, and seconds. Rows are written to ``results/<name>.{md,json}`` as each finishes,
 so a run stopped at a deadline keeps what it measured; files under ``--nvme-path`` are removed at the end.
@@ -110,12 +110,14 @@ def build_system(system: str, family: str, depth: int, width: int, tokens: int, 
 
     if system in OURS:
         from ds_strategy.config import ZeroConfig
+        from ds_strategy.offload import step_runner_for
         from ds_strategy.zero.engine import ZeroEngine
 
         model, loss_of = build_model(family, depth, width, tokens, meta=True)
         optimizer = torch.optim.AdamW(weight_decay_groups(model, 0.1), lr=LR, fused=True)
         options = {**OURS[system], **({"nvme_path": nvme_path} if "nvme" in system else {})}
-        engine = ZeroEngine(model, optimizer, ZeroConfig(stage=3, **options))
+        config = ZeroConfig(stage=3, **options)
+        engine = ZeroEngine(model, optimizer, config, step_runner=step_runner_for(config))
 
         def step(x):
             loss = loss_of(x)
@@ -272,6 +274,7 @@ def load_rank(rank: int, world_size: int, system: str, path: str, depth: int, wi
     started = time.perf_counter()
     model, _ = build_model("llama", depth, width, 64, meta=True)
     if system == "ours":
+        from ds_strategy.checkpoint.pretrained import load_weights
         from ds_strategy.config import ZeroConfig
         from ds_strategy.zero.engine import ZeroEngine
 
@@ -282,7 +285,7 @@ def load_rank(rank: int, world_size: int, system: str, path: str, depth: int, wi
         dist.barrier()
         with PeakRssAnon() as peak:
             started = time.perf_counter()
-            engine.load_weights(path)
+            load_weights(engine, path)
             seconds = time.perf_counter() - started
         engine.remove_hooks()
         extra = {"largest_unit": largest_unit, "largest_tensor": largest_tensor}
@@ -497,6 +500,11 @@ def parse_args(argv):
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate of every system")
     parser.add_argument("--deadline", default=None, help="UTC HH:MM: measurements are cut off at it")
     parser.add_argument("--name", default=None, help="results/<name>.{md,json} (default scale, or scale-quick)")
+    parser.add_argument(
+        "--plot-only",
+        default=None,
+        help="redraw results/<name>.png from the training rows of these results (comma-separated names), run nothing",
+    )
     args = parser.parse_args(argv)
     args.width = args.width or (256 if args.quick else 2048)
     args.load_depth = args.load_depth or (4 if args.quick else 20)
@@ -507,6 +515,12 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.plot_only:
+        rows = [
+            r for name in args.plot_only.split(",") for r in json.loads((RESULTS / f"{name}.json").read_text())["rows"]
+        ]
+        _plot(RESULTS / f"{args.name}.png", [r for r in rows if r["kind"] == "train" and "error" not in r])
+        return 0
     command = "python benchmarks/scale.py " + " ".join(argv if argv is not None else sys.argv[1:])
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MAP_LARGE_BLOCKS_BYTES)  # ranks inherit it: see the docstring
     os.environ["DS_STRATEGY_SCALE_LR"] = str(args.lr)

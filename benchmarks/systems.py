@@ -405,11 +405,12 @@ def _our_autocast(precision: str):
 
 def build_ours(spec: SystemSpec, recipe: Recipe) -> BuiltSystem:
     from ds_strategy.config import ZeroConfig
+    from ds_strategy.offload import step_runner_for
     from ds_strategy.zero.engine import ZeroEngine
 
     config = ZeroConfig(precision=spec.precision, **spec.options)
     model, make_optimizer = _model_and_optimizer(recipe)
-    engine = ZeroEngine(model, make_optimizer(model), config)
+    engine = ZeroEngine(model, make_optimizer(model), config, step_runner=step_runner_for(config))
     if config.precision != "32-true" and all(fp.compute_dtype == torch.float32 for fp in engine.flat_params):
         engine.remove_hooks()
         raise NotImplementedError(

@@ -9,7 +9,7 @@ batches (each data-parallel rank takes its slice; the ranks of a tensor-parallel
 and without activation checkpointing of the blocks:
 
   zero       the auto plan (``auto_plan.tensor_parallel_plan``) applied over the mesh's tensor-parallel dimension,
-             then ``engine_owner.build_engine`` with the ``ParallelMesh``: ``ZeroConfig.activation_checkpointing``
+             then ``compose.compose_model`` with the ``ParallelMesh``: ``ZeroConfig.activation_checkpointing``
              ("full", and with ``partition_activations`` over the tensor-parallel group where tp > 1), then
              ``ZeroEngine`` over the data-parallel group. ``cpu_checkpointing`` is not measured: on a CPU device
              the kept inputs are already in host memory and it does nothing.
@@ -63,8 +63,8 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from ds_strategy.activation_memory import remove_activation_checkpointing
 from ds_strategy.autotune.launcher import launch_ranks
+from ds_strategy.compose import compose_model
 from ds_strategy.config import ZeroConfig
-from ds_strategy.engine_owner import build_engine
 from ds_strategy.host_memory import PeakRssAnon, rss_anon_bytes
 from ds_strategy.models import GPT, GPTConfig, weight_decay_groups
 from ds_strategy.parallel.auto_plan import apply_tensor_parallel_plan, tensor_parallel_plan
@@ -181,7 +181,7 @@ def _adamw(model: nn.Module, recipe: Recipe) -> torch.optim.Optimizer:
 
 # -- the systems ------------------------------------------------------------------------------------------------
 def train_zero(variant: Variant, recipe: Recipe, batches: list, mesh) -> dict:
-    """The plan, checkpointing and engine in ``build_engine``'s order; ``batches`` are this rank's slices."""
+    """The plan, checkpointing and engine in ``compose_model``'s order; ``batches`` are this rank's slices."""
     model = _seeded_gpt(recipe)
     if variant.tp > 1:  # before the optimizer, which must hold the DTensor parameters
         apply_tensor_parallel_plan(model, mesh.tp_mesh, tensor_parallel_plan(model, variant.tp))
@@ -191,9 +191,9 @@ def train_zero(variant: Variant, recipe: Recipe, batches: list, mesh) -> dict:
         activation_checkpointing=variant.checkpointing,
         partition_activations=variant.partition_activations,
     )
-    engine = build_engine(
-        model, _adamw(model, recipe), config, device=torch.device("cpu"), log=lambda _: None, mesh=mesh
-    )
+    engine = compose_model(
+        model, _adamw(model, recipe), config, mesh=mesh, device=torch.device("cpu"), log=lambda _: None
+    ).engine
     losses, seconds, states = [], [], {}
     try:
         for i, (x, y) in enumerate(batches):

@@ -4,7 +4,6 @@ Importing the package registers the ``zero*`` strategy names with Lightning's Tr
 if installed) and with Fabric. The Accelerate adapter is ``ds_strategy.accelerate.ZeroAccelerator``.
 """
 
-from . import offload  # noqa: F401  registers the engine's off-device step runner (zero.step_runner)
 from .config import ZeroConfig
 from .deepspeed_config import config_from_deepspeed
 from .estimate import estimate_memory

@@ -1,4 +1,4 @@
-"""Activation checkpointing of the engine's units, as ``ZeroConfig`` asks: which units, what they keep, and where.
+"""Activation checkpointing of the engine's units, as an ``ActivationPolicy`` asks: which units, what they keep, where.
 
 A checkpointed unit runs its forward under torch's non-reentrant ``checkpoint``: it keeps its input (and, when
 "selective", the outputs of its matmuls and attention) instead of every intermediate, and recomputes the rest in
@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -39,10 +40,10 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
-from .config import ZeroConfig
+from .comm.group_collectives import collectives_for
+from .config_policies import ActivationPolicy
 from .profiler_ranges import profiler_range
 from .zero.param_gatherer import is_recomputation
-from .zero.wrap_policy import select_unit_modules
 
 _aten = torch.ops.aten
 # What "selective" keeps (torchtitan's op-level policy, less its "every second mm"): the outputs of the ops that
@@ -132,7 +133,7 @@ class SavedInputHooks:
             kept = saved.kept.to(saved.device, non_blocking=True)
             if saved.partitioned:
                 whole = kept.new_empty(kept.numel() * self.world)
-                dist.all_gather_into_tensor(whole, kept, group=self.group)
+                collectives_for(self.group).all_gather(whole, kept, label=self.unit_name).wait()
                 kept = whole.narrow(0, 0, saved.shape.numel())
             self.counts.restored += 1
             return kept.view(saved.shape)
@@ -170,18 +171,20 @@ class CheckpointedUnits:
     counts: SavedInputCounts
 
 
-def checkpointed_units(module: nn.Module, config: ZeroConfig) -> list[tuple[str, nn.Module]]:
-    """Every ``activation_checkpoint_interval``-th of the outermost units (the k-th, 2k-th, ... as torchtitan
-    counts); a unit inside another is recomputed with it. Raises when the policy finds nothing to checkpoint."""
-    units = select_unit_modules(module, config.unit_modules, config.unit_min_params)
+def checkpointed_units(
+    module: nn.Module, policy: ActivationPolicy, units: Sequence[tuple[str, nn.Module]]
+) -> list[tuple[str, nn.Module]]:
+    """Every ``activation_checkpoint_interval``-th of the outermost of ``units`` (the k-th, 2k-th, ... as
+    torchtitan counts); a unit inside another is recomputed with it. Raises when the policy finds nothing to
+    checkpoint."""
     outermost = [(name, unit) for name, unit in units if not any(name.startswith(o + ".") for o, _ in units)]
     if not outermost:
         raise ValueError(
-            f"activation_checkpointing={config.activation_checkpointing!r} found no units in "
+            f"activation_checkpointing={policy.activation_checkpointing!r} found no units in "
             f"{type(module).__name__}: it has no repeated block class; name one in ZeroConfig.unit_modules "
             f"or set unit_min_params"
         )
-    interval = config.activation_checkpoint_interval
+    interval = policy.activation_checkpoint_interval
     if interval > len(outermost):
         raise ValueError(
             f"activation_checkpoint_interval={interval} checkpoints none of the {len(outermost)} units of "
@@ -197,16 +200,20 @@ def checkpointed_units(module: nn.Module, config: ZeroConfig) -> list[tuple[str,
     return outermost[interval - 1 :: interval]
 
 
-def apply_activation_checkpointing(module: nn.Module, config: ZeroConfig, group: Any = None) -> CheckpointedUnits:
-    """Checkpoint ``module``'s units as ``config`` says, replacing any checkpointing applied before.
+def apply_activation_checkpointing(
+    module: nn.Module, policy: ActivationPolicy, units: Sequence[tuple[str, nn.Module]], group: Any = None
+) -> CheckpointedUnits:
+    """Checkpoint ``module``'s ``units`` as ``policy`` says, replacing any checkpointing applied before.
 
-    ``group``: the process group to partition checkpoint inputs over when ``config.partition_activations``
+    ``units``: (name, module) of the units the engine will build, ``select_unit_modules`` under the config's unit
+    policy, chosen before stage 3 shards the module: the checkpointed units must be the engine's own.
+    ``group``: the process group to partition checkpoint inputs over when ``policy.partition_activations``
     (the tensor-parallel group; see Note: [Partitioned checkpoint inputs]); None or a group of one rank keeps
     them whole, as DeepSpeed does without a model-parallel unit.
     """
     remove_activation_checkpointing(module)
     counts = SavedInputCounts()
-    if config.activation_checkpointing == "none":
+    if policy.activation_checkpointing == "none":
         return CheckpointedUnits((), counts)
     if getattr(getattr(module, "config", None), "use_cache", False) is True:
         warnings.warn(
@@ -214,13 +221,13 @@ def apply_activation_checkpointing(module: nn.Module, config: ZeroConfig, group:
             f"time; set model.config.use_cache = False for training (Hugging Face's own checkpointing forces it)",
             stacklevel=2,
         )
-    if not (config.partition_activations and group is not None and dist.get_world_size(group) > 1):
+    if not (policy.partition_activations and group is not None and dist.get_world_size(group) > 1):
         group = None
     names = []
-    for name, unit in checkpointed_units(module, config):
-        moves_inputs = group is not None or config.cpu_checkpointing
-        hooks = SavedInputHooks(name, group, config.cpu_checkpointing, counts) if moves_inputs else None
-        unit.forward = CheckpointedForward(name, unit, config.activation_checkpointing == "selective", hooks)
+    for name, unit in checkpointed_units(module, policy, units):
+        moves_inputs = group is not None or policy.cpu_checkpointing
+        hooks = SavedInputHooks(name, group, policy.cpu_checkpointing, counts) if moves_inputs else None
+        unit.forward = CheckpointedForward(name, unit, policy.activation_checkpointing == "selective", hooks)
         names.append(name)
     return CheckpointedUnits(tuple(names), counts)
 

@@ -19,8 +19,16 @@ from typing import Any
 import torch
 
 from ds_strategy.auto_values import deepspeed_auto_values
-from ds_strategy.parallel.pipeline_schedules import SCHEDULES, stages_per_rank
-from ds_strategy.zero.plan import ZeroPlan
+from ds_strategy.config_policies import (
+    ActivationPolicy,
+    CommPolicy,
+    OffloadPolicy,
+    ParallelismPolicy,
+    PrecisionPolicy,
+    policy_of,
+)
+from ds_strategy.parallel.pipeline_schedules import SCHEDULES
+from ds_strategy.zero_plan import DTYPES, ZeroPlan
 
 AUTO = "auto"
 UNITS = "units"  # a bucket or prefetch size bounded by the model's largest unit rather than by an element count
@@ -37,17 +45,17 @@ _PRECISIONS = {
     16: "16-mixed",
     "16": "16-mixed",
 }
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _COMMUNICATION_DTYPES = {
     None: None,
-    **{short: short for short in _DTYPES},
-    **{dtype: short for short, dtype in _DTYPES.items()},
+    **{short: short for short in DTYPES},
+    **{dtype: short for short, dtype in DTYPES.items()},
     "float32": "fp32",
     "float16": "fp16",
     "bfloat16": "bf16",
 }
 _GRADIENT_REDUCTIONS = {name: name for name in ("auto", "reduce_scatter", "all_reduce")}
-_OFFLOAD_PLACES = {name: name for name in ("none", "cpu", "nvme")}
+OFFLOAD_MODES = ("none", "cpu", "nvme")  # the values of offload_optimizer and offload_params
+_OFFLOAD_PLACES = {name: name for name in OFFLOAD_MODES}
 _ACTIVATION_CHECKPOINTING = {name: name for name in ("none", "full", "selective")}
 _PIPELINE_GRAD_REDUCTIONS = {name: name for name in ("once", "per_microbatch")}
 _PIPELINE_SPLITS = ("auto", "parameters")
@@ -224,7 +232,7 @@ class ZeroConfig:
         sequence_parallel (default False; needs tensor_parallel_size > 1): Megatron sequence parallelism in the
             tensor-parallel group: the auto plan splits norms and dropout along the sequence, and replicated
             weights' partial gradients are summed over the group before ZeRO reduces them.
-        sequence_parallel_size (default 1 = off; not yet with tensor_parallel_size > 1): DeepSpeed-Ulysses
+        sequence_parallel_size (default 1 = off): DeepSpeed-Ulysses
             (``ds_strategy.parallel.ulysses``), unrelated to Megatron's ``sequence_parallel`` above: a group of
             this many consecutive ranks reads the same batch, each rank keeps one slice of every sequence and the
             full weights, and attention swaps the sequence split for a head split with all-to-alls. The
@@ -442,10 +450,7 @@ class ZeroConfig:
             "sequence_parallel": _needs_tensor_parallel(
                 "sequence_parallel", _flag("sequence_parallel", self.sequence_parallel), self.tensor_parallel_size
             ),
-            # with tensor parallelism ZeRO would shard over a flattened dp x sp group, not built yet
-            "sequence_parallel_size": _size_without(
-                "sequence_parallel_size", self.sequence_parallel_size, "tensor_parallel_size", self.tensor_parallel_size
-            ),
+            "sequence_parallel_size": _integer("sequence_parallel_size", self.sequence_parallel_size, 1),
             "activation_checkpointing": _choice(
                 "activation_checkpointing", self.activation_checkpointing, _ACTIVATION_CHECKPOINTING
             ),
@@ -534,11 +539,8 @@ class ZeroConfig:
 
     @property
     def pipeline_microbatch_count(self) -> int:
-        """The micro-batches each framework batch is split into: ``pipeline_microbatches``, by default one per
-        pipeline stage; 1 without pipelining."""
-        if self.pipeline_parallel_size == 1:
-            return 1
-        return self.pipeline_microbatches or self.pipeline_parallel_size * stages_per_rank(self.pipeline_schedule)
+        """See ``ParallelismPolicy.microbatch_count``."""
+        return self.parallelism_policy.microbatch_count
 
     @property
     def has_auto_values(self) -> bool:
@@ -548,7 +550,30 @@ class ZeroConfig:
     @functools.cached_property
     def plan(self) -> ZeroPlan:
         """What these settings mean for sharding, dtypes and communication, derived once (see ``ZeroPlan``)."""
-        return ZeroPlan.of(self)
+        return ZeroPlan.of(
+            self.stage, self.param_persistence_threshold, self.precision_policy, self.comm_policy, self.offload_policy
+        )
+
+    # -- each component's section (see ``ds_strategy.config_policies``), built from the validated fields -------
+    @functools.cached_property
+    def precision_policy(self) -> PrecisionPolicy:
+        return policy_of(PrecisionPolicy, self)
+
+    @functools.cached_property
+    def offload_policy(self) -> OffloadPolicy:
+        return policy_of(OffloadPolicy, self)
+
+    @functools.cached_property
+    def comm_policy(self) -> CommPolicy:
+        return policy_of(CommPolicy, self)
+
+    @functools.cached_property
+    def parallelism_policy(self) -> ParallelismPolicy:
+        return policy_of(ParallelismPolicy, self)
+
+    @functools.cached_property
+    def activation_policy(self) -> ActivationPolicy:
+        return policy_of(ActivationPolicy, self)
 
 
 def _check_field_names(options: Mapping[str, Any]) -> None:

@@ -40,13 +40,11 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from .config import UNITS, ZeroConfig
+from .config import OFFLOAD_MODES, UNITS, ZeroConfig
+from .zero.memory_report import KINDS, PLACES
 from .zero.wrap_policy import select_unit_modules
 
-PLACES = ("device", "host", "nvme")
-KINDS = ("params", "grads", "optimizer", "buffers")
 STAGES = (0, 1, 2, 3)
-OFFLOAD_MODES = ("none", "cpu", "nvme")
 STAGE_NAMES = {0: "baseline", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
 
 

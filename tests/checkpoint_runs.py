@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from ds_strategy.checkpoint import save
 from ds_strategy.config import ZeroConfig
+from ds_strategy.offload import step_runner_for
 from ds_strategy.zero.engine import ZeroEngine
 
 STEPS, GLOBAL_BATCH = 4, 8
@@ -34,7 +35,8 @@ def build(config: str):
     torch.manual_seed(0)
     model = models.TinyGPT()
     optimizer = torch.optim.AdamW(models.param_groups(model), lr=1e-2, betas=(0.9, 0.99), eps=1e-6)
-    return model, ZeroEngine(model, optimizer, ZeroConfig(**CONFIGS[config]))
+    zero = ZeroConfig(**CONFIGS[config])
+    return model, ZeroEngine(model, optimizer, zero, step_runner=step_runner_for(zero))
 
 
 def global_batches() -> list:

@@ -5,8 +5,10 @@ Every cell builds the same tiny Hugging Face Llama (``pipeline_runs.tiny_llama``
 hands it to an entry point under a layout, records the full state dict right after setup (which must equal a
 normal build bitwise) and after ``STEPS`` SGD steps on the global batches of ``pipeline_runs.batches`` (which must
 match the reference in fp32). The axes are data, so a new way to build (say another empty-init path) is one more
-:class:`Build` in ``BUILDS``; a combination an entry point refuses is listed in ``refusal`` with the words its
-error must contain, and the matrix checks that it is refused so.
+:class:`Build` in ``BUILDS``; a configuration refused whatever the entry point is listed in ``REFUSED_CONFIGS`` with
+the words its error must contain, and the matrix checks that it is refused so. Every entry point runs every layout,
+each step as its users write it (:func:`_step_loss`): through the entry point's ``pipeline_step`` under pipelining,
+Ulysses' sequence slice and loss under sequence parallelism.
 
 Every Lightning cell's ``configure_model`` also creates tensors that are not parameters (a plain buffer on the
 LightningModule, a torchmetrics ``MeanMetric`` updated with each step's loss), which must be real and hold their
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import os
 from collections.abc import Callable
@@ -116,25 +119,11 @@ BUILDS = {
 }
 
 
-def refusal(entry: str, layout: Layout) -> str | None:
-    """The words the error of a combination refused by design must contain (None: it must run)."""
-    adapter = {"fabric": "the Fabric strategy", "accelerate": "ZeroAccelerator"}.get(entry)
-    if adapter and layout.pp > 1:
-        return f"pipeline_parallel_size={layout.pp} is not supported by {adapter}"
-    if adapter and layout.sp > 1:
-        return f"sequence_parallel_size={layout.sp} is not supported by {adapter}"
-    return None
-
-
 # Refused by the configuration itself, whatever the entry point: (fields, words of the error).
 REFUSED_CONFIGS = (
     (
         {"sequence_parallel_size": 2, "pipeline_parallel_size": 2},
         "pipeline_parallel_size=2 is not allowed with sequence_parallel_size=2",
-    ),
-    (
-        {"sequence_parallel_size": 2, "tensor_parallel_size": 2},
-        "sequence_parallel_size=2 is not allowed with tensor_parallel_size=2",
     ),
 )
 
@@ -157,9 +146,6 @@ class Cell:
         """The values of the four axes the pairwise set covers."""
         return self.build, self.layout, self.stage, self.entry
 
-    def refused(self) -> str | None:
-        return refusal(self.entry, LAYOUTS[self.layout])
-
     def applies(self) -> bool:
         """Whether the entry point has the build path at all (only Lightning and Fabric have ``init_module``)."""
         return self.entry in BUILDS[self.build].entries
@@ -180,13 +166,12 @@ BF16_CELLS = (
 
 
 def pairwise_cells() -> list[Cell]:
-    """A deterministic greedy pairwise-covering set: every pair of values of two axes appears in some cell that
-    runs (a pair with a refused (entry, layout) is covered by the refusal itself, listed by :func:`refused_cells`;
-    a build path an entry point does not have pairs with no cell). Starting from ``REQUIRED``, each round takes the
-    runnable cell covering most uncovered pairs, on fewer ranks first, then in axis order."""
+    """A deterministic greedy pairwise-covering set: every pair of values of two axes appears in some cell (a build
+    path an entry point does not have pairs with no cell). Starting from ``REQUIRED``, each round takes the cell
+    covering most uncovered pairs, on fewer ranks first, then in axis order."""
     axes = (tuple(BUILDS), tuple(LAYOUTS), STAGES, ENTRIES)
     every = [Cell(*values) for values in itertools.product(*axes)]
-    candidates = [cell for cell in every if cell.applies() and not cell.refused()]
+    candidates = [cell for cell in every if cell.applies()]
 
     def pairs(cell: Cell) -> set:
         values = cell.axes
@@ -199,13 +184,6 @@ def pairwise_cells() -> list[Cell]:
         chosen.append(best)
         uncovered -= pairs(best)
     return chosen
-
-
-def refused_cells() -> list[Cell]:
-    """One cell per refused (entry, layout), at stage 3 with a normal build."""
-    return [
-        Cell("normal", layout, 3, entry) for entry in ENTRIES for layout in LAYOUTS if refusal(entry, LAYOUTS[layout])
-    ]
 
 
 # -- one cell on one rank -------------------------------------------------------------------------------------
@@ -258,6 +236,17 @@ def _plain_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return loss_fn(model(input_ids=x).logits, y)
 
 
+def _step_loss(layout: Layout, model, x: torch.Tensor, y: torch.Tensor, pipeline_step, sp_group) -> torch.Tensor:
+    """One training step's loss as a user's step under an entry point computes it: ``pipeline_step(x, y, loss_fn)``
+    (the entry point's, which already ran backward) under pipelining, Ulysses over ``sp_group`` under sequence
+    parallelism, else the model's own forward."""
+    if layout.pp > 1:
+        return pipeline_step(x, y, loss_fn)
+    if layout.sp > 1:
+        return _sp_loss(model, x, y, sp_group)
+    return _plain_loss(model, x, y)
+
+
 def _make(build: Build, rank: int, layout: Layout, empty: Callable[[], contextlib.AbstractContextManager]):
     """The model under seed 0, built normally or, where ``build`` says so, under the context ``empty()`` (for
     ``init_module``, the entry point's)."""
@@ -297,30 +286,21 @@ def _unprefixed(state: dict) -> dict:
 
 
 def _engine_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrained: str) -> dict:
+    from ds_strategy.checkpoint.pretrained import load_weights
+    from ds_strategy.compose import build_mesh, compose_model
     from ds_strategy.config import ZeroConfig
-    from ds_strategy.engine_owner import build_engine, cut_for_pipeline
-    from ds_strategy.parallel.mesh import build_parallel_mesh
-    from ds_strategy.compose.pipeline_runner import PipelineRunner
-    from ds_strategy.compose.tensor_parallel import parallelize_for_config
-    from ds_strategy.parallel.ulysses import attend_with_ulysses
 
     config = ZeroConfig(**fields)
-    mesh = build_parallel_mesh("cpu", layout.tp, sequence_parallel_size=layout.sp, pipeline_parallel_size=layout.pp)
+    mesh = build_mesh(config, "cpu")
     assert mesh.dp_rank == layout.dp_rank(rank)
     model = _make(build, rank, layout, lambda: torch.device("meta"))
     built = _as_built(model)
-    parallelize_for_config(model, mesh, config)
-    if layout.sp > 1:
-        attend_with_ulysses(model, mesh.sp_group)
-    plan = cut_for_pipeline(model, config, mesh)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    engine = build_engine(
-        model, optimizer, config, device=torch.device("cpu"), log=lambda _: None, mesh=mesh, stage_plan=plan
-    )
+    optimizer = lambda: torch.optim.SGD(model.parameters(), lr=1.0)  # noqa: E731  over this rank's stages only
+    composed = compose_model(model, optimizer, config, mesh=mesh, device=torch.device("cpu"), log=lambda _: None)
+    engine, runner = composed.engine, composed.pipeline
     if build.pretrained_seed is not None:
-        engine.load_weights(pretrained)
+        load_weights(engine, pretrained)
     initial = engine.full_state_dict(rank0_only=False)
-    runner = PipelineRunner(model, engine, plan, mesh, config, torch.device("cpu")) if plan is not None else None
     for x, y in _my_batches(layout, rank):
         if runner is not None:
             runner.train_step(x, y, loss_fn, 1.0)
@@ -367,13 +347,8 @@ def _lightning_entry(rank: int, build: Build, layout: Layout, fields: dict, pret
 
         def training_step(self, batch, batch_idx):
             x, y = batch
-            strategy = self.trainer.strategy
-            if layout.pp > 1:
-                loss = strategy.pipeline_step(x, y, loss_fn)
-            elif layout.sp > 1:
-                loss = _sp_loss(self.model, x, y, self.device_mesh["sequence_parallel"].get_group())
-            else:
-                loss = _plain_loss(self.model, x, y)
+            sp_group = self.device_mesh["sequence_parallel"].get_group() if layout.sp > 1 else None
+            loss = _step_loss(layout, self.model, x, y, self.trainer.strategy.pipeline_step, sp_group)
             self.metric.update(loss.detach().float())
             return loss
 
@@ -424,15 +399,31 @@ def _fabric_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrai
     model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=1.0))
     if build.pretrained_seed is not None:
         fabric.strategy.load_pretrained(pretrained)
-    return _train_prepared(fabric.strategy.engine, model, optimizer, fabric.backward, layout, rank, built)
+    sp_group = fabric.strategy.device_mesh["sequence_parallel"].get_group() if layout.sp > 1 else None
+    pipeline_step = functools.partial(fabric.strategy.pipeline_step, model)
+    return _train_prepared(
+        fabric.strategy.engine,
+        model,
+        optimizer,
+        fabric.backward,
+        _my_batches(layout, rank),
+        layout,
+        built,
+        pipeline_step=pipeline_step,
+        sp_group=sp_group,
+    )
 
 
-def _train_prepared(engine, model, optimizer, backward, layout: Layout, rank: int, built: dict) -> dict:
-    """The steps of a Fabric or Accelerate cell once the entry point has set the model up: its own ``backward``
-    and the wrapped optimizer's ``step``/``zero_grad``, as a user's loop under it calls them."""
+def _train_prepared(
+    engine, model, optimizer, backward, my_batches, layout: Layout, built: dict, *, pipeline_step, sp_group
+) -> dict:
+    """The steps of a Fabric or Accelerate cell once the entry point has set the model up, over this rank's
+    ``my_batches``: its own ``backward`` of the loss :func:`_step_loss` computes with its ``pipeline_step`` (bound
+    to the model) and the mesh's ``sp_group`` (None without Ulysses), and the wrapped optimizer's
+    ``step``/``zero_grad``, as a user's loop under it calls them."""
     initial = engine.full_state_dict(rank0_only=False)
-    for x, y in _my_batches(layout, rank):
-        backward(_plain_loss(model, x, y))
+    for x, y in my_batches:
+        backward(_step_loss(layout, model, x, y, pipeline_step, sp_group))
         optimizer.step()
         optimizer.zero_grad()
     held = set(engine.module.state_dict())
@@ -442,6 +433,7 @@ def _train_prepared(engine, model, optimizer, backward, layout: Layout, rank: in
 def _accelerate_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrained: str) -> dict:
     from accelerate import init_empty_weights
     from accelerate.state import AcceleratorState, GradientState
+    from torch.utils.data import DataLoader, TensorDataset
 
     from ds_strategy.accelerate import ZeroAccelerator
 
@@ -451,10 +443,27 @@ def _accelerate_entry(rank: int, build: Build, layout: Layout, fields: dict, pre
     accelerator = ZeroAccelerator(fields, cpu=True)
     model = _make(build, rank, layout, init_empty_weights)
     built = _as_built(model)
-    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    # the global batches in order, one data-parallel slice per loader batch: the prepared loader must hand this rank
+    # its slice of each (the ranks of one sequence-parallel group or pipeline reading the same)
+    every = batches(MODEL, STEPS, GLOBAL_BATCH)
+    rows = TensorDataset(torch.cat([x for x, _ in every]), torch.cat([y for _, y in every]))
+    loader = DataLoader(rows, batch_size=GLOBAL_BATCH // layout.dp)
+    model, optimizer, loader = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=1.0), loader)
     if build.pretrained_seed is not None:
         accelerator.load_pretrained(pretrained)
-    return _train_prepared(accelerator.engine, model, optimizer, accelerator.backward, layout, rank, built)
+    sp_group = accelerator.torch_device_mesh["sp"].get_group() if layout.sp > 1 else None
+    pipeline_step = functools.partial(accelerator.pipeline_step, model)
+    return _train_prepared(
+        accelerator.engine,
+        model,
+        optimizer,
+        accelerator.backward,
+        loader,
+        layout,
+        built,
+        pipeline_step=pipeline_step,
+        sp_group=sp_group,
+    )
 
 
 ENTRY_RUNNERS = {

@@ -104,6 +104,16 @@ def train(trainer_class, out: Path, resume: str | None = None, arg_changes=None,
     trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(str(out / "final"))
     result = {"logged": _logged(trainer), "best": trainer.state.best_model_checkpoint}
+    result["scheduler_steps"] = trainer.lr_scheduler.last_epoch  # Trainer skips it after a skipped optimizer step
+    engine = getattr(trainer, "zero_engine", None)
+    if engine is not None and engine.loss_scaler is not None:
+        result["loss_scale"] = engine.loss_scaler.scale
+    if engine is not None and lora is None:
+        result["gathered"] = engine.full_state_dict()  # the engine's own fp32 weights, which save_model must keep
+    ref_model = getattr(trainer, "ref_model", None)
+    if ref_model is not None:
+        ref_engine = trainer.accelerator.engine_of(ref_model) if engine is not None else None
+        result["ref_engine"] = None if ref_engine is None else (ref_engine.config.stage, ref_engine.optimizer)
     if trainer.args.process_index == 0 and lora is not None:
         result["files"] = sorted(path.name for path in (out / "final").iterdir())
         result["saved"] = _saved(out / "final", "adapter_model.safetensors")
@@ -241,4 +251,76 @@ def deepspeed_json_runs(rank: int, world_size: int, tmp: str) -> dict:
     trainer.train()
     results["ddp"] = {"logged": _logged(trainer)}
     results["no_deepspeed_plugin"] = os.environ.get("ACCELERATE_USE_DEEPSPEED") is None
+    return results
+
+
+def _preference_rows(count: int, seed: int) -> dict[str, list[str]]:
+    """Prompt, chosen and rejected texts of random word tokens (never ``t0``, the EOS, nor ``t1``, the unknown)."""
+    generator = torch.Generator().manual_seed(seed)
+    words = torch.randint(2, hf_models.VOCAB, (count, 13), generator=generator).tolist()
+    text = [[f"t{i}" for i in row] for row in words]
+    # each completion ends in a space: DPOTrainer appends the EOS token to it as text
+    return {
+        "prompt": [" ".join(row[:5]) for row in text],
+        "chosen": [" " + " ".join(row[5:9]) + " " for row in text],
+        "rejected": [" " + " ".join(row[9:]) + " " for row in text],
+    }
+
+
+def dpo_stages_match_ddp(rank: int, world_size: int, tmp: str) -> dict:
+    """TRL's DPOTrainer on DDP and ZeroDPOTrainer at stages 2 and 3, each with a reference model of its own (built
+    like the policy); where each put the reference model; and a stage-3 ``sync_ref_model`` refused."""
+    import datasets
+    import trl
+
+    from ds_strategy.transformers import ZeroDPOTrainer
+
+    set_torchrun_environment(rank, world_size)
+    data = {
+        name: datasets.Dataset.from_dict(_preference_rows(count, seed))
+        for name, count, seed in (("train", SAMPLES, 1), ("eval", 8, 2))
+    }
+    inputs = dict(train_dataset=data["train"], eval_dataset=data["eval"], processing_class=_word_tokenizer())
+    dpo = {"config_class": trl.DPOConfig, "bf16": False}  # fp32, as for SFT: DPOConfig defaults to bf16 autocast
+    results = {"ddp": train(trl.DPOTrainer, Path(tmp, "dpo_ddp"), arg_changes=dpo, ref_model=_model(), **inputs)}
+    for stage in (2, 3):
+        results[stage] = train(
+            ZeroDPOTrainer,
+            Path(tmp, f"dpo{stage}"),
+            arg_changes=dpo,
+            ref_model=_model(),
+            zero_config={"stage": stage},
+            **inputs,
+        )
+    _fresh_state()
+    args = arguments(Path(tmp, "dpo_sync"), **dpo, sync_ref_model=True)
+    try:
+        ZeroDPOTrainer(model=_model(), ref_model=_model(), args=args, zero_config={"stage": 3}, **inputs)
+    except ValueError as error:
+        results["sync_refused"] = str(error)
+    return results
+
+
+def fp16_runs(rank: int, world_size: int, tmp: str) -> dict:
+    """``TrainingArguments(fp16=True)`` under DDP's Trainer and under ZeroTrainer at stages 2 and 3, the fp32 DDP
+    run, and a stage-2 run whose first loss scale (2^24) overflows fp16; each with the count of optimizer steps
+    the scheduler saw (Trainer steps it only when ``optimizer_step_was_skipped`` is False) and the final loss
+    scale."""
+    from ds_strategy.transformers import ZeroTrainer
+
+    set_torchrun_environment(rank, world_size)
+    tmp = Path(tmp)
+    quiet = {"eval_strategy": "no", "save_strategy": "no"}
+    fp16 = {**quiet, "fp16": True}
+    overflowing = {"zero_optimization": {"stage": 2}, "fp16": {"enabled": "auto", "initial_scale_power": 24}}
+    runs = {
+        "ddp": (transformers.Trainer, quiet, {}),
+        "ddp_fp16": (transformers.Trainer, fp16, {}),
+        2: (ZeroTrainer, fp16, {"zero_config": {"stage": 2}}),
+        3: (ZeroTrainer, fp16, {"zero_config": {"stage": 3}}),
+        "overflow": (ZeroTrainer, fp16, {"zero_config": overflowing}),
+    }
+    results = {}
+    for name, (trainer_class, changes, kwargs) in runs.items():
+        results[name] = train(trainer_class, tmp / str(name), arg_changes=changes, **kwargs)
     return results

@@ -12,11 +12,9 @@ import torch
 from pipeline_runs import MODELS, batches, build_pipeline, full_output, loss_fn, mean_over_dp, optimizer_for
 
 from ds_strategy.checkpoint import load, save
-from ds_strategy.checkpoint.rank_state import master_base, stored_names
+from ds_strategy.checkpoint.rank_state import stored_names
+from ds_strategy.compose import build_mesh, compose_model
 from ds_strategy.config import ZeroConfig
-from ds_strategy.engine_owner import build_engine, cut_for_pipeline
-from ds_strategy.parallel.mesh import build_parallel_mesh
-from ds_strategy.compose.tensor_parallel import parallelize_for_config
 
 GLOBAL_BATCH = 4
 SAVED_AT, STEPS = 2, 4  # save after step 2 of 4; the steps after are what resuming must reproduce
@@ -33,12 +31,10 @@ def build(model_name: str, pp: int, tp: int = 1, stage: int = 1, schedule: str =
     torch.manual_seed(0)
     config = ZeroConfig(**fields)
     model = MODELS[model_name](4)
-    mesh = build_parallel_mesh("cpu", tp)
-    parallelize_for_config(model, mesh, config)
-    assert cut_for_pipeline(model, config, mesh) is None
+    mesh = build_mesh(config, "cpu")
     opt = optimizer_for(model, "adamw")
-    engine = build_engine(model, opt, config, device=torch.device("cpu"), log=lambda _: None, mesh=mesh)
-    return model, engine, None, mesh
+    composed = compose_model(model, opt, config, mesh=mesh, device=torch.device("cpu"), log=lambda _: None)
+    return model, composed.engine, None, mesh
 
 
 def train(model_name: str, model, engine, runner, mesh, first: int, last: int) -> list[float]:
@@ -67,7 +63,7 @@ def whole_state(engine) -> dict:
     for fp in engine.flat_params:
         state = engine.optimizer.state[fp.master]
         for slot in fp.slots:
-            at = slot.offset - master_base(fp)
+            at = slot.offset - fp.master_base
             values = {
                 key: value.narrow(0, at, slot.numel).view(slot.shape).clone() if value.dim() else value.clone()
                 for key, value in state.items()

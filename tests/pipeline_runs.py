@@ -13,12 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ds_strategy.compose import build_mesh, compose_model
 from ds_strategy.config import ZeroConfig
-from ds_strategy.engine_owner import build_engine, cut_for_pipeline
 from ds_strategy.models import GPT, GPTConfig
-from ds_strategy.parallel.mesh import build_parallel_mesh
-from ds_strategy.compose.pipeline_runner import PipelineRunner
-from ds_strategy.compose.tensor_parallel import parallelize_for_config
 
 WIDTH, VOCAB, SEQ = 16, 64, 8
 
@@ -95,15 +92,16 @@ def build_pipeline(model_name: str, optimizer: str = "sgd", blocks: int = 4, **f
     torch.manual_seed(0)
     config = ZeroConfig(**fields)
     model = MODELS[model_name](blocks)
-    mesh = build_parallel_mesh("cpu", config.tensor_parallel_size, pipeline_parallel_size=config.pipeline_parallel_size)
-    parallelize_for_config(model, mesh, config)
-    plan = cut_for_pipeline(model, config, mesh)
-    opt = optimizer_for(model, optimizer)
-    engine = build_engine(
-        model, opt, config, device=torch.device("cpu"), log=lambda _: None, mesh=mesh, stage_plan=plan
+    mesh = build_mesh(config, "cpu")
+    composed = compose_model(
+        model,
+        lambda: optimizer_for(model, optimizer),
+        config,
+        mesh=mesh,
+        device=torch.device("cpu"),
+        log=lambda _: None,
     )
-    runner = PipelineRunner(model, engine, plan, mesh, config, torch.device("cpu"))
-    return model, engine, runner, mesh
+    return model, composed.engine, composed.pipeline, mesh
 
 
 def train_pipeline(

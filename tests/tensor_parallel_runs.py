@@ -24,8 +24,10 @@ from torch.distributed.tensor.parallel import (
 
 from ds_strategy.config import ZeroConfig
 from ds_strategy.models import weight_decay_groups
+from ds_strategy.offload import step_runner_for
 from ds_strategy.parallel.mesh import build_parallel_mesh
 from ds_strategy.zero.engine import ZeroEngine
+from ds_strategy.zero.groups import EngineGroups
 
 WIDTH, SEQ, IN, OUT = 16, 4, 8, 4
 
@@ -107,12 +109,13 @@ def build_tensor_parallel(
     mesh = build_parallel_mesh("cpu", tp)
     if tp > 1:
         parallelize_module(model, mesh.tp_mesh, plan(sequence_parallel))
+    config = ZeroConfig(stage=stage, **(zero or {}))
     engine = ZeroEngine(
         model,
         _optimizer(model, optimizer),
-        ZeroConfig(stage=stage, **(zero or {})),
-        process_group=mesh.dp_group,
-        tensor_parallel_group=mesh.tp_group,
+        config,
+        EngineGroups(zero=mesh.dp_group, tensor_parallel=mesh.tp_group),
+        step_runner=step_runner_for(config),
     )
     return model, engine, mesh
 
@@ -287,7 +290,7 @@ def train_auto_plan(
         model, mesh.tp_mesh, tensor_parallel_plan(model, tp, sequence_parallel=sequence_parallel)
     )
     optimizer = torch.optim.AdamW(weight_decay_groups(model, 0.1), lr=1e-2, betas=(0.9, 0.99), eps=1e-6)
-    engine = ZeroEngine(model, optimizer, ZeroConfig(stage=stage), mesh.dp_group, tensor_parallel_group=mesh.tp_group)
+    engine = ZeroEngine(model, optimizer, ZeroConfig(stage=stage), EngineGroups(mesh.dp_group, mesh.tp_group))
     per_rank, losses, norms = 2, [], []
     for tokens in _token_batches(steps, per_rank * mesh.dp_size):
         loss = _token_loss(name, model, tokens[mesh.dp_rank * per_rank : (mesh.dp_rank + 1) * per_rank])

@@ -19,10 +19,11 @@ from ds_strategy.activation_memory import (
     apply_activation_checkpointing,
     remove_activation_checkpointing,
 )
+from ds_strategy.compose import compose_model
 from ds_strategy.config import ZeroConfig, ZeroConfigError
 from ds_strategy.deepspeed_config import DeepSpeedConfigWarning, config_from_deepspeed
-from ds_strategy.engine_owner import build_engine
 from ds_strategy.models import gpt_config
+from ds_strategy.zero.wrap_policy import select_unit_modules
 
 TINY = gpt_config("tiny")  # 2 blocks, n_embd 32, block_size 32, vocab 96
 PER_RANK = 2
@@ -54,13 +55,13 @@ def _weight_gathers(engine) -> int:
 
 
 def _two_steps(rank: int, world_size: int, stage: int, zero: dict) -> dict:
-    """Two steps of TinyGPT built through ``build_engine``: losses, reduced gradient shards, backward FLOPs and the
+    """Two steps of TinyGPT built through ``compose_model``: losses, reduced gradient shards, backward FLOPs and the
     weight gathers of each forward plus backward."""
     torch.manual_seed(0)
     model = models.TinyGPT()
     optimizer = torch.optim.AdamW(models.param_groups(model), lr=1e-2)
     config = ZeroConfig(stage=stage, param_persistence_threshold=0, **zero)
-    engine = build_engine(model, optimizer, config, device=torch.device("cpu"), log=lambda _: None)
+    engine = compose_model(model, optimizer, config, mesh=None, device=torch.device("cpu"), log=lambda _: None).engine
     generator = torch.Generator().manual_seed(1)
     result = {"losses": [], "grads": [], "flops": [], "gathers": []}
     for _ in range(2):
@@ -79,6 +80,13 @@ def _two_steps(rank: int, world_size: int, stage: int, zero: dict) -> dict:
     return result
 
 
+def _checkpoint(model: torch.nn.Module, group=None, **zero):
+    """``model``'s units checkpointed as ``ZeroConfig(**zero)`` says, the units chosen as the engine chooses them."""
+    config = ZeroConfig(**zero)
+    units = select_unit_modules(model, config.unit_modules, config.unit_min_params)
+    return apply_activation_checkpointing(model, config.activation_policy, units, group)
+
+
 def _partitioned(rank: int, world_size: int) -> dict:
     """Both ranks as one tensor-parallel group: the same batch, full checkpointing with inputs partitioned."""
     batch = models.TinyGPT.make_batch(torch.Generator().manual_seed(1), PER_RANK)
@@ -88,7 +96,7 @@ def _partitioned(rank: int, world_size: int) -> dict:
     for name, zero in settings.items():
         torch.manual_seed(0)
         model = models.TinyGPT()
-        applied = apply_activation_checkpointing(model, ZeroConfig(**zero), group=dist.group.WORLD)
+        applied = _checkpoint(model, dist.group.WORLD, **zero)
         loss = model(batch)
         counts_after_forward = dataclasses.asdict(applied.counts)
         loss.backward()
@@ -186,7 +194,7 @@ def test_a_partitioned_input_not_divisible_by_the_group_is_padded_and_restored_e
 def _tiny_gpt(**zero):
     torch.manual_seed(0)
     model = models.TinyGPT()
-    return model, apply_activation_checkpointing(model, ZeroConfig(**zero))
+    return model, _checkpoint(model, **zero)
 
 
 def _batch():
@@ -253,7 +261,7 @@ def test_checkpointing_keeps_names_and_modules_and_can_be_removed():
     assert applied.names == ("blocks.0", "blocks.1")
     assert list(model.state_dict()) == list(plain.state_dict())
     assert [name for name, _ in model.named_modules()] == [name for name, _ in plain.named_modules()]
-    again = apply_activation_checkpointing(model, ZeroConfig(activation_checkpointing="full"))
+    again = _checkpoint(model, activation_checkpointing="full")
     assert again.names == applied.names
     assert all(block.forward.original.__func__ is type(block).forward for block in model.blocks)  # not re-wrapped
     remove_activation_checkpointing(model)
@@ -274,7 +282,7 @@ def test_hugging_face_llama_decoder_layers_are_found_and_recompute_exactly():
     runs = {}
     for mode in ("none", "full"):
         model = hf_models.build("llama", use_cache=False)  # else a recomputation appends to the KV cache again
-        applied = apply_activation_checkpointing(model, ZeroConfig(activation_checkpointing=mode))
+        applied = _checkpoint(model, activation_checkpointing=mode)
         loss = model(input_ids=ids, labels=ids).loss
         with FlopCounterMode(display=False) as flops:
             loss.backward()
@@ -306,7 +314,7 @@ def test_bad_settings_fail_naming_the_field(field, value):
 
 def test_a_model_without_units_cannot_be_checkpointed():
     with pytest.raises(ValueError, match="found no units in MLP"):
-        apply_activation_checkpointing(models.MLP(), ZeroConfig(activation_checkpointing="full"))
+        _checkpoint(models.MLP(), activation_checkpointing="full")
 
 
 def test_an_interval_longer_than_the_units_fails():
@@ -316,14 +324,14 @@ def test_an_interval_longer_than_the_units_fails():
 
 def test_a_hugging_face_model_with_a_kv_cache_is_warned_about():
     with pytest.warns(UserWarning, match="set model.config.use_cache = False"):
-        apply_activation_checkpointing(hf_models.build("llama"), ZeroConfig(activation_checkpointing="full"))
+        _checkpoint(hf_models.build("llama"), activation_checkpointing="full")
 
 
 def test_a_hugging_face_model_that_checkpoints_itself_is_not_checkpointed_twice():
     model = hf_models.build("llama", use_cache=False)
     model.activation_checkpointing_enable()
     with pytest.raises(ValueError, match="already checkpoints itself"):
-        apply_activation_checkpointing(model, ZeroConfig(activation_checkpointing="selective"))
+        _checkpoint(model, activation_checkpointing="selective")
 
 
 # -- DeepSpeed's section ---------------------------------------------------------------------------------------

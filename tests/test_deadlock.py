@@ -18,6 +18,7 @@ from ds_strategy.comm.collectives import Collectives
 from ds_strategy.comm.sequence_check import CollectiveSequenceCheck
 from ds_strategy.config import ZeroConfig
 from ds_strategy.zero.engine import ZeroEngine
+from ds_strategy.zero.groups import EngineGroups
 
 TIMEOUT = 2.0  # collective_timeout, seconds
 SLACK = 3.0  # scheduling noise on a loaded machine
@@ -66,7 +67,7 @@ def _skip_a_unit(rank: int, overlap: bool) -> dict:
         collective_timeout=TIMEOUT,
     )
     engine = ZeroEngine(
-        model, torch.optim.AdamW(model.parameters(), lr=1e-3), config, process_group=_short_lived_group()
+        model, torch.optim.AdamW(model.parameters(), lr=1e-3), config, EngineGroups(zero=_short_lived_group())
     )
     started, step = time.perf_counter(), None
     try:

@@ -27,7 +27,7 @@ from ds_strategy.checkpoint.directory import _write_synced
 from ds_strategy.comm.collectives import PeerFailedError
 from ds_strategy.config import ZeroConfig
 from ds_strategy.models import GPT, GPTConfig
-from ds_strategy.offload import OffloadIOError, OffloadSetupError
+from ds_strategy.offload import OffloadedStep, OffloadIOError, OffloadSetupError
 from ds_strategy.zero.engine import ZeroEngine
 
 pytestmark = pytest.mark.slow  # multi-rank scenarios of tens of seconds: not in the fast tier
@@ -132,7 +132,7 @@ def _nvme_run(nvme_path):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=96, block_size=32, n_layer=2, n_head=4, n_embd=128))
     config = ZeroConfig(stage=2, offload_optimizer="nvme", nvme_path=str(nvme_path))
-    return model, ZeroEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config)
+    return model, ZeroEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config, step_runner=OffloadedStep)
 
 
 def _step(model, engine) -> None:

@@ -1,4 +1,5 @@
-"""Dependencies point one way: offload -> zero (never back), and adapters -> core (never back).
+"""Dependencies point one way: offload -> zero (never back), adapters -> core (never back), and no package reaches
+itself through a chain of imports.
 
 Read from the source with ``ast``, so imports inside functions and under ``TYPE_CHECKING`` count too: a lazy import
 is still a dependency. See Note: [One-way dependency between the engine and offload] in
@@ -6,6 +7,7 @@ is still a dependency. See Note: [One-way dependency between the engine and offl
 """
 
 import ast
+from collections import defaultdict
 from pathlib import Path
 
 import ds_strategy
@@ -50,7 +52,7 @@ def _offenders(files: list[Path], forbidden: tuple[str, ...]) -> dict[str, list[
 
 def test_resolves_relative_imports():
     assert "ds_strategy.zero.flat_param" in _imports(ROOT / "zero" / "engine.py")
-    assert "ds_strategy.zero.step_runner" in _imports(ROOT / "offload" / "__init__.py")
+    assert "ds_strategy.zero.step_runner" in _imports(ROOT / "offload" / "offloaded_step.py")
 
 
 def test_zero_imports_nothing_from_offload():
@@ -69,3 +71,46 @@ def test_core_imports_nothing_from_the_adapters():
     ]
     assert len(files) > 30
     assert _offenders(files, tuple(f"ds_strategy.{name}" for name in ADAPTERS)) == {}
+
+
+def _package_of(module: str) -> str | None:
+    """The top-level subpackage or module of ds_strategy that ``module`` lies in; None outside them (the root)."""
+    parts = module.split(".")
+    if parts[0] != "ds_strategy" or len(parts) < 2:
+        return None
+    return parts[1] if (ROOT / parts[1]).is_dir() or (ROOT / f"{parts[1]}.py").is_file() else None
+
+
+def _package_edges() -> dict[tuple[str, str], list[str]]:
+    """(importing package, imported package) -> the files that make the edge. The root ``__init__``, which wires
+    everything in, is no package of its own."""
+    edges = defaultdict(list)
+    for path in sorted(ROOT.rglob("*.py")):
+        if path == ROOT / "__init__.py":
+            continue
+        source = _package_of(_module_name(path))
+        for target in sorted({_package_of(name) for name in _imports(path)} - {None, source}):
+            edges[source, target].append(str(path.relative_to(ROOT)))
+    return edges
+
+
+def _reachable(edges: dict[tuple[str, str], list[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        node = todo.pop()
+        for target in (b for a, b in edges if a == node and b not in seen):
+            seen.add(target)
+            todo.append(target)
+    return seen
+
+
+def test_no_package_imports_itself_through_others():
+    """Packages in a circle (config -> zero -> config) can be neither read, tested nor imported one without the other.
+    Every top-level subpackage and module of ds_strategy, the adapters and tools included, counts; a failure names
+    each import in the circle with the files that make it."""
+    edges = _package_edges()
+    assert ("zero", "config") in edges and ("lightning", "zero") in edges
+    circular = [
+        f"{a} -> {b} ({', '.join(files)})" for (a, b), files in sorted(edges.items()) if a in _reachable(edges, b)
+    ]
+    assert circular == []

@@ -1,8 +1,10 @@
 """DeepSpeed-Ulysses as a strategy setting: ``ZeroStrategy(sequence_parallel_size=2)`` on 2 gloo ranks trains a
 Hugging Face Llama whose ``training_step`` gives each rank one half of every sequence, and matches one process
 trained on the full sequences: losses, gradient norms before clipping, and final parameters, on labels whose ignored
-(-100) tokens fall unevenly on the two halves. Also: the fp16 loss scale and the Ulysses multiplier compose, the
-DeepSpeed key maps, and the combinations not supported are refused."""
+(-100) tokens fall unevenly on the two halves. The same holds on 4 ranks with tensor parallelism inside each
+sequence-parallel rank (sp=2 x tp=2), where Ulysses splits the heads each tensor-parallel rank holds. Also: the fp16
+loss scale and the Ulysses multiplier compose, the DeepSpeed key maps, and the combinations not supported are
+refused."""
 
 import os
 
@@ -11,6 +13,7 @@ import lightning as L
 import pytest
 import torch
 from distributed import run_ranks
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import ds_strategy
@@ -23,7 +26,8 @@ from ds_strategy.zero.engine import ZeroEngine
 pytestmark = pytest.mark.slow  # multi-rank scenarios of tens of seconds: not in the fast tier
 
 STEPS, PER_RANK, SP, CLIP, RTOL = 3, 2, 2, 0.5, 1e-5
-LLAMA = {"hidden_size": 64, "num_attention_heads": 4}
+# 2 key/value heads: one per tensor-parallel rank, which Ulysses then repeats over its 2 ranks
+LLAMA = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
 def _data() -> TensorDataset:
@@ -72,13 +76,14 @@ class UlyssesLlama(L.LightningModule):
         return torch.optim.AdamW(self.model.parameters(), lr=1e-3, eps=1e-6)
 
 
-def _fit(rank: int, world_size: int, stage: int) -> dict:
+def _fit(rank: int, world_size: int, stage: int, **tensor_parallel) -> dict:
+    """``tensor_parallel``: the strategy's tensor-parallel fields, if any."""
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")  # processes already exist: Lightning must not launch
     module = UlyssesLlama()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=world_size,
-        strategy=ds_strategy.ZeroStrategy(stage=stage, sequence_parallel_size=SP),
+        strategy=ds_strategy.ZeroStrategy(stage=stage, sequence_parallel_size=SP, **tensor_parallel),
         max_steps=STEPS,
         gradient_clip_val=CLIP,
         logger=False,
@@ -98,6 +103,8 @@ def _fit(rank: int, world_size: int, stage: int) -> dict:
         "names": module.device_mesh.mesh_dim_names,
         "zero_ranks": engine.world_size,
         "attention": module.model.config._attn_implementation,
+        "tp": module.device_mesh["tensor_parallel"].size(),
+        "dtensors": sum(isinstance(p, DTensor) for p in module.parameters()),
     }
 
 
@@ -122,11 +129,20 @@ def _reference(initial: dict) -> dict:
     return {"state": state, "losses": losses, "norms": norms, "counts": counts}
 
 
-@pytest.fixture(scope="module", params=[1, 3], ids=["stage1", "stage3"])
+TP2 = {"tensor_parallel_size": 2, "tensor_parallel_plan": "auto"}
+
+
+@pytest.fixture(
+    scope="module",
+    params=[(1, {}), (3, {}), (2, TP2), (2, {**TP2, "sequence_parallel": True})],
+    ids=["stage1", "stage3", "stage2-tp2", "stage2-tp2-megatron-sp"],
+)
 def runs(request):
-    """Stage 3 builds on the meta device in configure_model; both references start from the engine's initial
-    weights."""
-    ranks = run_ranks(_fit, SP, request.param, timeout=300)
+    """Stage 3 builds on the meta device in configure_model; every reference starts from the engine's initial
+    weights. With tp=2 each sequence-parallel rank is two tensor-parallel ones: 4 ranks, dp=1."""
+    stage, tensor_parallel = request.param
+    world_size = SP * tensor_parallel.get("tensor_parallel_size", 1)
+    ranks = run_ranks(_fit, world_size, stage, timeout=300, **tensor_parallel)
     return ranks, _reference(ranks[0]["initial"])
 
 
@@ -139,9 +155,15 @@ def test_the_mesh_has_a_sequence_parallel_dimension_whose_ranks_read_the_same_ba
     ranks, _ = runs
     for run in ranks:
         assert run["names"] == ("data_parallel", "sequence_parallel", "tensor_parallel")
-        assert run["zero_ranks"] == SP  # ZeRO shards over dp x sp: every rank holds the full weights
+        assert run["zero_ranks"] == SP  # ZeRO shards over dp x sp: every rank holds the same weights (or tp shards)
         assert run["attention"] == HF_ATTENTION_NAME
-    torch.testing.assert_close(ranks[0]["batches"], ranks[1]["batches"], rtol=0, atol=0)
+        torch.testing.assert_close(run["batches"], ranks[0]["batches"], rtol=0, atol=0)
+
+
+def test_the_weights_are_split_over_tensor_parallel_ranks_when_there_are_some(runs):
+    ranks, _ = runs
+    for run in ranks:
+        assert (run["dtensors"] > 0) == (run["tp"] > 1)
 
 
 def test_losses_equal_the_full_sequence_losses(runs):
@@ -172,13 +194,15 @@ def test_final_parameters_equal_the_full_sequence_parameters(runs):
             assert error < RTOL, f"{name}: relative error {error:.2e}"
 
 
-def test_the_loss_multiplier_composes_with_the_fp16_loss_scale():
-    """Backward sees loss x scale x multiplier; unscaling divides out the loss scale only."""
+def test_the_gradient_divide_factor_composes_with_the_fp16_loss_scale():
+    """A divide factor of half the group (Ulysses' sp=2) doubles the loss for backward: backward sees loss x scale x
+    2; unscaling divides out the loss scale only."""
     torch.manual_seed(0)
     model, reference = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
     reference.load_state_dict(model.state_dict())
     config = ZeroConfig(stage=1, precision="16-mixed", loss_scale=1024.0)
-    engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), config, loss_multiplier=2.0)
+    engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), config)
+    engine.set_gradient_divide_factor(engine.world_size / 2)
     x = torch.randn(5, 4)
     loss = model(x.half()).float().pow(2).mean()
     assert engine.scale_loss(loss).item() == pytest.approx(loss.item() * 1024 * 2)
@@ -192,9 +216,12 @@ def test_deepspeed_sequence_parallel_size_maps_to_the_field():
     assert read_deepspeed_config({"sequence_parallel_size": 2}).zero.sequence_parallel_size == 2
 
 
-def test_ulysses_with_tensor_parallelism_is_refused_naming_both_sizes():
-    with pytest.raises(ZeroConfigError, match=r"sequence_parallel_size=2 is not allowed with tensor_parallel_size=2"):
-        ZeroConfig(sequence_parallel_size=2, tensor_parallel_size=2)
+def test_ulysses_with_tensor_parallelism_is_a_valid_configuration():
+    assert ZeroConfig(sequence_parallel_size=2, tensor_parallel_size=2).sequence_parallel_size == 2
+
+
+def test_the_mesh_of_ulysses_with_tensor_parallelism_puts_tp_innermost():
+    assert mesh_shape(8, 2, 2) == {"dp": 2, "sp": 2, "tp": 2}
 
 
 @pytest.mark.parametrize("size", [0, 1.5, "2"])

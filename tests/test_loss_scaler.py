@@ -38,7 +38,7 @@ EXPECTED_SCALES = [
 
 def _scaler(**overrides) -> LossScaler:
     args = dict(initial_scale_power=4, loss_scale_window=4, hysteresis=2, min_loss_scale=1.0)
-    return LossScaler(ZeroConfig(**(args | overrides)))
+    return LossScaler(ZeroConfig(**(args | overrides)).precision_policy)
 
 
 def _run(scaler: LossScaler, script: list[bool]) -> list[float]:
@@ -67,14 +67,16 @@ def test_consecutive_hysteresis_refills_on_every_clean_step():
 
 
 def test_static_scale_never_changes_but_counts_skips():
-    scaler = LossScaler(ZeroConfig(loss_scale=128.0))
+    scaler = LossScaler(ZeroConfig(loss_scale=128.0).precision_policy)
     assert _run(scaler, [O, O, O, C, C, C, C, C, C]) == [128.0] * 9
     assert scaler.skipped_steps == 3
 
 
 def test_overflows_at_min_scale_raise_on_the_limit_and_leave_state_unchanged():
     scaler = LossScaler(
-        ZeroConfig(initial_scale_power=1, hysteresis=1, min_loss_scale=1.0, max_consecutive_min_scale_skips=3)
+        ZeroConfig(
+            initial_scale_power=1, hysteresis=1, min_loss_scale=1.0, max_consecutive_min_scale_skips=3
+        ).precision_policy
     )
     assert _run(scaler, [O, O, O]) == [1, 1, 1]  # 2 -> 1, then two overflows at the minimum
     before = scaler.state_dict()
@@ -85,7 +87,9 @@ def test_overflows_at_min_scale_raise_on_the_limit_and_leave_state_unchanged():
 
 def test_clean_step_resets_the_min_scale_overflow_count():
     scaler = LossScaler(
-        ZeroConfig(initial_scale_power=1, hysteresis=1, min_loss_scale=1.0, max_consecutive_min_scale_skips=3)
+        ZeroConfig(
+            initial_scale_power=1, hysteresis=1, min_loss_scale=1.0, max_consecutive_min_scale_skips=3
+        ).precision_policy
     )
     _run(scaler, [O, O, O, C, O, O])
     with pytest.raises(RuntimeError):
@@ -110,11 +114,11 @@ def test_load_state_dict_rejects_missing_counters():
 
 
 def test_scaler_reads_the_config_fields_and_their_defaults():
-    scaler = LossScaler(ZeroConfig(loss_scale=0.0, initial_scale_power=4, hysteresis=2))
+    scaler = LossScaler(ZeroConfig(loss_scale=0.0, initial_scale_power=4, hysteresis=2).precision_policy)
     assert scaler.scale == 16
     assert scaler.loss_scale_window == 1000
 
 
 def test_invalid_argument_is_named_in_the_error():
     with pytest.raises(ValueError, match="loss_scale_window=0"):
-        LossScaler(ZeroConfig(loss_scale_window=0))
+        LossScaler(ZeroConfig(loss_scale_window=0).precision_policy)

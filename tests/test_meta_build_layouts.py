@@ -15,10 +15,8 @@ import tensor_parallel_runs
 import torch
 from distributed import run_ranks
 
+from ds_strategy.compose import build_mesh, compose_model
 from ds_strategy.config import ZeroConfig
-from ds_strategy.engine_owner import build_engine, cut_for_pipeline
-from ds_strategy.parallel.mesh import build_parallel_mesh
-from ds_strategy.compose.tensor_parallel import parallelize_for_config
 
 
 def issue_llama():
@@ -53,18 +51,14 @@ def _built(rank: int, world_size: int, model: str, meta: bool, user_plan: dict |
     """This rank's full state dict right after the engine is built, and the generator's next draw."""
     torch.set_num_threads(1)
     config = ZeroConfig(**fields)
-    mesh = build_parallel_mesh("cpu", config.tensor_parallel_size, pipeline_parallel_size=config.pipeline_parallel_size)
+    mesh = build_mesh(config, "cpu")
     module = _build(model, meta)
     if user_plan is not None:
         from torch.distributed.tensor.parallel import parallelize_module
 
         parallelize_module(module, mesh.tp_mesh, user_plan)
-    parallelize_for_config(module, mesh, config)
-    plan = cut_for_pipeline(module, config, mesh)
-    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
-    engine = build_engine(
-        module, optimizer, config, device=torch.device("cpu"), log=lambda _: None, mesh=mesh, stage_plan=plan
-    )
+    optimizer = lambda: torch.optim.SGD(module.parameters(), lr=0.1)  # noqa: E731  over this rank's stages only
+    engine = compose_model(module, optimizer, config, mesh=mesh, device=torch.device("cpu"), log=lambda _: None).engine
     next_draw = torch.rand(4)
     return {"state": engine.full_state_dict(rank0_only=False), "next_draw": next_draw}
 

@@ -16,6 +16,7 @@ from distributed import run_ranks
 from ds_strategy.config import ZeroConfig
 from ds_strategy.host_memory import PeakRssAnon
 from ds_strategy.models import GPT, GPTConfig, weight_decay_groups
+from ds_strategy.offload import step_runner_for
 from ds_strategy.zero.engine import ZeroEngine
 
 WIDTH, TOKENS = 384, 2
@@ -31,7 +32,8 @@ def _train(depth: int, options: dict, steps: int = 2) -> dict:
     with torch.device("meta"):
         model = GPT(GPTConfig(vocab_size=256, block_size=TOKENS, n_layer=depth, n_head=WIDTH // 64, n_embd=WIDTH))
     optimizer = torch.optim.AdamW(weight_decay_groups(model, 0.1), lr=1e-3, fused=True)
-    engine = ZeroEngine(model, optimizer, ZeroConfig(stage=3, **options))
+    config = ZeroConfig(stage=3, **options)
+    engine = ZeroEngine(model, optimizer, config, step_runner=step_runner_for(config))
     generator = torch.Generator().manual_seed(engine.rank)
     for _ in range(steps):
         x = torch.randint(0, 256, (1, TOKENS), generator=generator)

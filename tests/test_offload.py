@@ -16,6 +16,7 @@ import torch.distributed as dist
 from distributed import run_ranks
 
 from ds_strategy.config import ZeroConfig
+from ds_strategy.offload import step_runner_for
 from ds_strategy.zero.engine import ZeroEngine
 
 pytestmark = pytest.mark.slow  # multi-rank scenarios of tens of seconds: not in the fast tier
@@ -64,7 +65,7 @@ def build(stage: int, zero: dict, optimizer: str, nvme_path=None):
         opt = getattr(torch.optim, optimizer)(groups, lr=1e-3)
     needs_path = "nvme" in (zero.get("offload_optimizer"), zero.get("offload_params"))
     config = ZeroConfig(stage=stage, **zero, **({"nvme_path": str(nvme_path)} if needs_path else {}))
-    return model, ZeroEngine(model, opt, config)
+    return model, ZeroEngine(model, opt, config, step_runner=step_runner_for(config))
 
 
 def train(model, engine: ZeroEngine, steps: int, first_step: int = 0, after_first_step=None) -> list[float]:

@@ -17,8 +17,9 @@ from torch import nn
 
 from ds_strategy.checkpoint import load, save
 from ds_strategy.config import ZeroConfig
-from ds_strategy.offload import OffloadSetupError
+from ds_strategy.offload import OffloadedStep, OffloadSetupError
 from ds_strategy.zero.engine import ZeroEngine
+from ds_strategy.zero.groups import EngineGroups
 
 pytestmark = pytest.mark.slow  # multi-rank scenarios of tens of seconds: not in the fast tier
 
@@ -46,7 +47,8 @@ def rss_growth(rank: int, world_size: int, nvme_root) -> dict:
         model,
         torch.optim.AdamW(model.parameters(), fused=True),
         ZeroConfig(stage=2, **place),
-        process_group=groups[rank],
+        EngineGroups(zero=groups[rank]),
+        step_runner=OffloadedStep,
     )
     before, peak = None, 0
     for _ in range(3):
@@ -75,6 +77,7 @@ def _nvme_engine(nvme_path, width: int = 8, **zero) -> ZeroEngine:
         model,
         torch.optim.AdamW(model.parameters()),
         ZeroConfig(stage=2, offload_optimizer="nvme", nvme_path=str(nvme_path), **zero),
+        step_runner=OffloadedStep,
     )
 
 
@@ -148,10 +151,12 @@ def test_files_of_a_killed_run_are_removed_by_the_next_run(tmp_path):
         import os, signal, torch
         from torch import nn
         from ds_strategy.config import ZeroConfig
+        from ds_strategy.offload import OffloadedStep
         from ds_strategy.zero.engine import ZeroEngine
         model = nn.Linear(8, 8)
         engine = ZeroEngine(model, torch.optim.AdamW(model.parameters()),
-                            ZeroConfig(stage=1, offload_optimizer="nvme", nvme_path={str(tmp_path)!r}))
+                            ZeroConfig(stage=1, offload_optimizer="nvme", nvme_path={str(tmp_path)!r}),
+                            step_runner=OffloadedStep)
         print(engine.step_runner.directory.path, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     """)

@@ -9,6 +9,7 @@ import transformers
 from distributed import run_ranks
 from safetensors.torch import load_file, save_file
 
+from ds_strategy.checkpoint.pretrained import load_weights
 from ds_strategy.config import ZeroConfig
 from ds_strategy.host_memory import PeakRssAnon
 from ds_strategy.zero.engine import ZeroEngine
@@ -32,7 +33,7 @@ def _load_and_train(rank: int, world_size: int, path: str, damaged: str | None) 
     largest_unit = max(sum(fp.padded_numel * 4 for fp in unit.flat_params) for unit in engine.units)
     largest_tensor = max(slot.numel * 4 for fp in engine.flat_params for slot in fp.slots)
     with PeakRssAnon() as peak:
-        engine.load_weights(path)
+        load_weights(engine, path)
     steps = hf_models.batches(2, world_size, vocab=SHAPE["vocab_size"])
     result = {
         "growth": peak.growth,
@@ -44,7 +45,7 @@ def _load_and_train(rank: int, world_size: int, path: str, damaged: str | None) 
     if damaged is not None:
         before = engine.full_state_dict(rank0_only=False)
         with pytest.raises(ValueError) as error:
-            engine.load_weights(damaged)
+            load_weights(engine, damaged)
         after = engine.full_state_dict(rank0_only=False)
         result["error"] = str(error.value)
         result["unchanged"] = all(torch.equal(after[k], v) for k, v in before.items())

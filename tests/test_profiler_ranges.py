@@ -8,6 +8,7 @@ from distributed import run_ranks
 from torch.profiler import ProfilerActivity, profile
 
 from ds_strategy.config import ZeroConfig
+from ds_strategy.offload import step_runner_for
 from ds_strategy.profiler_ranges import PREFIX
 from ds_strategy.zero.engine import ZeroEngine
 
@@ -18,7 +19,8 @@ def _profiled_step(rank: int, world_size: int, zero: dict) -> set[str]:
     torch.manual_seed(0)
     model = models.TinyGPT()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    engine = ZeroEngine(model, optimizer, ZeroConfig(**zero))
+    config = ZeroConfig(**zero)
+    engine = ZeroEngine(model, optimizer, config, step_runner=step_runner_for(config))
     batch = model.make_batch(torch.Generator().manual_seed(0), 2)
     model(batch).backward()
     engine.step()  # the first step records the forward order that stage 3 prefetches by

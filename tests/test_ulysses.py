@@ -10,6 +10,7 @@ from distributed import run_ranks
 
 from ds_strategy.models import GPT, GPTConfig
 from ds_strategy.parallel.ulysses import (
+    attend_with_ulysses,
     gradient_scale,
     heads_to_seq,
     register_hf_attention,
@@ -91,6 +92,10 @@ def _refusals(rank, world_size):
         ),
         "odd_length": _refusal(lambda: shard_sequence({"input_ids": ids[:, :15]}, group)),
         "padding_mask": _refusal(lambda: shard_sequence({"input_ids": ids, "attention_mask": ids}, group)),
+        # 2 heads, 1 per tensor-parallel rank: nothing left to split over sp=2
+        "tp_heads": _refusal(
+            lambda: attend_with_ulysses(hf_models.build("llama", num_key_value_heads=2), group, tensor_parallel_size=2)
+        ),
     }
 
 
@@ -130,6 +135,13 @@ def test_heads_that_do_not_split_over_sp_are_refused_with_the_allowed_sizes(prim
         "query heads=6 and key/value heads=3 cannot be split over sp=2 ranks; allowed sp sizes: [1, 3, 6]"
         in (refusals["odd_kv_heads"])
     )
+
+
+def test_heads_that_tensor_parallelism_leaves_too_few_to_split_are_refused_at_setup(primitive_runs):
+    assert (
+        "query heads=1 and key/value heads=1 per tensor-parallel rank (the model's / tensor_parallel_size=2) "
+        "cannot be split over sp=2 ranks; allowed sp sizes: [1]"
+    ) in primitive_runs[0]["refusals"]["tp_heads"]
 
 
 def test_a_sequence_that_does_not_split_over_sp_is_refused_with_the_length_to_pad_to(primitive_runs):

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ds_strategy.config import ZeroConfig
+from ds_strategy.offload import step_runner_for
 from ds_strategy.zero.engine import ZeroEngine
 
 
@@ -95,7 +96,8 @@ def train_zero(rank: int, world_size: int, recipe: Recipe, stage: int) -> dict:
     """Run on each rank under ``run_ranks``: returns global losses per step and the final full parameters."""
     torch.set_num_threads(1)
     model, optimizer = build(recipe)
-    engine = ZeroEngine(model, optimizer, ZeroConfig(stage=stage, **recipe.zero))
+    config = ZeroConfig(stage=stage, **recipe.zero)
+    engine = ZeroEngine(model, optimizer, config, step_runner=step_runner_for(config))
     losses, step_loss, gathered_between_steps, pending = [], torch.zeros(()), 0, []
     for _step, micro, batch in _micro_batches(recipe, world_size):
         boundary = micro == recipe.accumulate - 1

@@ -6,7 +6,7 @@ import contextlib
 import functools
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -18,10 +18,11 @@ from accelerate.utils import DistributedType
 from torch import nn
 from torch.optim import Optimizer
 
+from ..checkpoint.pretrained import load_weights
+from ..compose import Composed, build_mesh, compose_model, recompose_engine
+from ..compose.pipeline_step import pipeline_step
 from ..config import ZeroConfig
-from ..engine_owner import build_engine
-from ..parallel.mesh import ACCELERATE_NAMES, ParallelMesh, build_parallel_mesh
-from ..compose.tensor_parallel import parallelize_for_config, parallelize_with_optimizer, refuse_sequence_parallel
+from ..parallel.mesh import ACCELERATE_NAMES, ParallelMesh
 from ..precision import autocast_for
 from ..precision_flag import ACCELERATE_MIXED_PRECISION, reconcile_precision
 from ..zero.engine import ZeroEngine
@@ -29,7 +30,7 @@ from .checkpointing import ZeroAcceleratorCheckpointing
 from .config_source import ENV_VAR, load_config
 from .deepspeed_compat import DeepSpeedPluginView, StateWithDeepSpeedView, mark_launched_worker
 from .dummy_objects import resolve_dummies
-from .parallelism import check_no_launcher_parallelism, with_parallelism
+from .parallelism import check_no_launcher_parallelism, prepare_over_data_parallel, with_parallelism
 
 # Accelerate's own sharding back-ends, by the constructor argument and the environment variable that enable them.
 _OTHER_SHARDING = {
@@ -73,6 +74,13 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
     unsplit with ``ZeroConfig.tensor_parallel_plan``, "auto" when that is None (the decoder families
     ``ds_strategy.parallel.auto_plan`` knows); a model whose parameters are already DTensors is left as it is.
     An optimizer built before ``prepare`` is pointed at the split parameters.
+
+    DeepSpeed-Ulysses: ``ParallelismConfig(sp_size=2)`` (or ``ZeroConfig.sequence_parallel_size``) adds the mesh
+    dimension ``"sp"``; the loop calls ``shard_sequence`` and ``sequence_parallel_loss``
+    (:mod:`ds_strategy.parallel.ulysses`) over ``torch_device_mesh["sp"]``. Pipelining:
+    ``ZeroConfig.pipeline_parallel_size`` (Accelerate's ParallelismConfig has no pipeline dimension) adds ``"pp"``
+    outermost; the loop hands each batch to :meth:`pipeline_step` instead of calling the model. The ranks of a
+    sequence-parallel group and the stages of a pipeline read the same batches.
     """
 
     def __init__(self, zero_config: ZeroConfig | Mapping | str | os.PathLike | None = None, **kwargs: Any):
@@ -80,12 +88,6 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
         parallelism_config = kwargs.pop("parallelism_config", None)
         check_no_launcher_parallelism(parallelism_config)
         config, self._deepspeed_sections = load_config(zero_config)
-        if config.pipeline_parallel_size > 1:
-            raise ValueError(
-                f"ZeroConfig.pipeline_parallel_size={config.pipeline_parallel_size} is not supported by "
-                f"ZeroAccelerator: only the Lightning Trainer (ZeroStrategy) runs pipeline schedules; use it, or "
-                f"pipeline_parallel_size=1"
-            )
         if config.gradient_accumulation_steps != 1:
             steps = kwargs.setdefault("gradient_accumulation_steps", config.gradient_accumulation_steps)
             if steps != config.gradient_accumulation_steps:
@@ -105,14 +107,11 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
         config = reconcile_precision(
             config, ACCELERATE_MIXED_PRECISION.get(mixed, mixed), "Accelerator(mixed_precision)"
         )
-        self.zero_config = with_parallelism(config, parallelism_config, self.num_processes)
-        refuse_sequence_parallel(self.zero_config, "ZeroAccelerator")
+        self.zero_config = config = with_parallelism(config, parallelism_config, self.num_processes)
         self.parallel_mesh: ParallelMesh | None = None
-        if self.zero_config.tensor_parallel_size > 1:
-            self.parallel_mesh = build_parallel_mesh(
-                self.device.type, self.zero_config.tensor_parallel_size, ACCELERATE_NAMES
-            )
-        self.engines: list[ZeroEngine] = []
+        if max(config.tensor_parallel_size, config.sequence_parallel_size, config.pipeline_parallel_size) > 1:
+            self.parallel_mesh = build_mesh(config, self.device.type, ACCELERATE_NAMES)
+        self.composed: list[Composed] = []  # one per model prepared, in order
         if self._deepspeed_sections:
             self.state = StateWithDeepSpeedView(
                 self.state, DeepSpeedPluginView.of(self.zero_config, self._deepspeed_sections)
@@ -123,15 +122,20 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
 
     @property
     def torch_device_mesh(self):
-        """With tensor parallelism the ``("dp_shard", "tp")`` mesh, which Accelerate's data loaders shard over."""
+        """With tensor, sequence or pipeline parallelism the ``([pp,] dp_shard, [sp,] tp)`` mesh."""
         return self.parallel_mesh.mesh if self.parallel_mesh is not None else super().torch_device_mesh
 
     @property
     def data_parallel_size(self) -> int:
-        """The processes that read different batches: all of them, or one per tensor-parallel group."""
+        """The processes that read different batches: all of them, or one per data-parallel position."""
         return self.parallel_mesh.dp_size if self.parallel_mesh is not None else self.num_processes
 
     # -- prepare ----------------------------------------------------------------------------------------------
+    @property
+    def engines(self) -> list[ZeroEngine]:
+        """The engine of each model prepared, in order."""
+        return [composed.engine for composed in self.composed]
+
     @property
     def engine(self) -> ZeroEngine | None:
         """The engine of the model that trains (the first prepared with an optimizer), else of the first model."""
@@ -207,38 +211,32 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
         return next((engine for engine in self.engines if engine.module is model), None)
 
     def _shard(self, model: nn.Module, optimizer: Optimizer | None, placement: bool | None) -> nn.Module:
+        """A new engine over the model composed by :func:`~ds_strategy.compose.compose_model` (the auto tensor-parallel
+        plan for a model that arrives unsplit, placement, dtype, checkpointing, engine), then the pretrained weights
+        of a model built by ``sharded_from_pretrained`` read into it, shard by shard."""
         plan = self.zero_config.plan
         weights = _pretrained_weights(model)
-        if self.parallel_mesh is not None:
-            model = parallelize_with_optimizer(model, optimizer, self._parallelize)
         self._given_dtypes[model] = {key: value.dtype for key, value in model.state_dict().items()}
-        # stage 3, or a model built on the meta device: the engine places (or initialises) one unit at a time
-        # (ds_strategy.zero.placement, ds_strategy.zero.sharded_init)
-        built_on_meta = any(p.is_meta for p in model.parameters())
-        if (self.device_placement if placement is None else placement) and not plan.partitions_parameters:
-            if not built_on_meta:
-                model.to(self.device)
-        if plan.converts_module:
-            model.to(dtype=plan.compute_dtype)
-        engine = self._build_engine(model, optimizer)
+        composed = compose_model(
+            model,
+            optimizer,
+            self.zero_config,
+            mesh=self.parallel_mesh,
+            device=self.device,
+            log=self.print,
+            unparallelized="auto",
+            place=self.device_placement if placement is None else placement,
+        )
+        engine = composed.engine
         if weights is not None:
-            engine.load_weights(weights)
+            load_weights(engine, weights)
         if plan.autocasts:
             model.forward = _in_autocast(model.forward, self.zero_config.precision, self.device.type)
-        self.engines.append(engine)
+        self.composed.append(composed)
         self._models.append(model)
         model._is_accelerate_prepared = True
         model.no_sync = functools.partial(self.no_sync, model)  # DDP's method; see .deepspeed_compat
         return model
-
-    def _parallelize(self, model: nn.Module) -> nn.Module:
-        parallelize_for_config(model, self.parallel_mesh, self.zero_config, default_plan="auto")
-        return model
-
-    def _build_engine(self, model: nn.Module, optimizer: Optimizer | None) -> ZeroEngine:
-        return build_engine(
-            model, optimizer, self.zero_config, device=self.device, log=self.print, mesh=self.parallel_mesh
-        )
 
     def _attach(self, engine: ZeroEngine, optimizer: Optimizer) -> ZeroAcceleratedOptimizer:
         """Note: [An optimizer prepared after its model]
@@ -246,11 +244,23 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
         group of the optimizer (a single group always does) and the step runs on the device, the optimizer is
         attached to that engine. Otherwise the buffers must be laid out anew: at stage 0-2 every rank holds the
         whole parameters, so a new engine is built over the module in place of the old one; at stage 3 the
-        parameters exist only as shards, and the model must be prepared together with its optimizer.
+        parameters exist only as shards, and the model must be prepared together with its optimizer. Under
+        pipelining it must be too, whatever the stage: whether a stage's buffers fit the optimizer's groups differs
+        from stage to stage, and a new engine on some stages only would leave the pipeline's ranks waiting on each
+        other.
         """
+        if self.zero_config.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"under pipeline_parallel_size={self.zero_config.pipeline_parallel_size} an optimizer must be "
+                f"prepared together with its model, accelerator.prepare(model, optimizer) (the optimizer may be "
+                f"built over the whole model before the cut), not in a later prepare call"
+            )
         if engine.optimizer is None and engine.config.stage < 3 and not engine.can_attach(optimizer):
             engine.remove_hooks()
-            self.engines[self.engines.index(engine)] = self._build_engine(engine.module, optimizer)
+            rebuilt = recompose_engine(
+                engine.module, optimizer, self.zero_config, mesh=self.parallel_mesh, device=self.device, log=self.print
+            )
+            self.composed[self.engines.index(engine)] = rebuilt
         else:
             engine.attach_optimizer(optimizer)  # raises, saying why, where it cannot
         return self._wrap(optimizer)
@@ -310,10 +320,56 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
         self._schedulers.append(prepared)
         return prepared
 
+    def prepare_data_loader(
+        self, data_loader: torch.utils.data.DataLoader, device_placement=None, slice_fn_for_dispatch=None
+    ):
+        """Accelerate's, split over the data-parallel ranks of the mesh when there is one (see
+        :func:`.parallelism.prepare_over_data_parallel`)."""
+        if self.parallel_mesh is None or getattr(data_loader, "_is_accelerate_prepared", False):
+            return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
+        prepared = prepare_over_data_parallel(self, data_loader, device_placement)
+        self._dataloaders.append(prepared)
+        return prepared
+
     # -- training ---------------------------------------------------------------------------------------------
+    def pipeline_step(
+        self,
+        model: nn.Module,
+        inputs: torch.Tensor,
+        target: Any,
+        loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
+    ) -> torch.Tensor:
+        """The loss of ``loss_fn(model output, target)`` on this batch, for the loop to pass to
+        ``accelerator.backward`` and log; the same loop runs with and without pipelining.
+
+        With ``pipeline_parallel_size > 1`` the batch is split into ``pipeline_microbatches`` run through the
+        schedule: while ``model`` is in train mode and gradients are enabled, forward and backward (gradients
+        divided by ``gradient_accumulation_steps``, as :meth:`backward` divides a loss), otherwise forward only. The
+        loss is the mean over the micro-batches on the last stage, the same on every rank, without a graph:
+        ``accelerator.backward`` of it does nothing. Without pipelining it is ``loss_fn(model(inputs), target)``
+        with its graph (see :func:`~ds_strategy.compose.pipeline_step.pipeline_step`)."""
+        composed = next((composed for composed in self.composed if composed.engine.module is model), None)
+        if composed is None:
+            raise ValueError(f"accelerator.pipeline_step: this {type(model).__name__} was not prepared by it")
+        train = model.training and torch.is_grad_enabled()
+        with autocast_for(self.zero_config.precision, self.device.type):  # the prepared forward's, which it skips
+            return pipeline_step(
+                composed.pipeline,
+                model,
+                inputs,
+                target,
+                loss_fn,
+                train=train,
+                grad_scale=1.0 / self.gradient_accumulation_steps,
+            )
+
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Scale for accumulation as Accelerate does, then backward through the loss scale of the model that
-        trains (fp16): one backward may reach several engines, each reducing the gradients of its own model."""
+        trains (fp16): one backward may reach several engines, each reducing the gradients of its own model.
+        Under pipelining a loss without a graph is :meth:`pipeline_step`'s, whose schedule already ran backward
+        (and divided the gradients): nothing is left to do."""
+        if self.zero_config.pipeline_parallel_size > 1 and loss.grad_fn is None:
+            return
         if not self.engines:
             return super().backward(loss, **kwargs)
         scaled = [engine for engine in self.engines if engine.loss_scaler is not None and engine.optimizer is not None]
@@ -409,11 +465,11 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
 
     def load_pretrained(self, path, prefix: str = "", model: nn.Module | None = None) -> None:
         """Load pretrained weights into a prepared model (default: the one that trains), each rank reading only
-        its shards; see ``ZeroEngine.load_weights``."""
+        its shards; see :func:`ds_strategy.checkpoint.pretrained.load_weights`."""
         engine = self.engine_of(model) if model is not None else self.engine
         if engine is None:
             raise RuntimeError("load_pretrained needs a model prepared by this accelerator (accelerator.prepare)")
-        engine.load_weights(path, prefix)
+        load_weights(engine, path, prefix)
 
     # -- reporting --------------------------------------------------------------------------------------------
     def memory_report(self) -> dict[str, dict[str, int]]:

@@ -15,6 +15,7 @@ import lightning as L
 import torch
 
 from ..config import ZeroConfig
+from ..zero.memory_report import PLACES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +58,7 @@ class StepTimer(L.Callback):
 
     def _sample(self, trainer) -> None:
         report = trainer.strategy.memory_report()
-        totals = {place: sum(report[kind][place] for kind in report) for place in ("device", "host", "nvme")}
+        totals = {place: sum(report[kind][place] for kind in report) for place in PLACES}
         for place, value in totals.items():
             self.peak_state_bytes[place] = max(self.peak_state_bytes.get(place, 0), value)
 

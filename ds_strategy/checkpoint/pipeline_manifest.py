@@ -18,9 +18,10 @@ the owner's state is the copy's too.
 
 from __future__ import annotations
 
-import torch.distributed as dist
 from torch import nn
 
+from ..comm.group_collectives import collectives_for
+from ..comm.objects import all_gather_object
 from ..zero.engine import ZeroEngine
 from .manifest import Entry, Kind, StateKind
 from .rank_state import describe, describe_optimizer, writes_replicated
@@ -42,8 +43,8 @@ def described(
     kinds = describe_optimizer(engine) if with_optimizer else None
     if engine is None or engine.pp_collectives is None:
         return entries, kinds
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (entries, kinds if writes_replicated(engine) else None))
+    mine = (entries, kinds if writes_replicated(engine) else None)
+    gathered = all_gather_object(mine, collectives_for(), label="checkpoint.pipeline_manifest")
     order = _in_model_order(engine.whole_model_names)
     merged_kinds = _merged_kinds([k for _, k in gathered], order) if with_optimizer else None
     return _merged([e for e, _ in gathered], order), merged_kinds

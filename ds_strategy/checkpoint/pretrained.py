@@ -39,8 +39,6 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from ..parallel.dtensor_params import TensorParallelSpec, local_tensor, spec_of
 from ..zero.engine import ZeroEngine
-from .rank_state import master_base
-from .restore import _refresh_compute_params
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -129,18 +127,17 @@ def load_weights(engine: ZeroEngine, path: str | os.PathLike | Mapping[str, torc
         with torch.no_grad():
             source_of = {id(tensor): name for tensor, name in groups}
             for fp in engine.flat_params:
-                base = master_base(fp)
                 param_of = {slot.name: p for slot, p in zip(fp.slots, fp.params)}
-                for slot, start, length in fp.slot_pieces(base, base + fp.master.numel()):
+                for slot, start, length in fp.master_slots():
                     name = source_of[id(param_of[slot.name])]
-                    local = slot.offset + start - base
+                    local = slot.offset + start - fp.master_base
                     fp.master.narrow(0, local, length).copy_(files.read(name, start, start + length, slot.tp))
             flat = {id(p) for fp in engine.flat_params for p in fp.params}
             for tensor, name in groups:
                 if id(tensor) not in flat:
                     local = local_tensor(tensor)
                     local.copy_(files.read(name, 0, local.numel(), spec_of(tensor)).view(local.shape))
-        _refresh_compute_params(engine)
+        engine.refresh_from_masters()
 
 
 def _check_fits(engine: ZeroEngine, files: WeightFiles, prefix: str) -> list[tuple[torch.Tensor, str]]:

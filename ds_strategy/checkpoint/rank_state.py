@@ -28,17 +28,12 @@ from .global_layout import global_runs
 from .manifest import Entry, Kind, StateKind
 
 
-def master_base(fp: FlatParam) -> int:
-    """Offset in the flat layout of ``fp.master[0]``: the shard's start, or 0 where master is the whole buffer."""
-    return fp.shard_offset if fp.policy.optimizer else 0
-
-
 def piece_of(
     tensor: torch.Tensor, fp: FlatParam, slot: ParamSlot, start: int, length: int
 ) -> FlatPiece | ScatteredPiece:
     """The piece ``[start, start + length)`` of ``slot``'s parameter within ``tensor``, which is laid out like
     ``fp.master``, in the coordinates of the parameter's global flattening."""
-    local = slot.offset - master_base(fp)
+    local = slot.offset - fp.master_base
     if not slot.tp_sharded:
         return FlatPiece(tensor.narrow(0, local + start, length), start, slot.numel)
     numel = math.prod(slot.tp.shape)

@@ -7,11 +7,11 @@ tensors (a :class:`Restore`), and only once the whole read has succeeded does :f
 the engine, so a failed load changes nothing.
 
 Note: [Refreshing compute parameters after a load]
-A load writes only ``master``. What the forward pass reads is derived from it exactly as after an optimizer step
-(``ZeroEngine.step``): ``copy_master_to_params`` (a cast, under mixed precision) updates the rank's compute
-region, then the stage 1/2 (and stage 3 persistent) buffers are all-gathered so every rank's ``full`` holds every
-shard. Stage 3 units are released first (``engine.reshard()``), so none keeps a gathered copy of the old values;
-their next gather reads the new shards.
+A load writes only ``master``. What the forward pass reads is derived from it exactly as after an optimizer step,
+by ``ZeroEngine.refresh_from_masters``: stage 3 units are released first, so none keeps a gathered copy of the old
+values (their next gather reads the new shards); ``copy_master_to_params`` (a cast, under mixed precision) updates
+the rank's compute region; then the stage 1/2 (and stage 3 persistent) buffers are all-gathered so every rank's
+``full`` holds every shard.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from .errors import CheckpointError
 from .flat_piece import FlatPiece
 from .manifest import Manifest, StateKind, model_key, optimizer_key
 from .pipeline_manifest import model_entries
-from .rank_state import master_base, piece_of, replicated_tensors, stored_names
+from .rank_state import piece_of, replicated_tensors, stored_names
 
 
 @dataclass
@@ -81,7 +81,7 @@ def plan_restore(
     names = stored_names(engine)
     for fp in engine.flat_params:
         staged = fp.master.detach().clone()
-        for slot, start, length in _master_pieces(fp):
+        for slot, start, length in fp.master_slots():
             source = manifest.source_of(names[id(fp), slot.name])
             if source is not None:
                 restore.targets[model_key(source)] = piece_of(staged, fp, slot, start, length)
@@ -93,11 +93,6 @@ def plan_restore(
         for fp in engine.flat_params:
             restore.optimizer_states.append(_plan_optimizer_state(fp, names, manifest, metadata, restore, where))
     return restore
-
-
-def _master_pieces(fp: FlatParam):
-    base = master_base(fp)
-    return fp.slot_pieces(base, base + fp.master.numel())
 
 
 def _plan_optimizer_state(
@@ -126,7 +121,7 @@ def _plan_optimizer_state(
         stored = metadata.state_dict_metadata.get(optimizer_key(sources[0], key))
         dtype = stored.properties.dtype if isinstance(stored, TensorStorageMetadata) else fp.master.dtype
         staged = torch.zeros_like(fp.master, dtype=dtype)
-        for slot, start, length in _master_pieces(fp):
+        for slot, start, length in fp.master_slots():
             source = manifest.source_of(names[id(fp), slot.name])
             if manifest.optimizer_state.get(source, {}).get(key) is not StateKind.ELEMENTWISE:
                 raise CheckpointError(
@@ -174,7 +169,7 @@ def apply_restore(restore: Restore, engine: ZeroEngine | None) -> None:
             _load_optimizer(engine.optimizer, restore)
         if restore.loss_scaler is not None and engine.loss_scaler is not None:
             engine.loss_scaler.load_state_dict(restore.loss_scaler)
-        _refresh_compute_params(engine)
+        engine.refresh_from_masters()
 
 
 def _load_optimizer(optimizer: torch.optim.Optimizer, restore: Restore) -> None:
@@ -191,12 +186,3 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, restore: Restore) -> None:
         for group, saved in zip(optimizer.param_groups, restore.param_groups)
     ]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
-
-
-def _refresh_compute_params(engine: ZeroEngine) -> None:
-    engine.reshard()
-    for fp in engine.flat_params:
-        fp.copy_master_to_params()
-    for unit in engine.units:
-        unit.refresh([fp for fp in unit.flat_params if fp.policy.optimizer and not fp.policy.params])
-    engine.wait_for_params()

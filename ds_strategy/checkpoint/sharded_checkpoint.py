@@ -19,6 +19,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ..comm.group_collectives import collectives_for
+from ..comm.objects import all_gather_object, broadcast_object
 from ..comm.process_exit import destroy_process_groups_at_exit
 from ..zero.engine import ZeroEngine
 from . import directory
@@ -101,7 +103,7 @@ def write(
         raise dcp_failure(error, f"writing the checkpoint {path}") from None
     if dist.is_initialized():
         destroy_process_groups_at_exit()  # [Why every process group is destroyed at exit]
-    checksums = _gathered_on_rank0(writer.checksums, process_group)
+    checksums = _gathered(writer.checksums, process_group)
     meta = {
         "param_groups": optimizer["param_groups"] if optimizer else None,
         "loss_scaler": optimizer["loss_scaler"] if optimizer else None,
@@ -189,13 +191,12 @@ def _rank(process_group) -> int:
     return dist.get_rank(process_group) if dist.is_initialized() else 0
 
 
-def _gathered_on_rank0(checksums: dict[str, int], process_group) -> dict[str, int]:
-    """Every rank's ``checksums`` merged, on rank 0 (empty elsewhere)."""
+def _gathered(checksums: dict[str, int], process_group) -> dict[str, int]:
+    """Every rank's ``checksums`` merged (rank 0 publishes them)."""
     if not dist.is_initialized():
         return checksums
-    gathered = [None] * dist.get_world_size(process_group) if _rank(process_group) == 0 else None
-    dist.gather_object(checksums, gathered, group=process_group, group_dst=0)
-    return {name: crc for sums in gathered or () for name, crc in sums.items()}
+    gathered = all_gather_object(checksums, collectives_for(process_group), label="checkpoint.checksums")
+    return {name: crc for sums in gathered for name, crc in sums.items()}
 
 
 def _on_rank0(step: Callable[[], None], process_group, what: str) -> None:
@@ -210,9 +211,9 @@ def _on_rank0(step: Callable[[], None], process_group, what: str) -> None:
         except Exception as raised:
             error = raised
     if distributed:
-        message = [f"{type(error).__name__}: {error}" if error is not None else None]
-        dist.broadcast_object_list(message, group=process_group, group_src=0)
-        if rank != 0 and message[0] is not None:
-            raise CheckpointError(f"{what} failed on rank 0: {message[0]}")
+        message = f"{type(error).__name__}: {error}" if error is not None else None
+        message = broadcast_object(message, collectives_for(process_group), label="checkpoint.rank0_outcome")
+        if rank != 0 and message is not None:
+            raise CheckpointError(f"{what} failed on rank 0: {message}")
     if error is not None:
         raise error

@@ -47,13 +47,16 @@ import math
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
+from ..comm.collectives import Collectives
+from ..config_policies import ParallelismPolicy
 from ..parallel.dtensor_params import local_tensor
+from ..parallel.mesh import ParallelMesh
 from ..parallel.pipeline_schedules import schedule_class, stages_per_rank
 from ..parallel.pipeline_split import StagePlan
+from ..zero.schedule_interface import ScheduleInterface
 
 
 class StageModule(nn.Module):
@@ -106,23 +109,35 @@ class PipelineRunner:
     """Runs training and evaluation steps of one rank's pipeline stages through a torch schedule.
 
     ``train_step`` returns the mean loss over the batch's micro-batches, the same on every rank (the last stage's,
-    broadcast over the pipeline group); the gradients are in the engine, which steps as without pipelining.
+    broadcast over the pipeline group); the gradients are in the engine, which steps as without pipelining. The
+    engine is driven through its :class:`~ds_strategy.zero.schedule_interface.ScheduleInterface` only; the pipeline
+    group's own traffic (the loss, tied weights and their gradients) goes through :class:`Collectives` too.
     """
 
-    def __init__(self, root: nn.Module, engine, plan: StagePlan, mesh, config, device: torch.device):
+    def __init__(
+        self,
+        root: nn.Module,
+        engine: ScheduleInterface,
+        plan: StagePlan,
+        mesh: ParallelMesh,
+        policy: ParallelismPolicy,
+        device: torch.device,
+        timeout: float,
+    ):
+        """``timeout``: the seconds a pipeline-group collective may wait (``ZeroConfig.collective_timeout``)."""
         self.engine = engine
         self.plan = plan
-        self.config = config
-        self.num_microbatches = config.pipeline_microbatches or plan.num_stages
-        self.pp_group = mesh.pp_group
+        self.policy = policy
+        self.num_microbatches = policy.microbatch_count
+        self.pp = Collectives(mesh.pp_group, timeout=timeout)
         self.last_stage_rank = plan.rank_of_stage[-1]
         self.modules = {s: StageModule(root, plan, s) for s in plan.stage_ids}
         stages = [
             ZeroPipelineStage(self.modules[s], s, plan.num_stages, device, mesh.pp_group, self) for s in plan.stage_ids
         ]
         self._loss_fn: Callable | None = None
-        self.schedule = schedule_class(config.pipeline_schedule)(
-            stages if stages_per_rank(config.pipeline_schedule) > 1 else stages[0],
+        self.schedule = schedule_class(policy.pipeline_schedule)(
+            stages if stages_per_rank(policy.pipeline_schedule) > 1 else stages[0],
             n_microbatches=self.num_microbatches,
             loss_fn=self._scaled_loss,
             scale_grads=False,
@@ -131,7 +146,7 @@ class PipelineRunner:
         self._alone_in = {s: self._flat_params_only_in(s) for s in plan.stage_ids}
         self._params_of = {s: [p for fp in self._alone_in[s] for p in fp.params] for s in plan.stage_ids}
         self._reduced: set[int] = set()
-        self._regather = engine.gatherer is not None and not config.pipeline_keep_gathered
+        self._regather = engine.gathers_units and not policy.pipeline_keep_gathered
         self._last_run_trained: bool | None = None  # torch re-infers shapes on the first run and on every switch
         self._microbatch_shape: tuple[int, ...] | None = None
         self._scale = 1.0
@@ -139,19 +154,18 @@ class PipelineRunner:
 
     # -- bookkeeping built once ------------------------------------------------------------------------------------
     def _units_in(self, module: StageModule) -> list:
-        held = {id(p) for p in module.parameters()}
-        return [u for u in self.engine.units[1:] if u.partitioned and id(u.flat_params[0].params[0]) in held]
+        return self.engine.units_holding(module.parameters())
 
     def _flat_params_only_in(self, stage: int) -> list:
         """The flat buffers whose parameters this stage alone uses (reduced after each of its micro-batches under
         ``per_microbatch``), in the engine's reduction order."""
-        if self.config.pipeline_grad_reduction != "per_microbatch":
+        if self.policy.pipeline_grad_reduction != "per_microbatch":
             return []
         mine = {id(p) for p in self.modules[stage].parameters()}
         others = {id(p) for s, m in self.modules.items() if s != stage for p in m.parameters()}
         return [
             fp
-            for fp in self.engine.reducer.order
+            for fp in self.engine.reduction_order()
             if not fp.tied_copy
             and all(id(p) in mine and id(p) not in others for p in fp.params)
             and not any(t.name in {slot.name for slot in fp.slots} for t in self.plan.tied)
@@ -167,19 +181,17 @@ class PipelineRunner:
             yield
             return
         units = self._units_of[stage]  # not the root, which stays gathered (Note: [Stage-3 weights under ...])
-        for unit in units:
-            unit.wait_gathered()
+        self.engine.gather(units)
         yield
         if free_after:
-            for unit in units:
-                unit.release(keep_for_backward=keep_for_backward)
+            self.engine.release(units, keep_for_backward)
 
     def after_microbatch_backward(self, stage: int) -> None:
         """Reduce the buffers this stage alone uses, under ``per_microbatch`` (Note: [Pipeline gradients])."""
         fps = self._alone_in[stage]
         if fps:
-            self.engine.reducer.collect(self._params_of[stage], self._scale)
-            self.engine.reducer.reduce(fps)
+            self.engine.take_gradients(self._params_of[stage], self._scale)
+            self.engine.reduce(fps)
             self._reduced.update(fp.index for fp in fps)
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -210,10 +222,9 @@ class PipelineRunner:
         self._loss_fn, losses = loss_fn, []
         loss_scale = float(self.engine.scale_loss(torch.ones((), device=self.engine.device)))
         if not self._regather or self._last_run_trained is not train:  # the schedule runs every module to infer shapes
-            for unit in self.engine.units:
-                unit.wait_gathered()
+            self.engine.gather_all()
         else:
-            self.engine.units[0].wait_gathered()
+            self.engine.gather_root()
         if train:
             self.schedule.step(inputs, target=target, losses=losses, return_outputs=False)
         else:
@@ -228,11 +239,11 @@ class PipelineRunner:
         self._scale = grad_scale / self.num_microbatches
         self._reduced.clear()
         loss = self._run(True, inputs, target, loss_fn)
-        reducer = self.engine.reducer
         self._sum_tied_gradients()
-        reducer.collect([p for fp in reducer.order if fp.index not in self._reduced for p in fp.params], self._scale)
-        reducer.reduce([fp for fp in reducer.order if fp.index not in self._reduced])
-        reducer.finish()
+        remaining = [fp for fp in self.engine.reduction_order() if fp.index not in self._reduced]
+        self.engine.take_gradients([p for fp in remaining for p in fp.params], self._scale)
+        self.engine.reduce(remaining)
+        self.engine.finish_gradients()
         return loss
 
     @torch.no_grad()
@@ -252,8 +263,7 @@ class PipelineRunner:
             if holds_last
             else torch.zeros((), device=device)
         )
-        if self.pp_group is not None:
-            dist.broadcast(loss, group=self.pp_group, group_src=self.last_stage_rank)
+        self.pp.broadcast(loss, src=self.last_stage_rank, label="pipeline loss").wait()
         return loss
 
     @torch.no_grad()
@@ -268,9 +278,8 @@ class PipelineRunner:
             if tied.name not in copies:
                 for _, view, start in pieces:
                     value.narrow(0, start, view.numel()).copy_(view)
-            if self.engine.world_size > 1:
-                self.engine.collectives.all_reduce(value).wait()
-            dist.all_reduce(value, group=self.pp_group)
+            self.engine.sum_over_zero_group(value)
+            self.pp.all_reduce(value, label=f"tied {tied.name}").wait()
             if tied.name in copies:
                 for _, view, start in pieces:
                     view.copy_(value.narrow(0, start, view.numel()))
@@ -286,7 +295,7 @@ class PipelineRunner:
             summed = torch.zeros(tied.shape, dtype=torch.float32, device=self.engine.device)  # one dtype everywhere
             if param is not None and param.grad is not None:
                 summed.copy_(local_tensor(param.grad))
-            dist.all_reduce(summed, group=self.pp_group)
+            self.pp.all_reduce(summed, label=f"tied gradient {tied.name}").wait()
             if param is None:
                 continue
             if param.grad is None:

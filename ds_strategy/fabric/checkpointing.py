@@ -11,8 +11,8 @@ checkpoint holds one sharded model (with several set up, save each to its own pa
 
 A single file (``torch.save``d, as DDP or one device write it) loads too, as DeepSpeed's ``load_full_weights``
 and FSDP load it: every rank reads the file, a model set up by ``fabric.setup`` takes its shards of the weights
-(``ZeroEngine.load_weights``), any other module (``fabric.load_raw`` before ``setup``) loads the state dict whole,
-and the other entries are restored as Fabric restores them. Its optimizer state is refused by name: the file
+(``checkpoint.pretrained.load_weights``), any other module (``fabric.load_raw`` before ``setup``) loads the state
+dict whole, and the other entries are restored as Fabric restores them. Its optimizer state is refused by name: the file
 holds the unsharded optimizer's, which is not cut into the engine's shards.
 """
 
@@ -29,6 +29,7 @@ from torch.optim import Optimizer
 
 from .. import checkpoint
 from ..checkpoint import directory
+from ..checkpoint.pretrained import load_weights
 from ..zero.engine import ZeroEngine
 
 IN_SHARDS = "<ds_strategy: in the checkpoint's shard files>"
@@ -117,7 +118,7 @@ class ZeroFabricCheckpointing:
         if engine is None:
             super().load_module_state_dict(module, state_dict, strict=strict)
         else:
-            engine.load_weights(state_dict)
+            load_weights(engine, state_dict)
 
     def _engine_of_module(self, module: nn.Module) -> ZeroEngine | None:
         return next((engine for engine in self.engines if engine.module is module), None)

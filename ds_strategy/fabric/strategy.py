@@ -14,20 +14,22 @@ from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.fabric.wrappers import _FabricModule, _unwrap_compiled
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
-from torch._dynamo.eval_frame import OptimizedModule
 from torch.optim import Optimizer
 
+from ..compose import Composed, build_mesh, compose_model
+from ..compose.pipeline_step import pipeline_step
 from ..config import ZeroConfig
 from ..deepspeed_config import config_from_deepspeed
-from ..engine_owner import EngineOwnerMixin, build_engine, release_engine
-from ..parallel.mesh import LIGHTNING_NAMES, ParallelMesh, build_parallel_mesh
-from ..compose.tensor_parallel import parallelize_for_config, parallelize_with_optimizer, refuse_sequence_parallel
+from ..engine_owner import EngineOwnerMixin, release_engine
+from ..parallel.mesh import LIGHTNING_NAMES, ParallelMesh
 from ..precision import autocast_for
 from ..precision.init_dtype import init_dtype_context
 from ..precision_flag import reconcile_precision
 from ..zero.engine import ZeroEngine
+from ..zero.meta_parameters import parameters_on_meta
 from .checkpointing import ZeroFabricCheckpointing
 
 if TYPE_CHECKING:
@@ -61,6 +63,12 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
     ``parallelize_fn(module, device_mesh) -> module`` applied in setup, over the mesh ``("data_parallel",
     "tensor_parallel")`` (also ``self.device_mesh``), or ``ZeroConfig.tensor_parallel_plan``. ZeRO shards over the
     data-parallel group and ``fabric.setup_dataloaders`` splits batches over it only.
+
+    DeepSpeed-Ulysses (``sequence_parallel_size > 1``) and pipelining (``pipeline_parallel_size > 1``) add the mesh
+    dimensions ``"sequence_parallel"`` and ``"pipeline_parallel"``, whose ranks read the same batches too. Under
+    Ulysses the loop calls ``shard_sequence`` and ``sequence_parallel_loss`` (:mod:`ds_strategy.parallel.ulysses`)
+    over ``self.device_mesh["sequence_parallel"]``; under pipelining it hands each batch to :meth:`pipeline_step`
+    instead of calling the model, as a LightningModule does under ``ZeroStrategy``.
     """
 
     def __init__(
@@ -78,13 +86,6 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
         **config_fields: Any,
     ):
         self.config = ZeroConfig.build(config, **config_fields)
-        refuse_sequence_parallel(self.config, "the Fabric strategy")
-        if self.config.pipeline_parallel_size > 1:
-            raise ValueError(
-                f"ZeroConfig.pipeline_parallel_size={self.config.pipeline_parallel_size} is not supported by the "
-                f"Fabric strategy: only the Lightning Trainer (ZeroStrategy) runs pipeline schedules; use it, or "
-                f"pipeline_parallel_size=1"
-            )
         if parallelize_fn is not None and self.config.tensor_parallel_size == 1:
             raise ValueError("parallelize_fn needs tensor_parallel_size > 1 (the size of its tensor-parallel groups)")
         self.parallelize_fn = parallelize_fn
@@ -95,7 +96,7 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
                 f"with Fabric, whose training loop is yours: accumulate there (fabric.no_backward_sync(model) on all "
                 f"but the last micro-batch, the loss divided by their number) and set gradient_accumulation_steps=1"
             )
-        self.engines: list[ZeroEngine] = []
+        self.composed: list[Composed] = []  # one per model set up, in order
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -133,24 +134,29 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
 
     # -- setup ------------------------------------------------------------------------------------------------
     def setup_environment(self) -> None:
-        """With tensor parallelism, the (dp, tp) mesh under ModelParallelStrategy's dimension names."""
+        """With tensor, sequence or pipeline parallelism, the ([pp,] dp, [sp,] tp) mesh under ModelParallelStrategy's
+        dimension names (and ZeroStrategy's for sp and pp)."""
         super().setup_environment()
         self.precision.device_type = self.root_device.type
-        if self.config.tensor_parallel_size > 1:
-            self.parallel_mesh = build_parallel_mesh(
-                self.root_device.type, self.config.tensor_parallel_size, LIGHTNING_NAMES
-            )
+        config = self.config
+        if max(config.tensor_parallel_size, config.sequence_parallel_size, config.pipeline_parallel_size) > 1:
+            self.parallel_mesh = build_mesh(config, self.root_device.type, LIGHTNING_NAMES)
 
     @property
     def device_mesh(self) -> DeviceMesh:
-        """The ``("data_parallel", "tensor_parallel")`` mesh, as ModelParallelStrategy's ``device_mesh``."""
+        """The ``("data_parallel", "tensor_parallel")`` mesh, as ModelParallelStrategy's ``device_mesh``, with
+        ``"pipeline_parallel"`` outside and ``"sequence_parallel"`` before ``"tensor_parallel"`` when used."""
         if self.parallel_mesh is None:
-            raise RuntimeError("the device mesh exists after launch, and only with tensor_parallel_size > 1")
+            raise RuntimeError(
+                "the device mesh exists after launch, and only with tensor_parallel_size, sequence_parallel_size or "
+                "pipeline_parallel_size > 1"
+            )
         return self.parallel_mesh.mesh
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, int]:
-        """Batches are split over the data-parallel ranks; a tensor-parallel group reads the same ones."""
+        """Batches are split over the data-parallel ranks; a tensor- or sequence-parallel group, and the stages of
+        one pipeline, read the same ones."""
         if self.parallel_mesh is None:
             return super().distributed_sampler_kwargs
         return {"num_replicas": self.parallel_mesh.dp_size, "rank": self.parallel_mesh.dp_rank}
@@ -180,23 +186,37 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
         return optimizer
 
     def _shard(self, module: nn.Module, optimizer: Optimizer | None) -> nn.Module:
-        """Tensor parallelism first (``parallelize_fn`` or the configured plan), then a new engine over the result.
+        """A new engine over the model composed by :func:`~ds_strategy.compose.compose_model` (tensor parallelism
+        by ``parallelize_fn`` or the configured plan, Ulysses, the pipeline cut, placement, dtype, checkpointing,
+        engine, pipeline runner).
 
         A ``parallelize_fn`` may return the model compiled (``torch.compile``): the engine holds the model inside,
         under its own parameter names (which checkpoints use), and Fabric calls the compiled wrapper, as it hands
         every strategy call the model without it."""
         if self._engine_of_module(module) is not None:
             raise ValueError(f"this {type(module).__name__} was already set up; set each model up once")
-        if self.parallel_mesh is not None:
-            module = parallelize_with_optimizer(module, optimizer, self._parallelize)
-        inner = module._orig_mod if isinstance(module, OptimizedModule) else module
-        engine = build_engine(
-            inner, optimizer, self.config, device=self.root_device, log=rank_zero_info, mesh=self.parallel_mesh
+        parallelize_fn = None
+        if self.parallelize_fn is not None:
+            mesh = self.device_mesh
+            parallelize_fn = lambda model: self.parallelize_fn(model, mesh)  # noqa: E731
+        composed = compose_model(
+            module,
+            optimizer,
+            self.config,
+            mesh=self.parallel_mesh,
+            device=self.root_device,
+            log=rank_zero_info,
+            parallelize_fn=parallelize_fn,
         )
-        self.engines.append(engine)
+        self.composed.append(composed)
         if optimizer is not None:
-            _zero_grad_through_engine(optimizer, engine)
-        return module
+            _zero_grad_through_engine(optimizer, composed.engine)
+        return composed.module
+
+    @property
+    def engines(self) -> list[ZeroEngine]:
+        """The engine of each model set up, in order."""
+        return [composed.engine for composed in self.composed]
 
     @property
     def engine(self) -> ZeroEngine | None:
@@ -225,19 +245,12 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
             release_engine(engine)
         super().teardown()
 
-    def _parallelize(self, module: nn.Module) -> nn.Module:
-        if self.parallelize_fn is not None:
-            module = self.parallelize_fn(module, self.device_mesh)
-            if not isinstance(module, nn.Module):
-                raise TypeError(f"parallelize_fn must return an nn.Module, got {type(module).__name__}")
-        parallelize_for_config(module, self.parallel_mesh, self.config)
-        return module
-
     @contextlib.contextmanager
     def module_init_context(self, empty_init: bool | None = None):
-        """``fabric.init_module(empty_init=True)`` under stage 3 builds on the meta device, and the engine
-        materialises one unit at a time (see :mod:`ds_strategy.zero.sharded_init`); otherwise stage 3 builds on
-        the CPU, for the engine to place unit by unit (:mod:`ds_strategy.zero.placement`).
+        """``fabric.init_module(empty_init=True)`` under stage 3 builds parameters on the meta device (buffers for
+        real, as Lightning's build: Note: [Only parameters go to the meta device]), and the engine materialises one
+        unit at a time (see :mod:`ds_strategy.zero.sharded_init`); otherwise stage 3 builds on the CPU, for the
+        engine to place unit by unit (:mod:`ds_strategy.zero.placement`).
 
         Every device and dtype is entered by ``with`` only (Fabric returns this from ``fabric.init_module`` as
         called): a context created and never entered must leave the default device alone, not leave it on meta."""
@@ -245,19 +258,48 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
             with super().module_init_context(empty_init):
                 yield
             return
-        with torch.device("meta") if empty_init else torch.device("cpu"), self.precision.module_init_context():
+        build = parameters_on_meta() if empty_init else torch.device("cpu")
+        with build, self.precision.module_init_context():
             yield
 
     def module_to_device(self, module: nn.Module) -> None:
-        """Stage 3 never moves the whole model: the engine places it one unit at a time as it flattens it."""
-        if not self.config.plan.partitions_parameters:
-            super().module_to_device(module)
+        """Nothing: :func:`~ds_strategy.compose.compose_model` places the model in setup, by the one rule for every
+        adapter (stage 3 and meta builds are placed unit by unit by the engine)."""
 
     # -- training ---------------------------------------------------------------------------------------------
+    def pipeline_step(
+        self,
+        model: nn.Module,
+        inputs: torch.Tensor,
+        target: Any,
+        loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
+        grad_scale: float = 1.0,
+    ) -> torch.Tensor:
+        """The loss of ``loss_fn(model output, target)`` on this batch, for a Fabric loop to pass to
+        ``fabric.backward`` and log (``fabric.strategy.pipeline_step(model, inputs, target, loss_fn)``); the same
+        loop runs with and without pipelining.
+
+        With ``pipeline_parallel_size > 1`` the batch is split into ``pipeline_microbatches`` run through the
+        schedule: while ``model`` is in train mode and gradients are enabled, forward and backward (gradients times
+        ``grad_scale``: ``1 / accumulated batches`` when the loop accumulates), otherwise forward only. The loss is
+        the mean over the micro-batches on the last stage, the same on every rank, without a graph:
+        ``fabric.backward`` of it does nothing. Without pipelining it is ``loss_fn(model(inputs), target)`` with
+        its graph (see :func:`~ds_strategy.compose.pipeline_step.pipeline_step`)."""
+        inner, _ = _unwrap_compiled(model._forward_module if isinstance(model, _FabricModule) else model)
+        engine = self.engine_of(inner, "fabric.strategy.pipeline_step")
+        runner = next(composed.pipeline for composed in self.composed if composed.engine is engine)
+        train = engine.module.training and torch.is_grad_enabled()
+        with self.precision.forward_context():  # what Fabric's model wrapper gives the forwards it runs
+            inputs = self.precision.convert_input(inputs)
+            return pipeline_step(runner, model, inputs, target, loss_fn, train=train, grad_scale=grad_scale)
+
     def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         """Through the loss scale of ``module``'s engine (``fabric.backward(loss, model=...)``), or with no model
         named, of the one model that trains in fp16, if any. One backward may reach several models (a generator's
-        loss through the discriminator): each engine reduces the gradients of its own model."""
+        loss through the discriminator): each engine reduces the gradients of its own model. Under pipelining a
+        loss without a graph is :meth:`pipeline_step`'s, whose schedule already ran backward: nothing is left."""
+        if self.config.pipeline_parallel_size > 1 and tensor.grad_fn is None:
+            return
         if module is not None or len(self.engines) == 1:
             self.engine_of(module, "fabric.backward").backward(tensor)
             return
@@ -336,7 +378,9 @@ class ZeroFabricPrecision(Precision):
         self.device_type = "cuda" if torch.cuda.is_available() else "cpu"  # the strategy's once it is known
 
     def convert_module(self, module: nn.Module) -> nn.Module:
-        return module.to(dtype=self.compute_dtype) if self.converts else module
+        """Unchanged: :func:`~ds_strategy.compose.compose_model` converts a "-true" model in setup, after tensor
+        parallelism and the pipeline cut."""
+        return module
 
     def convert_input(self, data: Any) -> Any:
         if not self.converts:

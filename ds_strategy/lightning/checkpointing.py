@@ -24,6 +24,7 @@ import torch
 
 from .. import checkpoint
 from ..checkpoint.consolidate import OPTIMIZER_ORDER
+from ..checkpoint.pretrained import load_weights
 
 # Lightning's ``_CheckpointConnector`` method that asks for the module state to put in a checkpoint it saves.
 _SAVING_CALLER = "_get_lightning_module_state_dict"
@@ -166,7 +167,7 @@ class ZeroCheckpointing:
                 f"{path} is a file without a 'state_dict' entry: not a Lightning checkpoint (a plain state dict "
                 f"loads with trainer.strategy.load_pretrained from a hook such as on_fit_start)"
             )
-        self.engine.load_weights(loaded.pop("state_dict"))
+        load_weights(self.engine, loaded.pop("state_dict"))
         saved_optimizers = loaded.pop("optimizer_states", None)
         if fitting and saved_optimizers and self.engine.optimizer is not None:
             groups = saved_optimizers[0].get("param_groups", [])

@@ -79,9 +79,8 @@ class ZeroPrecisionMixin:
 
     # -- module, inputs and the autocast region ---------------------------------------------------------------
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        """Under "-true" the whole module becomes 16-bit; under "-mixed" the engine makes its flat buffers 16-bit."""
-        if self.plan.converts_module:
-            return module.to(dtype=self.compute_dtype)
+        """Unchanged: :func:`~ds_strategy.compose.compose_model` converts a "-true" module in setup (after tensor
+        parallelism and the pipeline cut); under "-mixed" the engine makes its flat buffers 16-bit."""
         return module
 
     def convert_input(self, data: Any) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import importlib
 import os
 from collections.abc import Callable, Mapping
@@ -16,16 +17,15 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from ..comm.accounting import StepCommMeter
 from ..comm.process_exit import destroy_process_groups_at_exit
 from ..comm.rank_failure import report_failure
+from ..compose import build_mesh, compose_model
+from ..compose.pipeline_runner import PipelineRunner
 from ..config import ZeroConfig
 from ..deepspeed.optimizer_section import OptimizerSections
 from ..deepspeed_config import read_deepspeed_config
-from ..engine_owner import EngineOwnerMixin, build_engine, cut_for_pipeline
+from ..engine_owner import EngineOwnerMixin
 from ..micro_batch import check_micro_batch
-from ..parallel.mesh import LIGHTNING_NAMES, ParallelMesh, build_parallel_mesh
-from ..compose.pipeline_runner import PipelineRunner
+from ..parallel.mesh import LIGHTNING_NAMES, ParallelMesh
 from ..parallel.pipeline_split import StagePlan
-from ..compose.tensor_parallel import parallelize_for_config
-from ..parallel.ulysses import attend_with_ulysses
 from ..precision_flag import reconcile_precision
 from ..zero.engine import ZeroEngine
 from ..zero.meta_parameters import parameters_on_meta
@@ -123,13 +123,7 @@ class ZeroStrategyMixin(EngineOwnerMixin):
         the engine shards over the default group as without a mesh."""
         super().setup_environment()
         config = self.config
-        mesh = build_parallel_mesh(
-            self.root_device.type,
-            config.tensor_parallel_size,
-            LIGHTNING_NAMES,
-            sequence_parallel_size=config.sequence_parallel_size,
-            pipeline_parallel_size=config.pipeline_parallel_size,
-        )
+        mesh = build_mesh(config, self.root_device.type, LIGHTNING_NAMES)
         if max(config.tensor_parallel_size, config.sequence_parallel_size, config.pipeline_parallel_size) > 1:
             self.parallel_mesh = mesh
         self.lightning_module._device_mesh = mesh.mesh
@@ -150,18 +144,29 @@ class ZeroStrategyMixin(EngineOwnerMixin):
         return {"num_replicas": self.parallel_mesh.dp_size, "rank": self.parallel_mesh.dp_rank}
 
     def setup(self, trainer) -> None:
-        """In this order: tensor and sequence parallelism applied to the whole model, which pipelining then cuts
-        down to this rank's stages (deleting the rest in place, so before the optimizer is built over what
-        remains); the engine over those stages, and the runner that drives them through the schedule."""
+        """The model composed by :func:`~ds_strategy.compose.compose_model` (tensor parallelism, Ulysses, the
+        pipeline cut, placement, checkpointing, engine, pipeline runner), with the Trainer's optimizer built once the
+        model is cut down to this rank's stages; then the precision plugin attached to the engine."""
         self.accelerator.setup(trainer)
-        # a model without tensor-parallel layers runs replicated over tp, as under ModelParallelStrategy
-        parallelize_for_config(self.lightning_module, self.parallel_mesh, self.config, replicate_unparallelized=True)
-        if self.parallel_mesh is not None and self.parallel_mesh.sp_group is not None:
-            attend_with_ulysses(self.lightning_module, self.parallel_mesh.sp_group)
-        self.stage_plan = cut_for_pipeline(self.lightning_module, self.config, self.parallel_mesh)
-        self.model = self.precision_plugin.convert_module(self.model)
-        if not self.config.plan.partitions_parameters:  # stage 3: the engine places one unit at a time (zero.placement)
-            self.model_to_device()
+        dp_size = self.parallel_mesh.dp_size if self.parallel_mesh is not None else self.world_size
+        config = self.config.resolve_batch_sizes(dp_size)
+        self._check_trainer_matches(trainer, config)
+        composed = compose_model(
+            self.lightning_module,
+            functools.partial(self._build_optimizer, trainer),
+            config,
+            mesh=self.parallel_mesh,
+            device=self.root_device,
+            log=rank_zero_info,
+            unparallelized="replicate",  # a model without tensor-parallel layers, as under ModelParallelStrategy
+        )
+        self.engine, self.stage_plan, self.pipeline = composed.engine, composed.stage_plan, composed.pipeline
+        self._comm_meter = StepCommMeter(self.engine.comm_stats) if config.log_comm_stats else None
+        self.precision_plugin.attach_engine(self.engine, self.lightning_module)
+        self.setup_precision_plugin()
+
+    def _build_optimizer(self, trainer):
+        """The optimizer ``configure_optimizers`` returns when fitting (None otherwise), over this rank's stages."""
         optimizer = None
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -173,26 +178,8 @@ class ZeroStrategyMixin(EngineOwnerMixin):
                 )
             optimizer = self.optimizers[0]
             self.record_optimizer_order(optimizer)  # before the engine retargets it onto flat shards
-        dp_size = self.parallel_mesh.dp_size if self.parallel_mesh is not None else self.world_size
-        config = self.config.resolve_batch_sizes(dp_size)
-        self._check_trainer_matches(trainer, config)
         self.keep_fit_optimizer(fitting=optimizer is not None)
-        self.engine = build_engine(
-            self.lightning_module,
-            optimizer,
-            config,
-            device=self.root_device,
-            log=rank_zero_info,
-            mesh=self.parallel_mesh,
-            stage_plan=self.stage_plan,
-        )
-        if self.stage_plan is not None:
-            self.pipeline = PipelineRunner(
-                self.lightning_module, self.engine, self.stage_plan, self.parallel_mesh, config, self.root_device
-            )
-        self._comm_meter = StepCommMeter(self.engine.comm_stats) if config.log_comm_stats else None
-        self.precision_plugin.attach_engine(self.engine, self.lightning_module)
-        self.setup_precision_plugin()
+        return optimizer
 
     def _check_trainer_matches(self, trainer, config: ZeroConfig) -> None:
         """A DeepSpeed config's accumulation and clipping must agree with the Trainer, which owns both loops."""

@@ -34,6 +34,7 @@ from .nvme_swapper import NvmeSwapper, RunDirectory, SubGroup, SwapFile
 from .param_offload import ParamOffload, ParamSink, host_copy
 
 if TYPE_CHECKING:
+    from ..config_policies import OffloadPolicy
     from ..zero.flat_param import FlatParam
     from ..zero.step_runner import StepContext
 
@@ -82,17 +83,17 @@ class HostOptimizer:
     """
 
     def __init__(self, context: StepContext, directory: RunDirectory | None, params: ParamOffload | None, pin: bool):
-        cfg = self.config = context.config
+        offload = self.offload = context.offload
         self.optimizer, self.pin, self.device = context.optimizer, pin, context.device
         self.rule = rule_for(self.optimizer)
-        self.flat_params = offloaded_flat_params(context.flat_params, cfg.offload_ratio)
+        self.flat_params = offloaded_flat_params(context.flat_params, offload.offload_ratio)
         self.indices = {fp.index for fp in self.flat_params}
         self.copies_grads = context.device.type != "cpu"
         self.pool = TilePool()
         self.files: dict[int, dict[str, SwapFile]] = {}  # fp.index -> master and state files
         self.grad_files: dict[int, SwapFile] = {}
         self.swapper: NvmeSwapper | None = None
-        if cfg.offload_optimizer == "nvme":
+        if offload.offload_optimizer == "nvme":
             if self.rule is None:
                 raise ValueError(
                     f"offload_optimizer='nvme' streams optimizer state through ds_strategy's host "
@@ -107,7 +108,7 @@ class HostOptimizer:
             fp.index: ParamSink(fp, fp.master, params.file_of(fp) if params else None) for fp in self.flat_params
         }
         if self.files:
-            self.swapper = self._make_swapper(cfg)
+            self.swapper = self._make_swapper(offload)
         self._host_grads: dict[int, torch.Tensor] = {}
         self._early_copies: dict[int, _EarlyCopy] = {}
         self._staging: torch.Tensor | None = None
@@ -132,7 +133,7 @@ class HostOptimizer:
         return sum(
             fp.master.numel() * fp.master.element_size() * (1 + len(_state_keys(rule, optimizer, fp)))
             + _grad_file_numel(fp, device) * torch.empty((), dtype=_grad_file_dtype(fp, device)).element_size()
-            for fp in offloaded_flat_params(context.flat_params, context.config.offload_ratio)
+            for fp in offloaded_flat_params(context.flat_params, context.offload.offload_ratio)
         )
 
     def _move_masters_to_files(self, directory: RunDirectory) -> None:
@@ -153,7 +154,7 @@ class HostOptimizer:
                         grad_file.write_converted(fp.grad_shard)
                     fp.relocate_grad_shard(grad_file.view)
 
-    def _make_swapper(self, cfg) -> NvmeSwapper:
+    def _make_swapper(self, offload: OffloadPolicy) -> NvmeSwapper:
         keys = tuple(dict.fromkeys(k for files in self.files.values() for k in files if k != "master"))
         master_dtypes = {fp.master.dtype for fp in self.flat_params}
         staging_dtypes = {sink.dtype for sink in self.sinks.values() if sink.needs_staging}
@@ -163,12 +164,12 @@ class HostOptimizer:
                 f"buffers, got {master_dtypes} and {staging_dtypes}"
             )
         largest = max(fp.master.numel() for fp in self.flat_params)
-        numel = NvmeSwapper.sub_group_numel_for(largest, cfg.sub_group_size, cfg.buffer_size)
+        numel = NvmeSwapper.sub_group_numel_for(largest, offload.sub_group_size, offload.buffer_size)
         return NvmeSwapper(
             self.rule,
             keys,
             numel,
-            cfg.buffer_count,
+            offload.buffer_count,
             master_dtypes.pop(),
             staging_dtypes.pop() if staging_dtypes else None,
             self.pool,
@@ -265,7 +266,7 @@ class HostOptimizer:
 
         first = prepare_state(self.rule, self.optimizer, group, state, allocate)
         keys, hyper, sink = self.rule.keys(group), self.rule.hyper(group, self.optimizer), self.sinks[fp.index]
-        size = min(self.config.sub_group_size, master.numel())
+        size = min(self.offload.sub_group_size, master.numel())
         for lo in range(0, master.numel(), size):
             hi = min(master.numel(), lo + size)
             staging = self._staging_for(hi - lo, sink.dtype) if sink.needs_staging else None

@@ -1,7 +1,7 @@
 """OffloadedStep: the engine's step runner (``ds_strategy.zero.step_runner``) when something lives off the device.
 
-Built from a :class:`~ds_strategy.zero.step_runner.StepContext` (flat parameters, optimizer, config, device,
-rank) and nothing else of the engine. It places parameter shards (:class:`ParamOffload`) and optimizer work
+Built from a :class:`~ds_strategy.zero.step_runner.StepContext` (flat parameters, optimizer, offload policy,
+device, rank) and nothing else of the engine. It places parameter shards (:class:`ParamOffload`) and optimizer work
 (:class:`HostOptimizer`) on the host or in NVMe files, which share one run directory, and then answers the
 engine's five calls: ``on_reduced`` (start a gradient's copy to the host), ``step`` (the host step, the user's
 ``optimizer.step()`` for what stayed on the device, and the write-back), ``places`` / ``own_tensors`` /
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import ZeroConfig
+from ..config_policies import OffloadPolicy
 from ..host_memory import map_large_blocks
 from ..profiler_ranges import profiler_range
 from ..zero.flat_param import FlatParam
@@ -45,34 +45,34 @@ class OffloadedStep:
     """Parameter shards and optimizer work placed off the device, and the NVMe directory they share."""
 
     @staticmethod
-    def shard_store(config: ZeroConfig, rank: int) -> ShardFiles | None:
-        """Stage-3 NVMe parameter shards go to files as the engine cuts them (see :class:`ShardFiles`). Called
-        before any unit is built, so large host blocks are returned on free from then on (see [What NVMe offload
-        keeps in memory])."""
+    def shard_store(offload: OffloadPolicy, rank: int) -> ShardFiles | None:
+        """Stage-3 NVMe parameter shards go to files as the engine cuts them (see :class:`ShardFiles`; ZeroConfig
+        allows ``offload_params`` at stage 3 only). Called before any unit is built, so large host blocks are
+        returned on free from then on (see [What NVMe offload keeps in memory])."""
         map_large_blocks()
-        if config.offload_params == "nvme" and config.plan.partitions_parameters:
-            return ShardFiles(config.nvme_path, rank)
+        if offload.offload_params == "nvme":
+            return ShardFiles(offload.nvme_path, rank)
         return None
 
     def __init__(self, context: StepContext):
-        cfg = self.config = context.config
+        offload = self.offload = context.offload
         self.flat_params = context.flat_params
-        pin = cfg.pin_memory and context.device.type == "cuda"
-        has_optimizer = context.optimizer is not None and cfg.plan.offloads_optimizer
-        nvme_bytes = ParamOffload.nvme_bytes(context.flat_params) if cfg.offload_params == "nvme" else 0
-        nvme_bytes += HostOptimizer.nvme_bytes(context) if has_optimizer and cfg.offload_optimizer == "nvme" else 0
+        pin = offload.pin_memory and context.device.type == "cuda"
+        has_optimizer = context.optimizer is not None and offload.offload_optimizer != "none"
+        nvme_bytes = ParamOffload.nvme_bytes(context.flat_params) if offload.offload_params == "nvme" else 0
+        nvme_bytes += HostOptimizer.nvme_bytes(context) if has_optimizer and offload.offload_optimizer == "nvme" else 0
         shard_files = context.shard_store
         if isinstance(shard_files, ShardFiles) and shard_files.directory is not None:
             self.directory = shard_files.directory
             self.directory.require(context.rank, nvme_bytes - shard_files.nbytes())
         else:
-            self.directory = RunDirectory.create(cfg.nvme_path, context.rank, nvme_bytes) if nvme_bytes else None
+            self.directory = RunDirectory.create(offload.nvme_path, context.rank, nvme_bytes) if nvme_bytes else None
         self.params: ParamOffload | None = None
         self.host: HostOptimizer | None = None
         self._closed = False
         try:
-            if cfg.offload_params != "none":
-                self.params = ParamOffload(context, cfg.offload_params, self.directory, pin)
+            if offload.offload_params != "none":
+                self.params = ParamOffload(context, offload.offload_params, self.directory, pin)
             if has_optimizer:
                 self.host = HostOptimizer(context, self.directory, self.params, pin)
         except BaseException:
@@ -126,14 +126,14 @@ class OffloadedStep:
 
     def describe(self, report: dict[str, dict[str, int]]) -> str:
         """Where everything lives, for the setup log line."""
-        cfg, parts = self.config, []
+        offload, parts = self.offload, []
         if self.host is not None:
             parts.append(
                 f"optimizer state of {len(self.host.flat_params)}/{len(self.flat_params)} flat "
-                f"buffers on {cfg.offload_optimizer} ({self.host.kernel_name})"
+                f"buffers on {offload.offload_optimizer} ({self.host.kernel_name})"
             )
         if self.params is not None:
-            parts.append(f"parameter shards on {cfg.offload_params}")
+            parts.append(f"parameter shards on {offload.offload_params}")
         if self.directory is not None:
             parts.append(f"files in {self.directory.path}")
         totals = {place: sum(by_place[place] for by_place in report.values()) / 2**20 for place in PLACES}

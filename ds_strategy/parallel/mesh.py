@@ -4,7 +4,8 @@ then sequence parallel (Ulysses, only when its size is above 1), tensor parallel
 Consecutive ranks form a tensor- or sequence-parallel group (they exchange activations every layer, so they belong
 on one node), and ranks with the same position in it form a data-parallel group. ZeRO shards over every rank that
 holds the same weights: the data-parallel group times the sequence-parallel one, since Ulysses ranks hold full
-weights (the two do not combine with tensor parallelism yet). Pipeline stages are the outermost dimension, as in
+weights (or, under tensor parallelism, the same tensor-parallel shards), flattened into one group when it is not the
+whole world. Pipeline stages are the outermost dimension, as in
 DeepSpeed (``pipe, data, model``) and torchtitan: stages exchange one activation per micro-batch, the least traffic,
 so they may span nodes; each stage's ranks form its own data-parallel groups. The dimension names are the host
 framework's: Lightning's ModelParallelStrategy calls them "data_parallel" and "tensor_parallel", and users index
@@ -28,17 +29,7 @@ def mesh_shape(
     world_size: int, tensor_parallel_size: int, sequence_parallel_size: int = 1, pipeline_parallel_size: int = 1
 ) -> dict[str, int]:
     """The size of each dimension, outer to inner: pp (only above 1), dp, sp (only above 1), tp; checked before
-    any group is made."""
-    if tensor_parallel_size > 1 and sequence_parallel_size > 1:
-        raise ValueError(
-            f"sequence_parallel_size={sequence_parallel_size} with tensor_parallel_size={tensor_parallel_size}: "
-            f"Ulysses and tensor parallelism do not combine yet"
-        )
-    if pipeline_parallel_size > 1 and sequence_parallel_size > 1:
-        raise ValueError(
-            f"sequence_parallel_size={sequence_parallel_size} with pipeline_parallel_size={pipeline_parallel_size}: "
-            f"Ulysses and pipeline parallelism do not combine yet"
-        )
+    any group is made. Which parallelisms combine is ``ZeroConfig``'s rule; this checks the sizes fit the world."""
     sizes = (
         ("tensor", tensor_parallel_size),
         ("sequence", sequence_parallel_size),
@@ -52,10 +43,8 @@ def mesh_shape(
             )
     model_parallel = tensor_parallel_size * sequence_parallel_size * pipeline_parallel_size
     if world_size % model_parallel:
-        raise ValueError(
-            f"pipeline_parallel_size={pipeline_parallel_size} x tensor_parallel_size={tensor_parallel_size} = "
-            f"{model_parallel} does not divide the world size {world_size}"
-        )
+        product = " x ".join(f"{name}_parallel_size={size}" for name, size in reversed(sizes) if size > 1)
+        raise ValueError(f"{product} = {model_parallel} does not divide the world size {world_size}")
     return {
         **({PP: pipeline_parallel_size} if pipeline_parallel_size > 1 else {}),
         DP: world_size // model_parallel,
@@ -137,9 +126,11 @@ class ParallelMesh:
     @property
     def zero_group(self):
         """The group ZeRO shards over, every rank holding the same weights: dp x sp. None (the default group)
-        without tensor or pipeline parallelism, when it is the world; with either, the data-parallel group (sp is
-        1 then)."""
-        return None if self.tp_size == 1 and self.pp_size == 1 else self.dp_group
+        without tensor or pipeline parallelism, when it is the world; with either, the data-parallel group, or
+        with Ulysses too the flattened dp x sp one (:func:`build_parallel_mesh` made it)."""
+        if self.tp_size == 1 and self.pp_size == 1:
+            return None
+        return self.dp_group if self.sp_mesh is None else self.mesh[_dp_sp_name(self.names)].get_group()
 
     @property
     def sp_group(self):
@@ -164,4 +155,11 @@ def build_parallel_mesh(
     names = {PP: PP, DP: DP, SP: SP, TP: TP, **(names or {})}
     shape = mesh_shape(dist.get_world_size(), tensor_parallel_size, sequence_parallel_size, pipeline_parallel_size)
     mesh = init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(names[dim] for dim in shape))
+    if SP in shape and (shape[TP] > 1 or PP in shape):  # the ZeRO group, dp x sp, is not the world: make its groups
+        mesh[names[DP], names[SP]]._flatten(_dp_sp_name(names))
     return ParallelMesh(mesh, dict(names))
+
+
+def _dp_sp_name(names: dict[str, str]) -> str:
+    """The name of the flattened dp x sp dimension."""
+    return f"{names[DP]}_{names[SP]}"

@@ -22,6 +22,12 @@ def stages_per_rank(schedule: str) -> int:
     return 1 if schedule in _SINGLE_STAGE else 2
 
 
+def stage_count(pipeline_size: int, schedule: str) -> int:
+    """How many stages the model is cut into over ``pipeline_size`` ranks; also the default number of micro-batches
+    per step (``ZeroConfig.pipeline_microbatch_count``): one per stage, the fewest that can keep every stage busy."""
+    return pipeline_size * stages_per_rank(schedule)
+
+
 def schedule_class(schedule: str) -> type:
     """The torch.distributed.pipelining schedule class ``schedule`` names."""
     from torch.distributed.pipelining import schedules

@@ -17,7 +17,7 @@ from torch import nn
 
 from .dtensor_params import local_tensor
 from .pipeline_layout import PipelineLayout, find_layout
-from .pipeline_schedules import stages_per_rank
+from .pipeline_schedules import stage_count, stages_per_rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,13 +153,13 @@ def _balanced(weights: list[int], parts: int) -> list[range]:
 
 
 def plan_stages(root: nn.Module, pipeline_size: int, pp_rank: int, schedule: str, split) -> StagePlan:
-    """Cut ``root``'s model into ``pipeline_size x stages_per_rank(schedule)`` stages (no process group work)."""
+    """Cut ``root``'s model into ``stage_count(pipeline_size, schedule)`` stages (no process group work)."""
     layout = find_layout(root)
     blocks = root.get_submodule(layout.blocks) if layout.blocks else root
     block_names = [f"{layout.blocks}.{name}" if layout.blocks else name for name, _ in blocks.named_children()]
     block_list = list(blocks.children())
     sizes = [sum(p.numel() for p in b.parameters()) for b in block_list]
-    num_stages = pipeline_size * stages_per_rank(schedule)
+    num_stages = stage_count(pipeline_size, schedule)
     extra = (_param_count(root, layout.before), _param_count(root, layout.after))
     ranges = split_blocks(block_names, sizes, num_stages, split, extra)
     ranks = stage_ranks(pipeline_size, schedule)

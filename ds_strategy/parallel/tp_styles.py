@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .rank_sums import SumGradOverRanks, SumOverRanks
+from ..comm.differentiable import SumGradOverRanks, SumOverRanks
 
 
 def is_conv1d(module: nn.Module) -> bool:

@@ -9,6 +9,16 @@ the local slice unchanged. What does depend on where a token sits is handled her
 
 Uneven lengths are not supported: the sequence length must be a multiple of the sp size (pad it, with labels
 ``-100``, before :func:`shard_sequence`), and every rank's slice must be equally long.
+
+Note: [Ulysses inside tensor parallelism]
+The mesh is (dp, sp, tp), tp innermost: the tp ranks of one sp rank share its sequence slice, and each one's
+attention holds heads/tp of the heads (column-parallel q/k/v projections). The sp group is the ranks at one tp
+position, which hold the same head block of different slices, so the all-to-all turns that block of this slice into
+heads/(tp*sp) heads of the whole sequence: the query heads must split over tp*sp ranks (:func:`check_heads_split`).
+Nothing else changes. A weight's gradient, whole or a tp shard, is still each sp rank's part of the sum over the
+sequence (Note: [Ulysses gradient scale]), and the ranks that hold the same weights are dp x sp, the ZeRO group.
+Megatron sequence parallelism inside tp cuts the slice once more, between attention and MLP blocks only; its
+all-gather before attention restores the whole slice, so it composes too.
 """
 
 from __future__ import annotations
@@ -19,12 +29,11 @@ from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
+from ds_strategy.comm.differentiable import AllToAll, SumOverRanks
+from ds_strategy.comm.group_collectives import collectives_for
 from ds_strategy.profiler_ranges import profiler_range
-
-from .rank_sums import SumOverRanks
 
 HF_ATTENTION_NAME = "ds_strategy_ulysses_sdpa"
 LAYOUTS = ("bhsd", "bshd")
@@ -35,14 +44,16 @@ def _heads_split(heads: int, kv_heads: int, sp: int) -> bool:
     return heads % sp == 0 and (kv_heads % sp == 0 or sp % kv_heads == 0)
 
 
-def _check_heads(heads: int, kv_heads: int, sp: int) -> None:
-    """Raise, naming the sp sizes that would work, unless the heads split over ``sp`` ranks."""
+def check_heads_split(heads: int, kv_heads: int, sp: int, tp: int = 1) -> None:
+    """Raise, naming the sp sizes that would work, unless the ``heads`` and ``kv_heads`` that attention holds on one
+    rank (the model's divided by ``tp`` under tensor parallelism) split over ``sp`` ranks."""
     if _heads_split(heads, kv_heads, sp):
         return
     allowed = [size for size in range(1, heads + 1) if _heads_split(heads, kv_heads, size)]
+    per_rank = f" per tensor-parallel rank (the model's / tensor_parallel_size={tp})" if tp > 1 else ""
     raise ValueError(
         f"Ulysses attention splits heads over the sequence-parallel group: query heads={heads} and key/value "
-        f"heads={kv_heads} cannot be split over sp={sp} ranks; allowed sp sizes: {allowed}"
+        f"heads={kv_heads}{per_rank} cannot be split over sp={sp} ranks; allowed sp sizes: {allowed}"
     )
 
 
@@ -55,8 +66,7 @@ def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     batch, heads, local_seq, dim = x.shape
     # Head block j goes to rank j: all_to_all_single sends the j-th chunk of dim 0 to rank j.
     send = x.reshape(batch, sp, heads // sp, local_seq, dim).permute(1, 0, 2, 3, 4).contiguous()
-    with profiler_range("comm.all_to_all", "ulysses.seq_to_heads"):
-        received = funcol.all_to_all_single_autograd(send, None, None, group)
+    received = AllToAll.apply(send, group, "ulysses.seq_to_heads")
     # received[i] is rank i's sequence slice of my heads.
     return received.permute(1, 2, 0, 3, 4).reshape(batch, heads // sp, sp * local_seq, dim)
 
@@ -66,8 +76,7 @@ def heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     sp = dist.get_world_size(group)
     batch, local_heads, seq, dim = x.shape
     send = x.reshape(batch, local_heads, sp, seq // sp, dim).permute(2, 0, 1, 3, 4).contiguous()
-    with profiler_range("comm.all_to_all", "ulysses.heads_to_seq"):
-        received = funcol.all_to_all_single_autograd(send, None, None, group)
+    received = AllToAll.apply(send, group, "ulysses.heads_to_seq")
     # received[i] is head block i of my sequence slice.
     return received.permute(1, 0, 2, 3, 4).reshape(batch, sp * local_heads, seq // sp, dim)
 
@@ -95,7 +104,7 @@ def ulysses_attention(
     if layout == "bshd":
         query, key, value = (t.transpose(1, 2) for t in (query, key, value))
     sp = dist.get_world_size(group)
-    _check_heads(query.shape[1], key.shape[1], sp)
+    check_heads_split(query.shape[1], key.shape[1], sp)
     if key.shape[1] < sp:
         key, value = (t.repeat_interleave(sp // key.shape[1], dim=1) for t in (key, value))
     query, key, value = (seq_to_heads(t, group) for t in (query, key, value))
@@ -221,9 +230,8 @@ def sequence_parallel_loss(
             logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=ignore_index, reduction="sum"
         )
     count = (labels != ignore_index).sum()
-    with profiler_range("comm.all_reduce", "ulysses.token_count"):
-        dist.all_reduce(count, group=group)
-    return SumOverRanks.apply(local_sum, group) / count.clamp(min=1)
+    collectives_for(group).all_reduce(count, label="ulysses.token_count").wait()
+    return SumOverRanks.apply(local_sum, group, "ulysses.loss_sum") / count.clamp(min=1)
 
 
 def gradient_scale(sp_size: int) -> int:
@@ -249,13 +257,26 @@ def gradient_scale(sp_size: int) -> int:
     return sp_size
 
 
-def attend_with_ulysses(module: torch.nn.Module, group) -> None:
+def attend_with_ulysses(module: torch.nn.Module, group, tensor_parallel_size: int = 1) -> None:
     """Switch every Hugging Face model in ``module`` to Ulysses attention over ``group``: any other attention would
-    attend within this rank's slice of the sequence only. Other models take ``ulysses_sdpa(group)`` themselves."""
+    attend within this rank's slice of the sequence only. Other models take ``ulysses_sdpa(group)`` themselves.
+    Each model's heads are checked first, divided by ``tensor_parallel_size`` (Note: [Ulysses inside tensor
+    parallelism]), so that heads that do not split are refused at setup rather than in the first forward."""
     transformers = sys.modules.get("transformers")  # a Hugging Face model has imported it already
     if transformers is None:
         return
+    models = [model for model in module.modules() if isinstance(model, transformers.PreTrainedModel)]
+    for model in models:
+        _check_model_heads(model.config, dist.get_world_size(group), tensor_parallel_size)
     name = register_hf_attention(group)
-    for model in module.modules():
-        if isinstance(model, transformers.PreTrainedModel) and model.config._attn_implementation != name:
+    for model in models:
+        if model.config._attn_implementation != name:
             model.set_attn_implementation(name)  # sub-models sharing the config follow
+
+
+def _check_model_heads(config, sp: int, tp: int) -> None:
+    """:func:`check_heads_split` for a Hugging Face config's heads; heads that tp does not split are tp's to refuse."""
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if isinstance(heads, int) and heads % tp == 0 and kv_heads % tp == 0:
+        check_heads_split(heads // tp, kv_heads // tp, sp, tp)

@@ -31,7 +31,7 @@ With a static ``loss_scale > 0`` the scale never changes; ``update`` only counts
 import dataclasses
 from typing import Any
 
-from ..config import ZeroConfig
+from ..config_policies import PrecisionPolicy
 
 
 @dataclasses.dataclass
@@ -47,21 +47,21 @@ class _ScalerState:
 
 
 class LossScaler:
-    """Static or dynamic (DeepSpeed-schedule) loss scale for fp16 training, with ``config``'s loss-scaling fields.
+    """Static or dynamic (DeepSpeed-schedule) loss scale for fp16 training, with ``policy``'s loss-scaling fields.
 
     ``loss_scale`` > 0 is a fixed scale, 0 selects dynamic scaling starting at ``2**initial_scale_power``; the
     other fields are described in :class:`~ds_strategy.config.ZeroConfig`, which defaults and validates them
     (so this class does neither).
     """
 
-    def __init__(self, config: ZeroConfig):
-        self.dynamic = config.loss_scale == 0
-        self.loss_scale_window = config.loss_scale_window
-        self.hysteresis = config.hysteresis
-        self.consecutive_hysteresis = config.consecutive_hysteresis
-        self.min_loss_scale = config.min_loss_scale
-        self.max_consecutive_min_scale_skips = config.max_consecutive_min_scale_skips
-        initial_scale = 2.0**config.initial_scale_power if self.dynamic else config.loss_scale
+    def __init__(self, policy: PrecisionPolicy):
+        self.dynamic = policy.loss_scale == 0
+        self.loss_scale_window = policy.loss_scale_window
+        self.hysteresis = policy.hysteresis
+        self.consecutive_hysteresis = policy.consecutive_hysteresis
+        self.min_loss_scale = policy.min_loss_scale
+        self.max_consecutive_min_scale_skips = policy.max_consecutive_min_scale_skips
+        initial_scale = 2.0**policy.initial_scale_power if self.dynamic else policy.loss_scale
         self._state = _ScalerState(cur_scale=initial_scale, cur_hysteresis=self.hysteresis)
 
     @property

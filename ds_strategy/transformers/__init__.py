@@ -1,7 +1,8 @@
-"""Hugging Face ``Trainer`` and TRL trainers on ds_strategy's ZeRO: ``ZeroTrainer`` and ``ZeroSFTTrainer`` in place of
-``Trainer`` and ``SFTTrainer``, reading the same DeepSpeed JSON (see :mod:`.trainer`).
+"""Hugging Face ``Trainer`` and TRL trainers on ds_strategy's ZeRO: ``ZeroTrainer``, ``ZeroSFTTrainer`` and
+``ZeroDPOTrainer`` in place of ``Trainer``, ``SFTTrainer`` and ``DPOTrainer``, reading the same DeepSpeed JSON (see
+:mod:`.trainer`).
 
-TRL is optional: ``ZeroSFTTrainer`` imports it when first named.
+TRL is optional: the TRL trainers import it when first named.
 """
 
 from ..optional_packages import needs
@@ -14,6 +15,7 @@ with needs("transformers", "accelerate", needed_by="ds_strategy.transformers"):
 
 __all__ = [
     "TrainerZeroConfig",
+    "ZeroDPOTrainer",
     "ZeroSFTTrainer",
     "ZeroTrainer",
     "ZeroTrainerMixin",
@@ -21,11 +23,12 @@ __all__ = [
     "sharded_from_pretrained",
     "trainer_zero_config",
 ]
+_TRL_TRAINERS = ("ZeroDPOTrainer", "ZeroSFTTrainer")
 
 
 def __getattr__(name: str):
-    if name == "ZeroSFTTrainer":
-        from .trl_trainers import ZeroSFTTrainer
+    if name in _TRL_TRAINERS:
+        from . import trl_trainers
 
-        return ZeroSFTTrainer
+        return getattr(trl_trainers, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,7 +16,10 @@ what the Trainer would do with a module whose parameters are shards:
 - ``generate`` at stage 3 gathers each unit for each token's forward through the engine's hooks (also inside TRL's
   ``unwrap_model_for_generation``), or each unit once for a ``gathered_for_generation()`` block;
 - a model from :func:`.sharded_from_pretrained` stays on the meta device until ``prepare``, which reads its weights
-  sharded.
+  sharded;
+- other models the trainer prepares for evaluation (TRL's reference and reward models) are sharded at stage 3 by
+  engines without an optimizer, and kept whole below it, as TRL's ``prepare_deepspeed`` does (see
+  :mod:`.frozen_models`).
 
 ``ZeroTrainerMixin`` carries all of it, so any Trainer subclass composes: ``class MyTrainer(ZeroTrainerMixin,
 MyBaseTrainer)``; ``ZeroSFTTrainer`` is TRL's ``SFTTrainer`` composed so.
@@ -41,6 +44,7 @@ from .. import checkpoint
 from ..accelerate import ZeroAccelerator
 from ..accelerate.checkpointing import SHARDED_DIR
 from ..checkpoint import CheckpointError
+from .frozen_models import TrainerAccelerator
 from .trainer_config import TrainerZeroConfig, detach_deepspeed, trainer_zero_config
 
 logger = logging.getLogger(__name__)
@@ -66,8 +70,8 @@ class ZeroTrainerMixin:
         ``Trainer.create_accelerator_and_postprocess`` assembles some twenty accelerator arguments from
         ``TrainingArguments`` (data loader configuration, a one-step accumulation plugin, precision, dynamo) and
         calls the name ``Accelerator`` from its module's globals, with no hook to choose the class. That name is
-        pointed at ``ZeroAccelerator`` (with this trainer's ZeroConfig) for the length of the call only, so the
-        arguments stay exactly transformers' own, version by version.
+        pointed at a ``ZeroAccelerator`` (a :class:`.TrainerAccelerator`, with this trainer's ZeroConfig) for the
+        length of the call only, so the arguments stay exactly transformers' own, version by version.
         """
         from_args = detach_deepspeed(self.args)
         if from_args is not None and self._zero_source is not None:
@@ -78,7 +82,8 @@ class ZeroTrainerMixin:
         self.zero_settings: TrainerZeroConfig = trainer_zero_config(
             from_args if from_args is not None else self._zero_source, self.args
         )
-        build = functools.partial(ZeroAccelerator, self.zero_settings.zero)
+        _refuse_synced_reference(self.args, self.zero_settings.zero)
+        build = functools.partial(TrainerAccelerator, self.zero_settings.zero, trained_model=lambda: self.model)
         with _trainer_accelerator_class(build):
             super().create_accelerator_and_postprocess()
 
@@ -194,6 +199,16 @@ def _trainer_accelerator_class(build: Any):
         yield
     finally:
         trainer_module.Accelerator = original
+
+
+def _refuse_synced_reference(args: Any, zero: Any) -> None:
+    """TRL's ``sync_ref_model`` mixes the trained parameters into the reference model's in place, through
+    ``param.data``; at stage 3 both are empty views between forwards, so the mix would silently do nothing."""
+    if getattr(args, "sync_ref_model", False) and zero.plan.partitions_parameters:
+        raise ValueError(
+            f"sync_ref_model=True needs whole parameters, but ZeRO stage {zero.stage} partitions them; use stage "
+            f"1 or 2 (the reference model is then kept whole on every rank), or sync_ref_model=False"
+        )
 
 
 def _refuse_deepspeed_partitioned(model: torch.nn.Module | None) -> None:

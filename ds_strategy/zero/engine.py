@@ -6,7 +6,6 @@ import contextlib
 import functools
 import logging
 import math
-from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -22,13 +21,16 @@ from ..precision import GradStats, LossScaler, unscale_and_check_shards
 from ..profiler_ranges import profiler_range
 from .flat_param import FlatParam
 from .grad_reducer import GradReducer
+from .groups import EngineGroups
 from .hpz import WeightGather, hpz_collectives
 from .memory_report import WorkingSetPeak, memory_report, unit_bounded_sizes
 from .optimizer_retarget import check_optimizer_is_elementwise, param_group_index, retarget_optimizer
 from .param_gatherer import ParamGatherer
 from .placement import place_units
+from .schedule_interface import ScheduleInterface
 from .sharded_init import materialise_sharded
-from .step_runner import StepContext, StepRunner, StepRunnerFactory, runner_factory
+from .step_runner import DeviceStep, StepContext, StepRunner, StepRunnerFactory
+from .tied_copies import tied_copy_owner
 from .unit import ShardedState, Unit
 from .wrap_policy import select_unit_modules
 
@@ -43,6 +45,27 @@ def _modules_owning(root: nn.Module, flat_params: list[FlatParam]) -> list[nn.Mo
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _collectives_over(group, config: ZeroConfig) -> Collectives | None:
+    """A model-parallel group's collectives (norms and overflow checks span it), or None for no group or one rank."""
+    if group is None or dist.get_world_size(group) == 1:
+        return None
+    return Collectives(group, timeout=config.collective_timeout)
+
+
+def _step_runner_factory(step_runner: StepRunnerFactory | None, config: ZeroConfig) -> StepRunnerFactory:
+    """The runner given, else the device's; an offloading config without a runner is an error, not a silent
+    on-device step (zero never imports offload: Note: [One-way dependency between the engine and offload])."""
+    if step_runner is not None:
+        return step_runner
+    if config.plan.offloads:
+        raise ValueError(
+            f"ZeroConfig offloads (offload_optimizer={config.offload_optimizer!r}, offload_params="
+            f"{config.offload_params!r}) but no step_runner was given: pass "
+            f"step_runner=ds_strategy.offload.step_runner_for(config), or build through ds_strategy.compose"
+        )
+    return DeviceStep
 
 
 def _device_of(module: nn.Module) -> torch.device:
@@ -67,41 +90,31 @@ class ZeroEngine:
         module: nn.Module,
         optimizer: torch.optim.Optimizer | None,
         config: ZeroConfig,
-        process_group=None,
+        groups: EngineGroups | None = None,
         device: torch.device | str | None = None,
         step_runner: StepRunnerFactory | None = None,
-        tensor_parallel_group=None,
-        loss_multiplier: float = 1.0,
-        pipeline_group=None,
-        tied_copies: Mapping[str, str] | None = None,
-        gradients_from_hooks: bool = True,
-        whole_model_names: tuple[str, ...] = (),
     ):
-        """``process_group``: the group of ranks holding the same weights, over which ZeRO shards and averages
-        gradients (None: the default group). ``tensor_parallel_group``: the group the module's DTensor parameters
-        are split over, when it was parallelized (see :mod:`ds_strategy.parallel`); gradient norms and overflow
-        checks then span it too. ``loss_multiplier``: what ``scale_loss`` multiplies the loss by for backward,
-        when the gradient wanted is more than the average over ``process_group``: the sequence-parallel size
-        under Ulysses (Note: [Ulysses gradient scale] in :mod:`ds_strategy.parallel.ulysses`).
-        ``pipeline_group``: one rank of every pipeline stage, when this engine holds one stage's part of the model;
-        norms and overflow checks span it too. ``tied_copies``: this stage's names of parameters that another stage
-        owns as well (a tied embedding), mapped to the owner's name: they are named so, kept in buffers of their own
-        and left out of the norm (the owner counts them); ``whole_model_names``: the uncut model's ``state_dict``
-        names in order, by which checkpoints order every stage's entries. ``gradients_from_hooks`` False: no
-        autograd hooks; the caller hands gradients over with ``reducer.collect``/``reduce``/``finish`` and gathers
-        stage-3 units itself (Note: [Pipeline gradients] in :mod:`ds_strategy.compose.pipeline_runner`).
-        ``step_runner``: where the optimizer step runs (see :mod:`.step_runner`); by default on the device, or
-        the registered offload runner when ``config`` offloads. The order below is the order of construction:
-        communication first (units gather through it), then units and their flat buffers, placed or initialised
-        on the device; then the step runner, which may move shards and masters off the device, before the
-        optimizer is pointed at the masters (once, wherever they now live); then the stage-3 gatherer and the
-        gradient reducer, which calls both from autograd's hooks."""
+        """``groups``: the process groups the engine spans (see :class:`.groups.EngineGroups`; None: ZeRO over the
+        default group, nothing else). ``step_runner``: where the optimizer step runs (see :mod:`.step_runner`); by
+        default on the device. A config that offloads needs the runner passed (``ds_strategy.offload.
+        step_runner_for(config)``; the composition function does it): the engine never reaches for offload itself.
+
+        What other features need from the engine they set through public methods after construction, as torch's
+        pipeline stages drive FSDP2: :meth:`set_gradient_divide_factor` (Ulysses), :meth:`set_state_dict_names`
+        (checkpoint order under pipelining) and :meth:`driven_by_schedule` (a pipeline schedule hands gradients
+        over); parameters another pipeline stage owns are marked before construction (:mod:`.tied_copies`).
+
+        The order below is the order of construction: communication first (units gather through it), then units
+        and their flat buffers, placed or initialised on the device; then the step runner, which may move shards
+        and masters off the device, before the optimizer is pointed at the masters (once, wherever they now live);
+        then the stage-3 gatherer and the gradient reducer, which calls both from autograd's hooks."""
+        groups = groups or EngineGroups()
         self.module = module
         self.optimizer = optimizer
         self.config = config
         self.plan = plan = config.plan
-        self.process_group = process_group
-        self.loss_multiplier = loss_multiplier
+        self.process_group = process_group = groups.zero
+        self.loss_multiplier = 1.0
         self.device = torch.device(device) if device is not None else _device_of(module)
         if optimizer is not None:
             check_optimizer_is_elementwise(optimizer)
@@ -112,23 +125,15 @@ class ZeroEngine:
             timeout=config.collective_timeout,
         )
         self.rank, self.world_size = self.collectives.rank, self.collectives.world_size
-        self.tp_collectives = (
-            Collectives(tensor_parallel_group, timeout=config.collective_timeout)
-            if tensor_parallel_group is not None and dist.get_world_size(tensor_parallel_group) > 1
-            else None
-        )
-        self.pp_collectives = (
-            Collectives(pipeline_group, timeout=config.collective_timeout)
-            if pipeline_group is not None and dist.get_world_size(pipeline_group) > 1
-            else None
-        )
+        self.tp_collectives = _collectives_over(groups.tensor_parallel, config)
+        self.pp_collectives = _collectives_over(groups.pipeline, config)
         self.model_parallel = tuple(c for c in (self.tp_collectives, self.pp_collectives) if c is not None)
-        self.tied_copies = dict(tied_copies or {})
-        self.whole_model_names = whole_model_names
+        self.tied_copies: dict[str, str] = {}  # filled by _build_units from the marks of .tied_copies
+        self.whole_model_names: tuple[str, ...] = ()  # see set_state_dict_names
         self._setup_weight_gathering()
-        factory = step_runner or runner_factory(config)
+        factory = _step_runner_factory(step_runner, config)
         global_rank = dist.get_rank() if dist.is_initialized() else 0
-        shard_store = factory.shard_store(config, global_rank)
+        shard_store = factory.shard_store(config.offload_policy, global_rank)
         self.units = self._build_units(shard_store)
         self.flat_params = [fp for unit in self.units for fp in unit.flat_params]
         self._norm_weights = self._weights_in_norm()
@@ -137,13 +142,13 @@ class ZeroEngine:
         for fp in self.flat_params:
             fp.allocate_grads(plan.comm_dtype, self.collectives.use_all_reduce)
         self.step_runner: StepRunner = factory(
-            StepContext(self.flat_params, optimizer, config, self.device, global_rank, shard_store)
+            StepContext(self.flat_params, optimizer, config.offload_policy, self.device, global_rank, shard_store)
         )
         if optimizer is not None:
             retarget_optimizer(optimizer, self.flat_params)
         self.working_set = WorkingSetPeak(self.flat_params)
         sizes = unit_bounded_sizes(config, self.units)
-        self.loss_scaler = LossScaler(config) if plan.loss_scaling else None
+        self.loss_scaler = LossScaler(config.precision_policy) if plan.loss_scaling else None
         self._grad_stats: GradStats | None = None
         self._master_grads: list[torch.Tensor] | None = None
         self.gatherer = None
@@ -155,7 +160,6 @@ class ZeroEngine:
                 sizes.prefetch if config.overlap_comm else 0,
                 sizes.max_live,
                 self.working_set,
-                hooks=gradients_from_hooks,
             )
         self._unit_of = [unit for unit in self.units for _ in unit.flat_params]  # by fp.index
         self._launched_per_unit: dict[Unit, int] = {}
@@ -176,8 +180,7 @@ class ZeroEngine:
             on_reduced=self.step_runner.on_reduced,
             quantized_reduce_scatter=qgz,
         )
-        if gradients_from_hooks:
-            self.reducer.register_hooks()
+        self.reducer.register_hooks()
         self._hooks = [self.units[0].module.register_forward_pre_hook(lambda module, args: self.before_forward())]
         self._hooks += [
             module.register_forward_pre_hook(self._gather_root_for)
@@ -203,7 +206,10 @@ class ZeroEngine:
                     f"freeze it (requires_grad=False) or add it to the optimizer"
                 )
             where = owners.get(id(p), [])
-            members[where[0] + 1 if len(where) == 1 else 0].append((self.tied_copies.get(name, name), p))
+            owner = tied_copy_owner(p)
+            if owner is not None:
+                self.tied_copies[name] = owner
+            members[where[0] + 1 if len(where) == 1 else 0].append((owner or name, p))
         names = ["<root>"] + [name for name, _ in chosen]
         modules = [self.module] + [module for _, module in chosen]
         units, first = [], 0
@@ -308,11 +314,12 @@ class ZeroEngine:
 
     def _check_ranks_built_alike(self, built_on_meta: bool) -> None:
         """Every rank must take the same materialisation path (each issues different collectives). Setup
-        plumbing, not training traffic: it goes straight to torch.distributed, outside ``comm_stats``."""
+        plumbing, not training traffic: a ``Collectives`` of its own keeps it out of ``comm_stats``."""
         if self.world_size == 1:
             return
         count = torch.tensor([float(built_on_meta)], device=self.device)
-        dist.all_reduce(count, group=self.process_group)
+        setup = Collectives(self.process_group, timeout=self.config.collective_timeout)
+        setup.all_reduce(count, label="check: ranks built alike").wait()
         if 0 < count.item() < self.world_size:
             raise ValueError(
                 f"{int(count.item())} of {self.world_size} ranks built the model on the meta device "
@@ -358,25 +365,40 @@ class ZeroEngine:
             len({group_of.get(id(p)) for p in fp.params}) == 1 for fp in self.flat_params
         )
 
-    def load_weights(self, path, prefix: str = "") -> None:
-        """Load pretrained weights (Hugging Face safetensors, one file or sharded, or our consolidated file),
-        each rank reading only its shards of its tensor-parallel pieces and pipeline stages; see
-        :mod:`ds_strategy.checkpoint.pretrained`."""
-        from ..checkpoint.pretrained import load_weights  # that package imports this one
+    # -- what other features set ------------------------------------------------------------------------------
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Average gradients as a sum over the engine's group divided by ``factor`` instead of the group's size (FSDP2's
+        method of that name). Ulysses sets the data-parallel size: its sequence-parallel ranks each hold a part of
+        one sample's gradient, to be summed, not averaged (Note: [Ulysses gradient scale] in
+        :mod:`ds_strategy.parallel.ulysses`). Applied as a loss multiplier in :meth:`scale_loss`."""
+        if factor <= 0:
+            raise ValueError(f"gradient divide factor must be positive, got {factor}")
+        self.loss_multiplier = self.world_size / factor
 
-        load_weights(self, path, prefix)
+    def set_state_dict_names(self, names: tuple[str, ...]) -> None:
+        """The uncut model's ``state_dict`` names in order, by which checkpoints order every pipeline stage's
+        entries (a stage's module holds only its own)."""
+        self.whole_model_names = tuple(names)
+
+    def driven_by_schedule(self) -> ScheduleInterface:
+        """Remove the autograd and stage-3 forward hooks and hand back the interface through which a pipeline
+        schedule gathers units and hands gradients over itself (Note: [Pipeline gradients] in
+        :mod:`ds_strategy.compose.pipeline_runner`)."""
+        self.reducer.remove_hooks()
+        if self.gatherer is not None:
+            self.gatherer.remove_hooks()
+        return ScheduleInterface(self)
 
     def master_pieces(self, name: str) -> list[tuple[FlatParam, torch.Tensor, int]]:
         """(flat buffer, view of its master, start within the parameter's local flattening) for each piece of the
         trainable parameter ``name`` whose master this rank holds, for code that sets values in place (a tied
         pipeline copy made equal to its owner); :meth:`refresh_from_masters` then updates the compute copies."""
-        pieces = []
-        for fp in self.flat_params:
-            base = fp.shard_offset if fp.policy.optimizer else 0
-            for slot, start, length in fp.slot_pieces(base, base + fp.master.numel()):
-                if slot.name == name:
-                    pieces.append((fp, fp.master.narrow(0, slot.offset + start - base, length), start))
-        return pieces
+        return [
+            (fp, fp.master.narrow(0, slot.offset + start - fp.master_base, length), start)
+            for fp in self.flat_params
+            for slot, start, length in fp.master_slots()
+            if slot.name == name
+        ]
 
     def refresh_from_masters(self) -> None:
         """Bring every compute copy up to date with the masters after they were set in place (collective over the

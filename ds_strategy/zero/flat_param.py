@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..parallel.dtensor_params import TensorParallelSpec, local_tensor, point_param_at, spec_of
-from .plan import FlatDtypes, ShardPolicy
+from ..zero_plan import FlatDtypes, ShardPolicy
 
 __all__ = ["FlatParam", "ParamSlot", "ShardPolicy"]
 
@@ -208,6 +208,12 @@ class FlatParam:
         self.full.untyped_storage().resize_(0)
 
     # -- master <-> shard ---------------------------------------------------------------------------------------
+    @property
+    def master_base(self) -> int:
+        """Offset in the flat layout of ``master[0]``: the shard's start, or 0 where ``master`` is the whole buffer
+        (the optimizer is not partitioned, stage 0)."""
+        return self.shard_offset if self.policy.optimizer else 0
+
     def master_region(self) -> torch.Tensor:
         """The slice of ``full`` (or ``shard``) that ``master`` stands for."""
         return self.shard if self.policy.optimizer else self.full
@@ -231,6 +237,11 @@ class FlatParam:
     def shard_slots(self) -> list[tuple[ParamSlot, int, int]]:
         """(slot, start within the slot, length) for each parameter piece inside this rank's shard."""
         return self.slot_pieces(self.shard_offset, self.shard_offset + self.shard_numel)
+
+    def master_slots(self) -> list[tuple[ParamSlot, int, int]]:
+        """(slot, start within the slot, length) for each parameter piece inside the range ``master`` covers; the
+        piece is at ``slot.offset + start - master_base`` in ``master``."""
+        return self.slot_pieces(self.master_base, self.master_base + self.master.numel())
 
     def __repr__(self) -> str:
         return (

@@ -28,7 +28,8 @@ if TYPE_CHECKING:
     from .flat_param import FlatParam
     from .unit import Unit
 
-PLACES = ("device", "host", "nvme")
+PLACES = ("device", "host", "nvme")  # where a report (and ds_strategy.estimate) puts bytes
+KINDS = ("params", "grads", "optimizer", "buffers")  # of model state, as reported
 
 
 class WorkingSetSizes(NamedTuple):
@@ -104,7 +105,7 @@ def memory_report(engine: ZeroEngine, peak: bool = False) -> dict[str, dict[str,
     host and device are the same memory), plus the tensors only it holds (host gradient copies, staging buffers).
     """
     device = engine.flat_params[0].device if engine.flat_params else torch.device("cpu")
-    report = {kind: dict.fromkeys(PLACES, 0) for kind in ("params", "grads", "optimizer", "buffers")}
+    report = {kind: dict.fromkeys(PLACES, 0) for kind in KINDS}
     placed = engine.step_runner.places()
 
     def add(kind: str, tensor: torch.Tensor | None) -> None:

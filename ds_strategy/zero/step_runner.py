@@ -4,12 +4,12 @@ Note: [One-way dependency between the engine and offload]
   ``ZeroEngine`` decides *when* the optimizer steps (after the overflow check, before the parameter refresh);
   a :class:`StepRunner` decides *where*: on the device, beside the shards (:class:`DeviceStep`, here), or on the
   host / NVMe (``ds_strategy.offload``, which implements this protocol from a :class:`StepContext`: the flat
-  parameters, the optimizer, the config, the device and the rank, nothing else of the engine). The engine calls
-  the runner at five points and never asks which one it has: ``on_reduced`` inside backward (a reduced gradient
-  is final), ``step``, ``places`` / ``own_tensors`` / ``describe`` for reports, and ``close`` at teardown. So
-  ``ds_strategy.zero`` imports nothing from ``ds_strategy.offload``; offload registers its runner with
-  :func:`register_off_device_runner` when it is imported (``import ds_strategy`` does), and
-  :func:`runner_factory` hands the engine that factory when the config offloads.
+  parameters, the optimizer, the offload policy, the device and the rank, nothing else of the engine). The engine
+  calls the runner at five points and never asks which one it has: ``on_reduced`` inside backward (a reduced
+  gradient is final), ``step``, ``places`` / ``own_tensors`` / ``describe`` for reports, and ``close`` at
+  teardown. So ``ds_strategy.zero`` imports nothing from ``ds_strategy.offload``: the engine's builder passes the
+  factory as an argument (``ds_strategy.offload.step_runner_for`` chooses it); given none, the engine runs
+  :class:`DeviceStep`, and refuses a config that offloads.
   Stage-3 NVMe parameter shards are written as units are built, before any runner exists; a factory may provide
   a :class:`ShardStore` for that (``shard_store``), which its runner then adopts through the context.
 """
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from ..config import ZeroConfig
+    from ..config_policies import OffloadPolicy
     from .flat_param import FlatParam
 
 
@@ -37,7 +37,7 @@ class StepContext(NamedTuple):
 
     flat_params: list[FlatParam]
     optimizer: torch.optim.Optimizer | None
-    config: ZeroConfig
+    offload: OffloadPolicy
     device: torch.device
     rank: int
     shard_store: ShardStore | None  # what the factory's ``shard_store`` returned, if anything
@@ -67,7 +67,7 @@ class StepRunner(Protocol):
 
 
 class StepRunnerFactory(Protocol):
-    def shard_store(self, config: ZeroConfig, rank: int) -> ShardStore | None: ...
+    def shard_store(self, offload: OffloadPolicy, rank: int) -> ShardStore | None: ...
 
     def __call__(self, context: StepContext) -> StepRunner: ...
 
@@ -95,7 +95,7 @@ class DeviceStep:
         self.flat_params = context.flat_params
 
     @staticmethod
-    def shard_store(config: ZeroConfig, rank: int) -> None:
+    def shard_store(offload: OffloadPolicy, rank: int) -> None:
         return None
 
     def on_reduced(self, fp: FlatParam, grad: torch.Tensor) -> None:
@@ -115,24 +115,3 @@ class DeviceStep:
 
     def close(self) -> None:
         pass
-
-
-_off_device: StepRunnerFactory | None = None
-
-
-def register_off_device_runner(factory: StepRunnerFactory) -> None:
-    """Make ``factory`` the runner of every engine whose config offloads (``ds_strategy.offload`` calls this)."""
-    global _off_device
-    _off_device = factory
-
-
-def runner_factory(config: ZeroConfig) -> StepRunnerFactory:
-    """The device runner, or the registered off-device one when ``config`` offloads anything."""
-    if not config.plan.offloads:
-        return DeviceStep
-    if _off_device is None:
-        raise RuntimeError(
-            "ZeroConfig offloads, but no off-device step runner is registered; import "
-            "ds_strategy.offload (importing ds_strategy does) before building the engine"
-        )
-    return _off_device

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from ds_strategy import ZeroConfig, ZeroEngine, checkpoint
 from ds_strategy.data import random_token_batch
 from ds_strategy.models import GPT, gpt_config
+from ds_strategy.offload import step_runner_for
 
 STEPS = 3
 PER_RANK_BATCH = 2
@@ -92,7 +93,8 @@ def record(out: Path, engine, local_rank: int, prefix: str = "") -> None:
 def train_engine(out: Path) -> None:
     dist.init_process_group("gloo")
     model = build_model()
-    engine = ZeroEngine(model, build_optimizer(model), ZeroConfig(**zero_settings()))
+    config = ZeroConfig(**zero_settings())
+    engine = ZeroEngine(model, build_optimizer(model), config, step_runner=step_runner_for(config))
     for inputs, targets in my_batches(dist.get_rank(), dist.get_world_size()):
         _, loss = model(inputs, targets)
         engine.backward(loss)

@@ -3,19 +3,22 @@
 ``ZeroConfig`` holds what the user chose; this holds what that means for sharding (per stage), dtypes (per
 precision) and communication. ``config.plan`` is the one place these are decided: the engine, the reducer, the
 precision plugins and the three adapters read it instead of re-deriving them from ``stage`` or ``precision``.
+
+It sits beside ``ds_strategy.config``, not in ``ds_strategy.zero``, because the config builds it and the engine
+reads it; and it is built from the config's policy sections, never the config itself, so it imports neither: the
+config and the engine both depend on it without a circle (``tests/test_import_graph.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
-if TYPE_CHECKING:
-    from ..config import ZeroConfig
+from ds_strategy.config_policies import CommPolicy, OffloadPolicy, PrecisionPolicy
 
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}  # the config's short dtype names
 _COMPUTE_DTYPES = {"32": torch.float32, "bf16": torch.bfloat16, "16": torch.float16}  # by precision prefix
 
 
@@ -80,18 +83,27 @@ class ZeroPlan:
     offloads_params: bool
 
     @classmethod
-    def of(cls, config: ZeroConfig) -> ZeroPlan:
-        precision, stage = config.precision, config.stage
+    def of(
+        cls,
+        stage: int,
+        persistence_threshold: int | str,
+        precision_policy: PrecisionPolicy,
+        comm_policy: CommPolicy,
+        offload_policy: OffloadPolicy,
+    ) -> ZeroPlan:
+        """The plan of a validated ZeroConfig's ``stage``, ``param_persistence_threshold`` and policy sections."""
+        precision = precision_policy.precision
         compute = _COMPUTE_DTYPES[precision.split("-")[0]]
-        if config.communication_dtype is not None:
-            comm = _DTYPES[config.communication_dtype]
+        if precision_policy.communication_dtype is not None:
+            comm = DTYPES[precision_policy.communication_dtype]
         else:
             comm = torch.bfloat16 if precision.startswith("bf16") else torch.float32
+        accumulation = precision_policy.grad_accum_dtype
         return cls(
             stage=stage,
             sharding=ShardPolicy.for_stage(stage),
             persistent_sharding=ShardPolicy.for_stage(stage, persistent=True),
-            persistence_threshold=config.param_persistence_threshold if stage >= 3 else 0,
+            persistence_threshold=persistence_threshold if stage >= 3 else 0,
             precision=precision,
             compute_dtype=compute,
             keeps_module_dtype=precision == "32-true",
@@ -99,10 +111,10 @@ class ZeroPlan:
             converts_module=precision.endswith("-true") and compute != torch.float32,
             loss_scaling=precision.startswith("16-"),
             comm_dtype=comm,
-            grad_accum_dtype=_DTYPES[config.grad_accum_dtype] if config.grad_accum_dtype is not None else None,
-            gradient_reduction=config.gradient_reduction,
-            offloads_optimizer=config.offload_optimizer != "none",
-            offloads_params=config.offload_params != "none",
+            grad_accum_dtype=DTYPES[accumulation] if accumulation is not None else None,
+            gradient_reduction=comm_policy.gradient_reduction,
+            offloads_optimizer=offload_policy.offload_optimizer != "none",
+            offloads_params=offload_policy.offload_params != "none",
         )
 
     # -- sharding -----------------------------------------------------------------------------------------------
@@ -120,10 +132,6 @@ class ZeroPlan:
     def partitions_parameters(self) -> bool:
         """Each rank holds only its parameter shard between uses (stage >= 3)."""
         return self.sharding.params
-
-    def policy_for(self, numel: int) -> ShardPolicy:
-        """The policy of a parameter of ``numel`` elements (small stage-3 parameters persist)."""
-        return self.persistent_sharding if self.is_persistent(numel) else self.sharding
 
     def is_persistent(self, numel: int) -> bool:
         return self.stage >= 3 and numel < int(self.persistence_threshold)

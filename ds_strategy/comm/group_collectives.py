@@ -1,0 +1,35 @@
+"""One :class:`~.collectives.Collectives` per process group, for collectives issued by code that holds a group and
+not an engine: the model's own (Ulysses all-to-alls, tensor-parallel sums, partitioned activations, all inside
+forward and backward), and checkpoint-time exchanges. Going through a ``Collectives`` times them out, names a
+failed rank and counts them; keeping one per group makes each group's counters add up everything issued over it
+here, apart from an engine's own counters (``ZeroEngine.comm_stats``), which measure training traffic.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from .collectives import Collectives
+from .process_exit import destroy_process_groups_at_exit
+
+# process group (the default group for None) -> (the default group it was made under, its Collectives)
+_BY_GROUP: dict = {}
+
+
+def collectives_for(group=None, timeout: float | None = None) -> Collectives:
+    """The ``Collectives`` of ``group`` (None: the default group), made on first use with ``Collectives``'
+    default timeout. A ``timeout`` replaces the group's from now on: an adapter sets the configured one at setup,
+    and model code that asks later for the group alone gets the same object. Entries made under a default group
+    since destroyed are dropped, so that none keeps a dead group's threads alive."""
+    world = dist.group.WORLD
+    for key in [key for key, (made_under, _) in _BY_GROUP.items() if made_under is not world]:
+        del _BY_GROUP[key]
+    key = world if group is None else group
+    if key not in _BY_GROUP:
+        if not _BY_GROUP:
+            destroy_process_groups_at_exit(_BY_GROUP.clear)  # [Why every process group is destroyed at exit]
+        _BY_GROUP[key] = (world, Collectives(group))
+    collectives = _BY_GROUP[key][1]
+    if timeout is not None:
+        collectives.timeout = timeout
+    return collectives
