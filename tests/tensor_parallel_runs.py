@@ -215,11 +215,11 @@ def assert_matches(run: dict, reference: dict, rtol: float = 1e-5) -> None:
 
 def error_without_a_plan(rank: int, world_size: int) -> str:
     """What the strategy says of a model that nothing parallelized although tensor_parallel_size is 2."""
-    from ds_strategy.compose.tensor_parallel import parallelize_for_config
+    from ds_strategy.compose.tensor_parallel import apply_tensor_parallelism
 
     mesh = build_parallel_mesh("cpu", 2)
     try:
-        parallelize_for_config(ResidualMLP(), mesh, ZeroConfig(tensor_parallel_size=2))
+        apply_tensor_parallelism(ResidualMLP(), mesh, ZeroConfig(tensor_parallel_size=2).parallelism_policy)
     except ValueError as error:
         return str(error)
     return "no error"

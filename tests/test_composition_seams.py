@@ -15,7 +15,7 @@ ADAPTERS = ("lightning", "fabric", "accelerate", "transformers", "hydra")
 COMPOSITION_STEPS = {
     "build_parallel_mesh",
     "init_device_mesh",
-    "parallelize_for_config",
+    "apply_tensor_parallelism",
     "apply_tensor_parallel_plan",
     "parallelize_module",
     "attend_with_ulysses",

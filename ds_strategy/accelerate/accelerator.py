@@ -365,21 +365,25 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Scale for accumulation as Accelerate does, then backward through the loss scale of the model that
-        trains (fp16): one backward may reach several engines, each reducing the gradients of its own model.
+        trains (fp16) and the Ulysses multiplier, which every engine of the mesh shares (see
+        ``ZeroEngine.scale_loss``): one backward may reach several engines, each reducing the gradients of its own
+        model.
         Under pipelining a loss without a graph is :meth:`pipeline_step`'s, whose schedule already ran backward
         (and divided the gradients): nothing is left to do."""
         if self.zero_config.pipeline_parallel_size > 1 and loss.grad_fn is None:
             return
         if not self.engines:
             return super().backward(loss, **kwargs)
-        scaled = [engine for engine in self.engines if engine.loss_scaler is not None and engine.optimizer is not None]
+        trained = [engine for engine in self.engines if engine.optimizer is not None]
+        scaled = [engine for engine in trained if engine.loss_scaler is not None]
         if len(scaled) > 1:
             raise ValueError(
                 "fp16 loss scaling with several trained models: each engine keeps its own loss scale; "
                 "call engine.backward(loss) for each (accelerator.engine_of(model)), or train in bf16"
             )
         loss = loss / self.gradient_accumulation_steps
-        scaled[0].backward(loss) if scaled else loss.backward(**kwargs)
+        through = (scaled or trained or [None])[0]
+        (through.scale_loss(loss) if through is not None else loss).backward(**kwargs)
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module):

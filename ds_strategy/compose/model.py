@@ -52,7 +52,7 @@ from ..zero.tied_copies import mark_tied_copy
 from ..zero.wrap_policy import select_unit_modules
 from .early_optimizer import rebind_optimizer
 from .pipeline_runner import PipelineRunner
-from .tensor_parallel import parallelize_for_config
+from .tensor_parallel import apply_tensor_parallelism
 
 Unparallelized = Literal["require", "replicate", "auto"]
 
@@ -195,10 +195,10 @@ def _tensor_parallel(
         module = parallelize_fn(module)
         if not isinstance(module, nn.Module):
             raise TypeError(f"parallelize_fn must return an nn.Module, got {type(module).__name__}")
-    parallelize_for_config(
+    apply_tensor_parallelism(
         _uncompiled(module),
         mesh,
-        config,
+        config.parallelism_policy,
         default_plan="auto" if unparallelized == "auto" else None,
         replicate_unparallelized=unparallelized == "replicate",
     )

@@ -11,20 +11,20 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..comm.collectives import Collectives
-from ..config import ZeroConfig
+from ..config_policies import ParallelismPolicy
 from ..parallel.auto_plan import apply_tensor_parallel_plan, tensor_parallel_plan
 from ..parallel.mesh import ParallelMesh
 
 
-def parallelize_for_config(
+def apply_tensor_parallelism(
     module: nn.Module,
     mesh: ParallelMesh | None,
-    config: ZeroConfig,
+    policy: ParallelismPolicy,
     *,
     default_plan: str | None = None,
     replicate_unparallelized: bool = False,
 ) -> None:
-    """Apply ``config.tensor_parallel_plan`` to ``module`` over ``mesh``'s tensor-parallel dimension, or, when the
+    """Apply ``policy.tensor_parallel_plan`` to ``module`` over ``mesh``'s tensor-parallel dimension, or, when the
     plan is None, require that the user's own code (``configure_model``, ``parallelize_fn``) did it.
 
     ``default_plan``: the plan for a model that arrives with no tensor-parallel parameters and no plan configured
@@ -32,11 +32,11 @@ def parallelize_for_config(
     such a model instead runs whole on every tensor-parallel rank (Lightning's ModelParallelStrategy does)."""
     if mesh is None or mesh.tp_size == 1:
         return
-    plan = config.tensor_parallel_plan
+    plan = policy.tensor_parallel_plan
     if plan is None and not _is_parallelized(module):
         plan = default_plan
     if plan is not None:
-        resolved = tensor_parallel_plan(module, mesh.tp_size, sequence_parallel=config.sequence_parallel, plan=plan)
+        resolved = tensor_parallel_plan(module, mesh.tp_size, sequence_parallel=policy.sequence_parallel, plan=plan)
         apply_tensor_parallel_plan(module, mesh.tp_mesh, resolved)
     if _is_parallelized(module):
         return

@@ -303,13 +303,15 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
         if module is not None or len(self.engines) == 1:
             self.engine_of(module, "fabric.backward").backward(tensor)
             return
-        scaled = [engine for engine in self.engines if engine.loss_scaler is not None and engine.optimizer is not None]
+        trained = [engine for engine in self.engines if engine.optimizer is not None]
+        scaled = [engine for engine in trained if engine.loss_scaler is not None]
         if len(scaled) > 1:
             raise ValueError(
                 "fabric.backward(loss) with several models trained in fp16: each keeps its own loss scale, so name "
                 "the model the loss trains: fabric.backward(loss, model=model)"
             )
-        scaled[0].backward(tensor) if scaled else tensor.backward(*args, **kwargs)
+        through = (scaled or trained or [None])[0]  # its loss scale, and the Ulysses multiplier every engine shares
+        (through.scale_loss(tensor) if through is not None else tensor).backward(*args, **kwargs)
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> None:
         engine = next((engine for engine in self.engines if engine.optimizer is optimizer), None)

@@ -17,8 +17,9 @@ position, which hold the same head block of different slices, so the all-to-all 
 heads/(tp*sp) heads of the whole sequence: the query heads must split over tp*sp ranks (:func:`check_heads_split`).
 Nothing else changes. A weight's gradient, whole or a tp shard, is still each sp rank's part of the sum over the
 sequence (Note: [Ulysses gradient scale]), and the ranks that hold the same weights are dp x sp, the ZeRO group.
-Megatron sequence parallelism inside tp cuts the slice once more, between attention and MLP blocks only; its
-all-gather before attention restores the whole slice, so it composes too.
+Megatron sequence parallelism inside tp (``sequence_parallel=True``) cuts the slice once more over tp, in the norms
+and the residual stream only; its all-gather before the q/k/v projections restores the whole slice, so it composes
+too. ``tests/test_lightning_sequence_parallel.py`` trains both against one process.
 """
 
 from __future__ import annotations

@@ -147,7 +147,7 @@ class ZeroEngine:
         if optimizer is not None:
             retarget_optimizer(optimizer, self.flat_params)
         self.working_set = WorkingSetPeak(self.flat_params)
-        sizes = unit_bounded_sizes(config, self.units)
+        sizes = unit_bounded_sizes(config.comm_policy, self.units)
         self.loss_scaler = LossScaler(config.precision_policy) if plan.loss_scaling else None
         self._grad_stats: GradStats | None = None
         self._master_grads: list[torch.Tensor] | None = None

@@ -23,7 +23,7 @@ import torch
 from ..config import UNITS
 
 if TYPE_CHECKING:
-    from ..config import ZeroConfig
+    from ..config_policies import CommPolicy
     from .engine import ZeroEngine
     from .flat_param import FlatParam
     from .unit import Unit
@@ -40,18 +40,18 @@ class WorkingSetSizes(NamedTuple):
     max_live: int  # gathered elements alive at once, beyond which prefetching stops (gathers on demand go ahead)
 
 
-def unit_bounded_sizes(config: ZeroConfig, units: list[Unit]) -> WorkingSetSizes:
-    """``config``'s sizes with "units" resolved (see [The bound the peak is held to]): the largest unit's
+def unit_bounded_sizes(comm: CommPolicy, units: list[Unit]) -> WorkingSetSizes:
+    """``comm``'s sizes with "units" resolved (see [The bound the peak is held to]): the largest unit's
     gradient scratch in flight; one unit prefetched, and then at most the root and two units gathered."""
     scratch = max((sum(fp.padded_numel for fp in u.flat_params if fp.policy.grads) for u in units), default=0)
     gathered = max((sum(fp.padded_numel for fp in u.partitioned) for u in units[1:]), default=0)
     root = sum(fp.padded_numel for fp in units[0].partitioned) if units else 0
-    max_live = int(config.max_live_parameters)
-    if config.prefetch_bucket_size == UNITS:
+    max_live = int(comm.max_live_parameters)
+    if comm.prefetch_bucket_size == UNITS:
         max_live = min(max_live, root + 2 * gathered)
     return WorkingSetSizes(
-        max(1, scratch) if config.reduce_bucket_size == UNITS else int(config.reduce_bucket_size),
-        gathered if config.prefetch_bucket_size == UNITS else int(config.prefetch_bucket_size),
+        max(1, scratch) if comm.reduce_bucket_size == UNITS else int(comm.reduce_bucket_size),
+        gathered if comm.prefetch_bucket_size == UNITS else int(comm.prefetch_bucket_size),
         max_live,
     )
 
