@@ -23,7 +23,10 @@ Loading rows. A Llama of ``--load-depth`` blocks is written once with ``save_pre
 shards) under ``--nvme-path``, then loaded on 2 ranks (a) into stage 3 built on the meta device through
 ``checkpoint.pretrained.load_weights`` (what ``load_pretrained`` calls), each rank reading only its shards, and
 (b) as FSDP2 users do: ``fully_shard`` on the meta device, ``to_empty``, then rank 0 ``from_pretrained`` and
-``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)``. Reported: each rank's peak RssAnon
+``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)``, and (c) through transformers' FSDP
+"cpu_ram_efficient_loading" as ``accelerate launch --use_fsdp --cpu`` runs it: ``from_pretrained`` on every rank
+under ``ACCELERATE_USE_FSDP`` and ``FSDP_CPU_RAM_EFFICIENT_LOADING``, then Accelerate's FSDP2 ``prepare`` where the
+``Accelerator`` enters FSDP (on CPU it does not; the row says what ran). Reported: each rank's peak RssAnon
 above its value before the load, and seconds. Rows are written to ``results/<name>.{md,json}`` as each finishes,
 so a run stopped at a deadline keeps what it measured; files under ``--nvme-path`` are removed at the end.
 """
@@ -268,53 +271,116 @@ def write_checkpoint(path: Path, depth: int, width: int) -> dict:
 
 
 def load_rank(rank: int, world_size: int, system: str, path: str, depth: int, width: int) -> dict:
+    """Load the checkpoint at ``path`` into this rank as ``system`` does: peak RssAnon over the load, seconds."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    loaded = LOADERS[system](rank, path, depth, width)
+    dist.destroy_process_group()
+    return loaded
+
+
+def _load_ours(rank: int, path: str, depth: int, width: int) -> dict:
+    import torch.distributed as dist
+
+    from ds_strategy.checkpoint.pretrained import load_weights
+    from ds_strategy.config import ZeroConfig
+    from ds_strategy.zero.engine import ZeroEngine
+
     started = time.perf_counter()
     model, _ = build_model("llama", depth, width, 64, meta=True)
-    if system == "ours":
-        from ds_strategy.checkpoint.pretrained import load_weights
-        from ds_strategy.config import ZeroConfig
-        from ds_strategy.zero.engine import ZeroEngine
+    engine = ZeroEngine(model, None, ZeroConfig(stage=3))
+    build_s = time.perf_counter() - started
+    largest_unit = max(sum(fp.padded_numel * 4 for fp in unit.flat_params) for unit in engine.units)
+    largest_tensor = max(slot.numel * 4 for fp in engine.flat_params for slot in fp.slots)
+    dist.barrier()
+    with PeakRssAnon() as peak:
+        started = time.perf_counter()
+        load_weights(engine, path)
+        seconds = time.perf_counter() - started
+    engine.remove_hooks()
+    return {
+        "growth": peak.growth,
+        "peak": peak.peak,
+        "seconds": seconds,
+        "build_s": build_s,
+        "largest_unit": largest_unit,
+        "largest_tensor": largest_tensor,
+    }
 
-        engine = ZeroEngine(model, None, ZeroConfig(stage=3))
-        build_s = time.perf_counter() - started
-        largest_unit = max(sum(fp.padded_numel * 4 for fp in unit.flat_params) for unit in engine.units)
-        largest_tensor = max(slot.numel * 4 for fp in engine.flat_params for slot in fp.slots)
-        dist.barrier()
-        with PeakRssAnon() as peak:
-            started = time.perf_counter()
-            load_weights(engine, path)
-            seconds = time.perf_counter() - started
-        engine.remove_hooks()
-        extra = {"largest_unit": largest_unit, "largest_tensor": largest_tensor}
-    else:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-        from torch.distributed.fsdp import fully_shard
-        from transformers import LlamaForCausalLM
 
-        for block in blocks_of(model, "llama"):
-            fully_shard(block)
-        fully_shard(model)
-        model.to_empty(device="cpu")
-        build_s = time.perf_counter() - started
-        dist.barrier()
-        with PeakRssAnon() as peak:
-            started = time.perf_counter()
-            full = LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float32).state_dict() if rank == 0 else {}
-            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-            set_model_state_dict(model, full, options=options)
-            del full
-            seconds = time.perf_counter() - started
-        extra = {}
-    dist.destroy_process_group()
-    return {"growth": peak.growth, "peak": peak.peak, "seconds": seconds, "build_s": build_s, **extra}
+def _load_fsdp2(rank: int, path: str, depth: int, width: int) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaForCausalLM
+
+    started = time.perf_counter()
+    model, _ = build_model("llama", depth, width, 64, meta=True)
+    for block in blocks_of(model, "llama"):
+        fully_shard(block)
+    fully_shard(model)
+    model.to_empty(device="cpu")
+    build_s = time.perf_counter() - started
+    dist.barrier()
+    with PeakRssAnon() as peak:
+        started = time.perf_counter()
+        full = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict() if rank == 0 else {}
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(model, full, options=options)
+        del full
+        seconds = time.perf_counter() - started
+    return {"growth": peak.growth, "peak": peak.peak, "seconds": seconds, "build_s": build_s}
+
+
+def _load_transformers(rank: int, path: str, depth: int, width: int) -> dict:
+    """transformers' FSDP "cpu_ram_efficient_loading" as ``accelerate launch --use_fsdp --cpu
+    --fsdp_cpu_ram_efficient_loading true`` sets it up: its two environment variables, ``from_pretrained`` on every
+    rank (meant to read weights on local rank 0 only, the others staying on meta), then Accelerate's FSDP2 ``prepare``
+    (``sync_module_states``: rank 0 broadcasts). ``prepare`` runs only where the ``Accelerator`` entered FSDP; the row
+    records the distributed type it chose and whether this rank's ``from_pretrained`` materialised every weight."""
+    import accelerate
+    import torch.distributed as dist
+    import transformers
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    from accelerate.utils import DistributedType
+
+    os.environ.update(ACCELERATE_USE_FSDP="true", FSDP_CPU_RAM_EFFICIENT_LOADING="true")
+    started = time.perf_counter()
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2,
+        cpu_ram_efficient_loading=True,
+        auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+    )
+    accelerator = Accelerator(fsdp_plugin=plugin, cpu=True)
+    build_s = time.perf_counter() - started
+    dist.barrier()
+    with PeakRssAnon() as peak:
+        started = time.perf_counter()
+        model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+        materialised = not any(p.is_meta for p in model.parameters())
+        prepared = accelerator.prepare(model) if accelerator.distributed_type == DistributedType.FSDP else None
+        seconds = time.perf_counter() - started
+    return {
+        "growth": peak.growth,
+        "peak": peak.peak,
+        "seconds": seconds,
+        "build_s": build_s,
+        "materialised": materialised,
+        "distributed_type": str(accelerator.distributed_type.value),
+        "prepared": type(prepared).__name__ if prepared is not None else None,
+        "versions": f"transformers {transformers.__version__}, accelerate {accelerate.__version__}",
+    }
+
+
+LOADERS = {"ours": _load_ours, "fsdp2": _load_fsdp2, "transformers": _load_transformers}
+PER_RANK_FACTS = ("materialised", "distributed_type", "prepared")  # what transformers' path did on each rank
 
 
 def measure_loading(path: Path, depth: int, args, checkpoint: dict) -> list[dict]:
     rows = []
-    for system in ("ours", "fsdp2"):
+    for system in LOADERS:
         row = {"kind": "load", "system": system, "model": "llama", "depth": depth, **checkpoint}
         outcome = launch_ranks(load_rank, 2, system, str(path), depth, args.width, timeout=max(1, time_left(args)))
         if not outcome.ok:
@@ -328,7 +394,8 @@ def measure_loading(path: Path, depth: int, args, checkpoint: dict) -> list[dict
                     "peak_per_rank": max(r["peak"] for r in ranks),
                     "seconds": max(r["seconds"] for r in ranks),
                     "build_s": max(r["build_s"] for r in ranks),
-                    **{k: ranks[0][k] for k in ("largest_unit", "largest_tensor") if k in ranks[0]},
+                    **{k: ranks[0][k] for k in ("largest_unit", "largest_tensor", "versions") if k in ranks[0]},
+                    **{f"{k}_per_rank": [r[k] for r in ranks] for k in PER_RANK_FACTS if k in ranks[0]},
                 }
             )
         print(json.dumps(rows[-1]), flush=True)
@@ -420,11 +487,8 @@ def write_results(args, command: str, rows: list[dict], budget: int, free_disk: 
                 if "largest_unit" in r
                 else ""
             )
-            name = "ours: stage 3 on meta + load_pretrained" if r["system"] == "ours" else r["system"]
-            if r["system"] == "fsdp2":
-                name = "FSDP2: fully_shard + from_pretrained (rank 0) + set_model_state_dict(broadcast_from_rank0)"
             lines.append(
-                f"| {name} | {what} | {growth} GiB{bound} | {r['peak_per_rank'] / 2**30:.2f} GiB | "
+                f"| {_load_name(r)} | {what} | {growth} GiB{bound} | {r['peak_per_rank'] / 2**30:.2f} GiB | "
                 f"{r['build_s']:.1f} | {r['seconds']:.1f} |"
             )
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -434,11 +498,28 @@ def write_results(args, command: str, rows: list[dict], budget: int, free_disk: 
     _plot(RESULTS / f"{args.name}.png", [r for r in rows if r["kind"] == "train" and "error" not in r])
 
 
+def _load_name(row: dict) -> str:
+    if row["system"] == "ours":
+        return "ours: stage 3 on meta + load_pretrained"
+    if row["system"] == "fsdp2":
+        return "FSDP2: fully_shard + from_pretrained (rank 0) + set_model_state_dict(broadcast_from_rank0)"
+    materialised = "/".join("all" if m else "meta" for m in row["materialised_per_rank"])
+    prepared = row["prepared_per_rank"][0]
+    prepare = prepared or f"not run, Accelerator(cpu=True) chose {row['distributed_type_per_rank'][0]}, not FSDP"
+    return (
+        f"transformers cpu_ram_efficient_loading ({row['versions']}): from_pretrained on each rank under "
+        f"ACCELERATE_USE_FSDP + FSDP_CPU_RAM_EFFICIENT_LOADING (weights per rank: {materialised}); "
+        f"Accelerate FSDP2 prepare: {prepare}"
+    )
+
+
 def _plot(path: Path, rows: list[dict]) -> None:
-    """Peak RssAnon per rank against parameters, one line per system and model (skipped without matplotlib)."""
+    """Peak RssAnon per rank against parameters, one line per system and model (skipped without matplotlib or rows)."""
     try:
         import matplotlib
     except ImportError:
+        return
+    if not rows:
         return
 
     matplotlib.use("Agg")

@@ -94,8 +94,9 @@ def train(trainer_class, out: Path, resume: str | None = None, arg_changes=None,
     _fresh_state()
     args = arguments(out, **(arg_changes or {}))
     lora = trainer_kwargs.pop("lora", None)
+    build = trainer_kwargs.pop("model", _model)
     trainer = trainer_class(
-        model=_model() if lora is None else _with_lora(_model(), lora),
+        model=build() if lora is None else _with_lora(build(), lora),
         args=args,
         train_dataset=trainer_kwargs.pop("train_dataset", TokenRows(SAMPLES, 1)),
         eval_dataset=trainer_kwargs.pop("eval_dataset", TokenRows(8, 2)),
@@ -324,3 +325,44 @@ def fp16_runs(rank: int, world_size: int, tmp: str) -> dict:
     for name, (trainer_class, changes, kwargs) in runs.items():
         results[name] = train(trainer_class, tmp / str(name), arg_changes=changes, **kwargs)
     return results
+
+
+def _distinct_words(completions: list[str], **_) -> list[float]:
+    """GRPO's reward: how many different words a completion has (so completions of one prompt differ in reward)."""
+    return [float(len(set(completion.split()))) for completion in completions]
+
+
+def grpo_stage3_matches_ddp(rank: int, world_size: int, tmp: str, pretrained: str) -> dict:
+    """TRL's GRPOTrainer on DDP and ZeroGRPOTrainer at stage 3, with a reference model (``beta`` > 0, built by TRL
+    from the policy's directory) and sampled generation; where each put the reference model."""
+    import datasets
+    import trl
+
+    from ds_strategy.transformers import ZeroGRPOTrainer
+
+    set_torchrun_environment(rank, world_size)
+    grpo = {
+        "config_class": trl.GRPOConfig,
+        "bf16": False,
+        "beta": 0.1,
+        "num_generations": 2,
+        "max_completion_length": 4,
+        "eval_strategy": "no",
+        "save_strategy": "no",
+    }
+    inputs = dict(
+        train_dataset=datasets.Dataset.from_dict({"prompt": _preference_rows(SAMPLES, 3)["prompt"]}),
+        eval_dataset=None,
+        processing_class=_word_tokenizer(),
+        reward_funcs=_distinct_words,
+    )
+
+    def policy():
+        return transformers.AutoModelForCausalLM.from_pretrained(pretrained)
+
+    return {
+        "ddp": train(trl.GRPOTrainer, Path(tmp, "grpo_ddp"), arg_changes=grpo, model=policy, **inputs),
+        3: train(
+            ZeroGRPOTrainer, Path(tmp, "grpo3"), arg_changes=grpo, model=policy, zero_config={"stage": 3}, **inputs
+        ),
+    }

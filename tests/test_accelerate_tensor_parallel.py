@@ -61,7 +61,7 @@ def test_tensor_parallel_matches_single_process(stage, own_plan):
     ],
 )
 def test_parallelism_config_dimensions_without_a_zero_meaning_are_refused_by_name(sizes, named):
-    with pytest.raises(ValueError, match=f"tp_size and dp_shard_size only, not {named}"):
+    with pytest.raises(ValueError, match=f"tp_size, sp_size and dp_shard_size only, not {named}"):
         with_parallelism(ZeroConfig(), ParallelismConfig(**sizes), num_processes=8)
 
 
@@ -71,6 +71,9 @@ def test_parallelism_config_tp_size_is_tensor_parallel_size_when_it_covers_the_p
         with_parallelism(ZeroConfig(), ParallelismConfig(tp_size=2), num_processes=4)
 
 
-def test_ulysses_is_refused_rather_than_trained_with_unscaled_gradients():
-    with pytest.raises(ValueError, match=r"sequence_parallel_size=2 is not supported by ZeroAccelerator yet"):
-        ZeroAccelerator(ZeroConfig(sequence_parallel_size=2), cpu=True)
+def test_parallelism_config_sp_size_is_sequence_parallel_size_and_pipeline_stages_count_in_the_processes():
+    assert with_parallelism(ZeroConfig(), ParallelismConfig(sp_size=2), 2).sequence_parallel_size == 2
+    staged = with_parallelism(ZeroConfig(pipeline_parallel_size=2), ParallelismConfig(tp_size=2), 4)
+    assert (staged.tensor_parallel_size, staged.pipeline_parallel_size) == (2, 2)
+    with pytest.raises(ValueError, match=r"ParallelismConfig\(sp_size=2\) conflicts with ZeroConfig.sequence_parallel"):
+        with_parallelism(ZeroConfig(sequence_parallel_size=4), ParallelismConfig(sp_size=2), 2)

@@ -66,8 +66,3 @@ def test_parallelize_fn_or_plan_matches_single_process(stage, module_first, tens
         for name, expected in reference["state"].items():
             error = ((run["state"][name] - expected).norm() / expected.norm()).item()
             assert error < 1e-5, f"{name}: relative error {error:.2e}"
-
-
-def test_ulysses_is_refused_rather_than_trained_with_unscaled_gradients():
-    with pytest.raises(ValueError, match=r"sequence_parallel_size=2 is not supported by the Fabric strategy yet"):
-        ZeroFabricStrategy(sequence_parallel_size=2)

@@ -1,17 +1,13 @@
 """The Lightning Trainer trains a pipeline-parallel model on ZeroStrategy as one process would: the batch split into
 micro-batches, Lightning's gradient accumulation on top, the loss the Trainer logs the same on every rank, validation
-through the schedule's forward-only path, and the same LightningModule at pipeline size 1. Fabric and Accelerate
-refuse pipelining at construction."""
+through the schedule's forward-only path, and the same LightningModule at pipeline size 1. (Fabric and Accelerate
+pipelines: the composition matrix, ``test_composition_matrix``.)"""
 
 import pytest
 import torch
 from distributed import run_ranks
 from lightning_pipeline_runs import VAL_BATCHES, fit, reference
 from pipeline_runs import merged_params
-
-import ds_strategy
-from ds_strategy.accelerate import ZeroAccelerator
-from ds_strategy.config import ZeroConfig
 
 pytestmark = pytest.mark.slow  # multi-rank scenarios of tens of seconds: not in the fast tier
 
@@ -71,19 +67,6 @@ def test_same_module_trains_without_pipelining():
     ranks = run_ranks(fit, 2, 1, timeout=300)
     _assert_like_reference(ranks, reference())
     assert ranks[0]["mesh"] is None
-
-
-@pytest.mark.parametrize(
-    "build",
-    [
-        lambda: ds_strategy.ZeroFabricStrategy(pipeline_parallel_size=2),
-        lambda: ZeroAccelerator(ZeroConfig(pipeline_parallel_size=2)),
-    ],
-    ids=["fabric", "accelerate"],
-)
-def test_fabric_and_accelerate_refuse_pipeline_parallelism(build):
-    with pytest.raises(ValueError, match=r"pipeline_parallel_size=2 .*only the Lightning Trainer"):
-        build()
 
 
 def test_trainer_checkpoint_at_pipeline_size_two_resumes_at_data_parallel_two(tmp_path):

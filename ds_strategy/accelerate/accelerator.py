@@ -167,9 +167,10 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
         result = list(args)
         models = {i: obj for i, obj in enumerate(args) if isinstance(obj, nn.Module)}
         optimizers = {i: obj for i, obj in enumerate(args) if isinstance(obj, Optimizer)}
+        staged = self.zero_config.pipeline_parallel_size > 1  # no model prepared earlier: Note in _attach
+        earlier = [] if staged else [engine.module for engine in self.engines]
         owner = {
-            i: _owning_model(optimizer, [*models.values(), *(e.module for e in self.engines)])
-            for i, optimizer in optimizers.items()
+            i: _owning_model(optimizer, [*models.values(), *earlier], staged) for i, optimizer in optimizers.items()
         }
         mine = {i: [j for j, target in owner.items() if target is model] for i, model in models.items()}
         for i, model in models.items():  # everything is checked before anything is sharded
@@ -245,16 +246,10 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
         attached to that engine. Otherwise the buffers must be laid out anew: at stage 0-2 every rank holds the
         whole parameters, so a new engine is built over the module in place of the old one; at stage 3 the
         parameters exist only as shards, and the model must be prepared together with its optimizer. Under
-        pipelining it must be too, whatever the stage: whether a stage's buffers fit the optimizer's groups differs
-        from stage to stage, and a new engine on some stages only would leave the pipeline's ranks waiting on each
-        other.
+        pipelining it must be too, whatever the stage (``prepare`` looks for no earlier model): whether a stage's
+        buffers fit the optimizer's groups differs from stage to stage, and a new engine on some stages only would
+        leave the pipeline's ranks waiting on each other.
         """
-        if self.zero_config.pipeline_parallel_size > 1:
-            raise ValueError(
-                f"under pipeline_parallel_size={self.zero_config.pipeline_parallel_size} an optimizer must be "
-                f"prepared together with its model, accelerator.prepare(model, optimizer) (the optimizer may be "
-                f"built over the whole model before the cut), not in a later prepare call"
-            )
         if engine.optimizer is None and engine.config.stage < 3 and not engine.can_attach(optimizer):
             engine.remove_hooks()
             rebuilt = recompose_engine(
@@ -512,12 +507,19 @@ def _in_autocast(forward: Any, precision: str, device_type: str) -> Any:
     return forward_in_autocast
 
 
-def _owning_model(optimizer: Optimizer, models: list[nn.Module]) -> nn.Module:
-    """The one model among ``models`` that holds every parameter ``optimizer`` updates."""
+def _owning_model(optimizer: Optimizer, models: list[nn.Module], staged: bool) -> nn.Module:
+    """The one model among ``models`` that holds every parameter ``optimizer`` updates; ``staged``: under
+    pipelining, where ``models`` are those of this ``prepare`` call only."""
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
     for model in models:
         if held <= {id(p) for p in model.parameters()}:
             return model
+    if staged:
+        raise ValueError(
+            f"{type(optimizer).__name__} holds parameters of no model in this prepare() call: under "
+            f"pipeline_parallel_size > 1 an optimizer must be prepared together with its model, "
+            f"accelerator.prepare(model, optimizer) (built over the whole model, before the pipeline cut)"
+        )
     raise ValueError(
         f"{type(optimizer).__name__} holds parameters of no model being prepared, or of several: "
         f"prepare its model in the same prepare() call or an earlier one, one optimizer per model"

@@ -41,6 +41,7 @@ from torch.optim import Optimizer
 
 from ..activation_memory import apply_activation_checkpointing
 from ..auto_values import hidden_size_of
+from ..comm.group_collectives import collectives_for
 from ..config import ZeroConfig
 from ..offload import step_runner_for
 from ..parallel.mesh import ParallelMesh, build_parallel_mesh
@@ -105,6 +106,10 @@ def compose_model(
     the engine either way. ``log``: the framework's rank-zero logger, for the engine's summary.
     """
     mesh = _model_parallel(mesh)
+    if mesh is not None:  # the model-parallel groups' collectives (tp sums, Ulysses) wait as long as the engine's
+        for group in (mesh.tp_group, mesh.sp_group, mesh.pp_group):
+            if group is not None:
+                collectives_for(group, timeout=config.collective_timeout)
     early = optimizer if isinstance(optimizer, Optimizer) else None
     stage_plan: StagePlan | None = None
 
@@ -113,7 +118,7 @@ def compose_model(
         model = _tensor_parallel(model, mesh, config, parallelize_fn, unparallelized)
         inner = _uncompiled(model)
         if mesh is not None and mesh.sp_group is not None:
-            attend_with_ulysses(inner, mesh.sp_group)
+            attend_with_ulysses(inner, mesh.sp_group, tensor_parallel_size=mesh.tp_size)
         stage_plan = _cut_for_pipeline(inner, config, mesh)
         return model
 

@@ -16,6 +16,7 @@ with needs("transformers", "accelerate", needed_by="ds_strategy.transformers"):
 __all__ = [
     "TrainerZeroConfig",
     "ZeroDPOTrainer",
+    "ZeroGRPOTrainer",
     "ZeroSFTTrainer",
     "ZeroTrainer",
     "ZeroTrainerMixin",
@@ -23,7 +24,7 @@ __all__ = [
     "sharded_from_pretrained",
     "trainer_zero_config",
 ]
-_TRL_TRAINERS = ("ZeroDPOTrainer", "ZeroSFTTrainer")
+_TRL_TRAINERS = ("ZeroDPOTrainer", "ZeroGRPOTrainer", "ZeroSFTTrainer")
 
 
 def __getattr__(name: str):

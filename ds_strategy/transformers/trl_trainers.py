@@ -1,11 +1,10 @@
 """TRL's trainers on ZeRO, composed from :class:`ZeroTrainerMixin` (imports ``trl``).
 
-``ZeroSFTTrainer`` is ``trl.SFTTrainer`` and ``ZeroDPOTrainer`` is ``trl.DPOTrainer``, each with ZeroTrainer's
-accelerator, saving and resuming. DPO's reference model is sharded at stage 3 by an engine without an optimizer and
-kept whole on every rank below it, as TRL's ``prepare_deepspeed`` does under DeepSpeed (see
-:mod:`.frozen_models`); ``sync_ref_model`` is refused at stage 3. GRPO is not composed here, untested: its
-generation through ``unwrap_model_for_generation`` works at stage 3 and its reference and reward models would be
-prepared like DPO's.
+``ZeroSFTTrainer``, ``ZeroDPOTrainer`` and ``ZeroGRPOTrainer`` are TRL's ``SFTTrainer``, ``DPOTrainer`` and
+``GRPOTrainer``, each with ZeroTrainer's accelerator, saving and resuming. The reference model of DPO and GRPO, and
+GRPO's reward models, are sharded at stage 3 by engines without an optimizer and kept whole on every rank below it,
+as TRL's ``prepare_deepspeed`` does under DeepSpeed (see :mod:`.frozen_models`); ``sync_ref_model`` is refused at
+stage 3. GRPO generates through ``unwrap_model_for_generation``, which at stage 3 gathers each unit per token.
 """
 
 from __future__ import annotations
@@ -23,3 +22,7 @@ class ZeroSFTTrainer(ZeroTrainerMixin, trl.SFTTrainer):
 
 class ZeroDPOTrainer(ZeroTrainerMixin, trl.DPOTrainer):
     """``trl.DPOTrainer`` training with ds_strategy's ZeRO, its reference model sharded at stage 3."""
+
+
+class ZeroGRPOTrainer(ZeroTrainerMixin, trl.GRPOTrainer):
+    """``trl.GRPOTrainer`` training with ds_strategy's ZeRO, its reference and reward models sharded at stage 3."""
