@@ -8,7 +8,8 @@ match the reference in fp32). The axes are data, so a new way to build (say anot
 :class:`Build` in ``BUILDS``; a configuration refused whatever the entry point is listed in ``REFUSED_CONFIGS`` with
 the words its error must contain, and the matrix checks that it is refused so. Every entry point runs every layout,
 each step as its users write it (:func:`_step_loss`): through the entry point's ``pipeline_step`` under pipelining,
-Ulysses' sequence slice and loss under sequence parallelism.
+Ulysses' sequence slice and loss under sequence parallelism. Accelerate's cells read their batches through a
+prepared data loader, so its split over the data-parallel ranks is part of what they check.
 
 Every Lightning cell's ``configure_model`` also creates tensors that are not parameters (a plain buffer on the
 LightningModule, a torchmetrics ``MeanMetric`` updated with each step's loss), which must be real and hold their

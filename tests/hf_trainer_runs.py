@@ -111,10 +111,11 @@ def train(trainer_class, out: Path, resume: str | None = None, arg_changes=None,
         result["loss_scale"] = engine.loss_scaler.scale
     if engine is not None and lora is None:
         result["gathered"] = engine.full_state_dict()  # the engine's own fp32 weights, which save_model must keep
-    ref_model = getattr(trainer, "ref_model", None)
-    if ref_model is not None:
-        ref_engine = trainer.accelerator.engine_of(ref_model) if engine is not None else None
-        result["ref_engine"] = None if ref_engine is None else (ref_engine.config.stage, ref_engine.optimizer)
+    frozen = [getattr(trainer, "ref_model", None), *getattr(trainer, "reward_funcs", ())]  # TRL's, prepared for eval
+    frozen = [model for model in frozen if isinstance(model, torch.nn.Module)]
+    if frozen:
+        engines = [trainer.accelerator.engine_of(model) if engine is not None else None for model in frozen]
+        result["frozen_engines"] = [None if e is None else (e.config.stage, e.optimizer) for e in engines]
     if trainer.args.process_index == 0 and lora is not None:
         result["files"] = sorted(path.name for path in (out / "final").iterdir())
         result["saved"] = _saved(out / "final", "adapter_model.safetensors")
@@ -334,7 +335,8 @@ def _distinct_words(completions: list[str], **_) -> list[float]:
 
 def grpo_stage3_matches_ddp(rank: int, world_size: int, tmp: str, pretrained: str) -> dict:
     """TRL's GRPOTrainer on DDP and ZeroGRPOTrainer at stage 3, with a reference model (``beta`` > 0, built by TRL
-    from the policy's directory) and sampled generation; where each put the reference model."""
+    from the policy's directory), a reward model beside a reward function, and sampled generation; where each put
+    the reference and reward models."""
     import datasets
     import trl
 
@@ -350,11 +352,15 @@ def grpo_stage3_matches_ddp(rank: int, world_size: int, tmp: str, pretrained: st
         "eval_strategy": "no",
         "save_strategy": "no",
     }
+    tokenizer = _word_tokenizer()
+    torch.manual_seed(7)
+    reward_model = transformers.LlamaForSequenceClassification(hf_models.config("llama", num_labels=1, pad_token_id=0))
     inputs = dict(
         train_dataset=datasets.Dataset.from_dict({"prompt": _preference_rows(SAMPLES, 3)["prompt"]}),
         eval_dataset=None,
-        processing_class=_word_tokenizer(),
-        reward_funcs=_distinct_words,
+        processing_class=tokenizer,
+        reward_funcs=[_distinct_words, reward_model],
+        reward_processing_classes=[None, tokenizer],
     )
 
     def policy():

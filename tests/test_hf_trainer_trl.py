@@ -1,13 +1,14 @@
 """TRL's ``ZeroDPOTrainer`` and ``ZeroGRPOTrainer`` against TRL's ``DPOTrainer`` and ``GRPOTrainer`` on DDP, on 2 real
 gloo ranks.
 
-The same tiny Llama as policy and, built alike, as reference model; word-token texts and the word-level tokenizer
-the SFT test uses (no downloads); the arguments of tests/hf_trainer_runs.py in fp32. DDP keeps the reference model
-whole on every rank; the ZeRO trainers keep it whole at stage 2 and shard it at stage 3 with an engine of its own
-without an optimizer, as TRL's ``prepare_deepspeed`` does under DeepSpeed. Its gathered forward computes the
-reference log-probabilities DDP's whole copy computes, and GRPO's sampled generation at stage 3 (each unit gathered
-per token) draws the same completions, so every logged figure must agree to the tolerance of the SFT comparison
-(Note: [Which stages save DDP's weights bit for bit] in tests/test_hf_trainer.py says why it is not zero).
+The same tiny Llama as policy and, built alike, as reference model (GRPO also scores with a tiny Llama reward model
+beside a reward function); word-token texts and the word-level tokenizer the SFT test uses (no downloads); the
+arguments of tests/hf_trainer_runs.py in fp32. DDP keeps the reference model whole on every rank; the ZeRO trainers
+keep it whole at stage 2 and shard it at stage 3 with an engine of its own without an optimizer, as TRL's
+``prepare_deepspeed`` does under DeepSpeed (GRPO's reward model too). Their gathered forwards compute the
+log-probabilities and rewards DDP's whole copies compute, and GRPO's sampled generation at stage 3 (each unit
+gathered per token) draws the same completions, so every logged figure must agree to the tolerance of the SFT
+comparison (Note: [Which stages save DDP's weights bit for bit] in tests/test_hf_trainer.py says why it is not zero).
 """
 
 import hf_models
@@ -26,8 +27,10 @@ def test_zero_dpo_trainer_logs_and_saves_what_trl_dpo_trainer_does_on_ddp(tmp_pa
     for stage in (2, 3):
         _assert_logged_equal(results[stage]["logged"], ddp["logged"])
         _assert_weights_close(results[stage]["saved"], ddp["saved"])
-    assert results[2]["ref_engine"] is None  # whole on every rank, as prepare_deepspeed's stage 0
-    assert results[3]["ref_engine"] == (3, None)  # sharded, without an optimizer
+    assert results[2]["frozen_engines"] == [
+        None
+    ]  # the reference model whole on every rank: prepare_deepspeed's stage 0
+    assert results[3]["frozen_engines"] == [(3, None)]  # sharded, without an optimizer
     assert "sync_ref_model=True needs whole parameters, but ZeRO stage 3" in results["sync_refused"]
 
 
@@ -39,4 +42,4 @@ def test_zero_grpo_trainer_at_stage_3_logs_and_saves_what_trl_grpo_trainer_does_
     assert len(ddp["logged"]["loss"]) == runs.STEPS
     _assert_logged_equal(zero["logged"], ddp["logged"])
     _assert_weights_close(zero["saved"], ddp["saved"])
-    assert zero["ref_engine"] == (3, None)
+    assert zero["frozen_engines"] == [(3, None), (3, None)]  # the reference and the reward model

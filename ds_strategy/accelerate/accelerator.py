@@ -346,17 +346,10 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
         composed = next((composed for composed in self.composed if composed.engine.module is model), None)
         if composed is None:
             raise ValueError(f"accelerator.pipeline_step: this {type(model).__name__} was not prepared by it")
-        train = model.training and torch.is_grad_enabled()
-        with autocast_for(self.zero_config.precision, self.device.type):  # the prepared forward's, which it skips
-            return pipeline_step(
-                composed.pipeline,
-                model,
-                inputs,
-                target,
-                loss_fn,
-                train=train,
-                grad_scale=1.0 / self.gradient_accumulation_steps,
-            )
+        train, scale = model.training and torch.is_grad_enabled(), 1.0 / self.gradient_accumulation_steps
+        # the autocast of the prepared forward, which the schedule does not call (it runs the model's parts)
+        with autocast_for(self.zero_config.precision, self.device.type):
+            return pipeline_step(composed.pipeline, model, inputs, target, loss_fn, train=train, grad_scale=scale)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Scale for accumulation as Accelerate does, then backward through the loss scale of the model that

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..comm.group_collectives import collectives_for
+from ..comm.group_collectives import waiting_as_long_as_the_group
 from ..comm.objects import all_gather_object
 from ..zero.engine import ZeroEngine
 from .manifest import Entry, Kind, StateKind
@@ -44,7 +44,7 @@ def described(
     if engine is None or engine.pp_collectives is None:
         return entries, kinds
     mine = (entries, kinds if writes_replicated(engine) else None)
-    gathered = all_gather_object(mine, collectives_for(), label="checkpoint.pipeline_manifest")
+    gathered = all_gather_object(mine, waiting_as_long_as_the_group(), label="checkpoint.pipeline_manifest")
     order = _in_model_order(engine.whole_model_names)
     merged_kinds = _merged_kinds([k for _, k in gathered], order) if with_optimizer else None
     return _merged([e for e, _ in gathered], order), merged_kinds

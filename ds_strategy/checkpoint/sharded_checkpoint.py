@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..comm.group_collectives import collectives_for
+from ..comm.group_collectives import waiting_as_long_as_the_group
 from ..comm.objects import all_gather_object, broadcast_object
 from ..comm.process_exit import destroy_process_groups_at_exit
 from ..zero.engine import ZeroEngine
@@ -195,7 +195,7 @@ def _gathered(checksums: dict[str, int], process_group) -> dict[str, int]:
     """Every rank's ``checksums`` merged (rank 0 publishes them)."""
     if not dist.is_initialized():
         return checksums
-    gathered = all_gather_object(checksums, collectives_for(process_group), label="checkpoint.checksums")
+    gathered = all_gather_object(checksums, waiting_as_long_as_the_group(process_group), label="checkpoint.checksums")
     return {name: crc for sums in gathered for name, crc in sums.items()}
 
 
@@ -212,7 +212,9 @@ def _on_rank0(step: Callable[[], None], process_group, what: str) -> None:
             error = raised
     if distributed:
         message = f"{type(error).__name__}: {error}" if error is not None else None
-        message = broadcast_object(message, collectives_for(process_group), label="checkpoint.rank0_outcome")
+        message = broadcast_object(
+            message, waiting_as_long_as_the_group(process_group), label="checkpoint.rank0_outcome"
+        )
         if rank != 0 and message is not None:
             raise CheckpointError(f"{what} failed on rank 0: {message}")
     if error is not None:

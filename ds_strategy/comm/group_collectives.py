@@ -7,6 +7,7 @@ here, apart from an engine's own counters (``ZeroEngine.comm_stats``), which mea
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 from .collectives import Collectives
@@ -33,3 +34,16 @@ def collectives_for(group=None, timeout: float | None = None) -> Collectives:
     if timeout is not None:
         collectives.timeout = timeout
     return collectives
+
+
+def waiting_as_long_as_the_group(group=None) -> Collectives:
+    """A ``Collectives`` over ``group`` whose waits last as long as the process group's own timeout (the
+    ``init_process_group`` one, 30 minutes by default), for exchanges where one rank does slow work while the others
+    wait (rank 0 publishing a checkpoint directory), which a training collective's timeout would cut short."""
+    timeout = dist.default_pg_timeout
+    pg = dist.group.WORLD if group is None else group
+    try:  # torch keeps a group's timeout on its backend's options only
+        timeout = pg._get_backend(torch.device(dist.distributed_c10d._get_object_coll_device(pg))).options._timeout
+    except (AttributeError, RuntimeError):
+        pass
+    return Collectives(group, timeout=timeout.total_seconds())

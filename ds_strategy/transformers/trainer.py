@@ -44,6 +44,7 @@ from .. import checkpoint
 from ..accelerate import ZeroAccelerator
 from ..accelerate.checkpointing import SHARDED_DIR
 from ..checkpoint import CheckpointError
+from ..config import ZeroConfig
 from .frozen_models import TrainerAccelerator
 from .trainer_config import TrainerZeroConfig, detach_deepspeed, trainer_zero_config
 
@@ -201,7 +202,7 @@ def _trainer_accelerator_class(build: Any):
         trainer_module.Accelerator = original
 
 
-def _refuse_synced_reference(args: Any, zero: Any) -> None:
+def _refuse_synced_reference(args: Any, zero: ZeroConfig) -> None:
     """TRL's ``sync_ref_model`` mixes the trained parameters into the reference model's in place, through
     ``param.data``; at stage 3 both are empty views between forwards, so the mix would silently do nothing."""
     if getattr(args, "sync_ref_model", False) and zero.plan.partitions_parameters:
