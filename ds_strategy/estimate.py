@@ -230,15 +230,18 @@ def _model_size(model, largest_layer, reduce_bucket_size, config) -> tuple[Model
 
 
 def _offload_error(stage: int, offload_optimizer: str, offload_params: str) -> str | None:
-    if stage not in STAGES:
-        return f"stage={stage!r} is not allowed; expected one of {STAGES}"
-    for name, value in (("offload_optimizer", offload_optimizer), ("offload_params", offload_params)):
-        if value not in OFFLOAD_MODES:
-            return f"{name}={value!r} is not allowed; expected one of {OFFLOAD_MODES}"
-    if offload_optimizer != "none" and stage == 0:
-        return f"offload_optimizer={offload_optimizer!r} needs stage >= 1 (stage 0 keeps no partition to offload)"
-    if offload_params != "none" and stage < 3:
-        return f"offload_params={offload_params!r} needs stage 3 (only stage 3 partitions parameters)"
+    """Why ZeroConfig refuses this stage and these offload places (its validation is the one home of those rules),
+    or None."""
+    try:
+        nvme = "nvme" in (offload_optimizer, offload_params)
+        ZeroConfig(
+            stage=stage,
+            offload_optimizer=offload_optimizer,
+            offload_params=offload_params,
+            nvme_path="." if nvme else None,
+        )
+    except ValueError as error:
+        return str(error)
     return None
 
 
