@@ -1,6 +1,7 @@
-"""Rank bodies for tests/test_hf_trainer.py: a tiny ``LlamaForCausalLM`` (built from a config, no downloads) trained
-by ``transformers.Trainer`` (DDP, the reference) and by ``ZeroTrainer``/``ZeroSFTTrainer`` on the same data and
-arguments, with accumulation 2, clipping at 1.0, and evaluation and checkpoints every 3 of 6 steps.
+"""Rank bodies for tests/test_hf_trainer*.py: a tiny ``LlamaForCausalLM`` (built from a config, no downloads) trained
+by ``transformers.Trainer`` or TRL's SFT, DPO and GRPO trainers (DDP, the reference) and by their ZeRO counterparts
+on the same data and arguments, with accumulation 2, clipping at 1.0, and evaluation and checkpoints every 3 of 6
+steps.
 
 Each body returns what the Trainer logged (training losses, gradient norms, evaluation losses, per step) and, from
 rank 0, the weights ``save_model`` wrote, so the test compares runs figure by figure.
@@ -315,7 +316,7 @@ def fp16_runs(rank: int, world_size: int, tmp: str) -> dict:
     quiet = {"eval_strategy": "no", "save_strategy": "no"}
     fp16 = {**quiet, "fp16": True}
     overflowing = {"zero_optimization": {"stage": 2}, "fp16": {"enabled": "auto", "initial_scale_power": 24}}
-    runs = {
+    plans = {
         "ddp": (transformers.Trainer, quiet, {}),
         "ddp_fp16": (transformers.Trainer, fp16, {}),
         2: (ZeroTrainer, fp16, {"zero_config": {"stage": 2}}),
@@ -323,7 +324,7 @@ def fp16_runs(rank: int, world_size: int, tmp: str) -> dict:
         "overflow": (ZeroTrainer, fp16, {"zero_config": overflowing}),
     }
     results = {}
-    for name, (trainer_class, changes, kwargs) in runs.items():
+    for name, (trainer_class, changes, kwargs) in plans.items():
         results[name] = train(trainer_class, tmp / str(name), arg_changes=changes, **kwargs)
     return results
 

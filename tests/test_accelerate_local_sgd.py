@@ -9,9 +9,9 @@ average, and a step inside ``no_sync`` at stage 1 would update each shard from n
 stage 0 the run must equal local SGD computed by hand (one process per replica, fp32, 1e-6 relative: see
 tests/training_loops.py), and at stages 1-3 the first step inside LocalSGD must be refused, naming the stage.
 
-Both need ZeroAccelerator changes that are not made yet (the report of the session that wrote this file gives them):
-today stage 0 drifts by 1% because LocalSGD's ``param.data =`` swaps the parameters off the engine's flat buffers,
-whose later steps the model then never sees, and stages 1-3 run on, computing something else.
+Without ``ZeroEngine.adopt_replaced_parameters`` stage 0 drifted by 1% (LocalSGD's ``param.data =`` swapped the
+parameters off the engine's flat buffers, whose later steps the model then never saw) and stages 1-3 ran on,
+computing something else.
 """
 
 import models
@@ -20,9 +20,6 @@ import torch
 from distributed import run_ranks, set_torchrun_environment
 
 WORLD, STEPS, LOCAL_STEPS, LR = 2, 4, 2, 0.05
-pytestmark = pytest.mark.xfail(
-    strict=True, reason="ZeroAccelerator does not yet re-adopt swapped parameters (stage 0) nor refuse (stages 1-3)"
-)
 
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -1,8 +1,10 @@
 """ZeroAccelerator's prepared data loaders under Ulysses and pipelining hand every rank of a sequence-parallel group,
 and every stage of a pipeline, the batches of its data-parallel position (Accelerate's own split from the mesh
-knows tensor and context parallelism only); what cannot work is refused by name. Training under both is the
-composition matrix's (``test_composition_matrix``: Accelerate cells for pp, pp x dp, pp x tp and Ulysses)."""
+knows tensor and context parallelism only); what cannot work is refused by name; ``pipeline_step`` of a model in
+eval mode runs the schedule's forward only. Training under both is the composition matrix's
+(``test_composition_matrix``: Accelerate cells for pp, pp x dp, pp x tp and Ulysses)."""
 
+import copy
 import re
 
 import pytest
@@ -11,7 +13,7 @@ from accelerate.parallelism_config import ParallelismConfig
 from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import DataLoaderConfiguration
 from distributed import run_ranks, set_torchrun_environment
-from pipeline_runs import tiny_llama
+from pipeline_runs import batches, loss_fn, tiny_llama
 from torch.utils.data import DataLoader, TensorDataset
 
 from ds_strategy.accelerate import ZeroAccelerator
@@ -30,7 +32,8 @@ def _accelerator(rank: int, fields: dict, sizes: dict, **kwargs) -> ZeroAccelera
 
 
 def _under_each_layout(rank: int, world_size: int) -> dict:
-    """Per layout: the rows this rank's prepared loader reads, and the errors of what is refused."""
+    """Per layout: the rows this rank's prepared loader reads, and the errors of what is refused; under pp x dp, the
+    loss ``pipeline_step`` gives in evaluation beside the loss of an unsharded copy on the same rows."""
     set_torchrun_environment(rank, world_size)
     torch.set_num_threads(1)
     read, refused = {}, {}
@@ -47,11 +50,18 @@ def _under_each_layout(rank: int, world_size: int) -> dict:
     accelerator = _accelerator(rank, *LAYOUTS["pp x dp"][:2])
     torch.manual_seed(0)
     model = tiny_llama()
+    whole = copy.deepcopy(model)
     accelerator.prepare(model)  # cut to this rank's stage
     with pytest.raises(ValueError) as late:
         accelerator.prepare(torch.optim.SGD(model.parameters(), lr=1.0))
     refused["pp optimizer prepared after its model"] = str(late.value)
-    return {"read": read, "refused": refused}
+    x, y = batches("llama", 1, 2 * PER_RANK)[0]
+    mine = slice(PER_RANK * LAYOUTS["pp x dp"][2][rank], PER_RANK * (LAYOUTS["pp x dp"][2][rank] + 1))
+    model.eval()
+    with torch.no_grad():
+        evaluated = accelerator.pipeline_step(model, x[mine], y[mine], loss_fn).item()
+        expected = loss_fn(whole(input_ids=x[mine]).logits, y[mine]).item()
+    return {"read": read, "refused": refused, "evaluated": evaluated, "expected": expected}
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +92,8 @@ def test_prepared_loader_splits_batches_over_the_data_parallel_ranks_only(ranks,
 def test_what_cannot_work_is_refused_naming_it(ranks, refusal, words):
     for run in ranks:
         assert re.search(words, run["refused"][refusal]), run["refused"][refusal]
+
+
+def test_pipeline_step_in_eval_mode_is_the_unsharded_models_loss(ranks):
+    for run in ranks:
+        assert run["evaluated"] == pytest.approx(run["expected"], rel=1e-5)

@@ -64,10 +64,11 @@ def _init_module_dtypes(rank: int, world_size: int) -> dict:
 def _init_module_left_unused(rank: int, world_size: int) -> dict:
     fabric = _fabric(rank, world_size, stage=3)
     context = fabric.init_module(empty_init=True)  # e.g. built conditionally and then not used
-    devices = {"created": torch.empty(1).device.type}
-    with context:
-        devices["inside"] = torch.empty(1).device.type
-    devices["after"] = torch.empty(1).device.type
+    devices = {"created": torch.nn.Linear(1, 1).weight.device.type}
+    with context:  # parameters on meta, other tensors (buffers, metric states) for real, as Lightning builds
+        devices["inside"] = torch.nn.Linear(1, 1).weight.device.type
+        devices["tensor inside"] = torch.empty(1).device.type
+    devices["after"] = torch.nn.Linear(1, 1).weight.device.type
     return devices
 
 
@@ -279,7 +280,7 @@ def test_fabric_init_module_enters_meta_only_inside_with(ranks):
     """The context was entered when created: ``fabric.init_module(empty_init=True)`` left unused made meta the
     default device for everything after it."""
     for devices in _outcome(ranks, "left_unused"):
-        assert devices == {"created": "cpu", "inside": "meta", "after": "cpu"}
+        assert devices == {"created": "cpu", "inside": "meta", "tensor inside": "cpu", "after": "cpu"}
 
 
 def test_trainer_init_module_under_true_16bit_precisions_creates_16bit_weights():

@@ -482,9 +482,25 @@ class ZeroAcceleratedOptimizer(AcceleratedOptimizer):
         if closure is not None:
             raise ValueError("ZeroAccelerator's optimizer.step() takes no closure: the engine steps on its shards")
         if self.gradient_state.sync_gradients:
+            if not self.engine.syncs_gradients:
+                self._step_local_replica()
             if self.clip_norm:
                 self.engine.clip_grad_norm_(self.clip_norm)
             self._is_overflow = not self.engine.step()  # fp16 loss scaling skipped the step: step_was_skipped
+
+    def _step_local_replica(self) -> None:
+        """A step inside ``model.no_sync()``, as accelerate's ``LocalSGD`` takes it: every rank steps its own replica
+        and LocalSGD averages them (``param.data = ...``) every few steps. Only stage 0 has replicas; the averaged
+        parameters are taken back into the flat buffers first (Note: [Parameters replaced behind the engine's
+        back]). From stage 1 each rank steps only its shard, which nothing reduced inside ``no_sync``."""
+        stage = self.engine.config.stage
+        if stage >= 1:
+            raise ValueError(
+                f"optimizer.step() inside model.no_sync() (as accelerate's LocalSGD takes it) under ZeRO stage "
+                f"{stage}: each rank steps only its shard of the parameters, so there are no per-rank replicas to "
+                f"train apart and average; use stage 0 for LocalSGD"
+            )
+        self.engine.adopt_replaced_parameters()
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         if self.gradient_state.sync_gradients:

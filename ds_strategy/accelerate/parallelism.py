@@ -84,9 +84,9 @@ def prepare_over_data_parallel(
 
     Accelerate's own split from ``torch_device_mesh`` knows tensor and context parallelism only (it divides the
     process index by the "tp" and "cp" sizes, which puts ranks of one sequence-parallel group or of different stages
-    on different batches), so the data-parallel rank and size are given to it directly. Dispatching batches from
-    process 0 splits over every process, whatever the mesh: it is refused, and an iterable dataset is sharded by
-    each data-parallel rank reading its own part instead."""
+    on different batches), so the data-parallel rank and size are given to it directly. Its dispatching of batches
+    from process 0 knows no data-parallel dimension (a slice to every process, or under "tp" the same batch to
+    all): it is refused, and an iterable dataset is read by each data-parallel rank, its own part."""
     mesh = accelerator.parallel_mesh
     if accelerator.dispatch_batches:
         raise ValueError(

@@ -43,6 +43,8 @@ def save(
 ) -> None:
     """Write ``module``'s state (sharded by ``engine``, if given), its optimizer's, and rank 0's ``extra`` to the
     checkpoint directory ``path``, atomically. Every rank calls it."""
+    if engine is not None:
+        engine.adopt_replaced_parameters()  # Note: [Parameters replaced behind the engine's back]
     with_optimizer = with_optimizer and engine is not None and engine.optimizer is not None
     optimizer = optimizer_state(engine) if with_optimizer else None
     write(

@@ -19,6 +19,7 @@ from ..comm.process_exit import destroy_process_groups_at_exit
 from ..comm.rank_failure import report_failure
 from ..compose import build_mesh, compose_model
 from ..compose.pipeline_runner import PipelineRunner
+from ..compose.pipeline_step import pipeline_step
 from ..config import ZeroConfig
 from ..deepspeed.optimizer_section import OptimizerSections
 from ..deepspeed_config import read_deepspeed_config
@@ -204,23 +205,24 @@ class ZeroStrategyMixin(EngineOwnerMixin):
     # -- training ---------------------------------------------------------------------------------------------
     def pipeline_step(self, inputs: torch.Tensor, target: Any, loss_fn: Callable[[torch.Tensor, Any], torch.Tensor]):
         """The loss of ``loss_fn(model output, target)`` on this batch, for a LightningModule's training, validation
-        and test steps to return or log; the same step code runs with and without pipelining.
-
-        With ``pipeline_parallel_size > 1`` the batch is split into ``pipeline_microbatches`` run through the
-        schedule: in training, forward and backward (gradients divided by ``accumulate_grad_batches``), in
-        validation and test, forward only. The loss is the mean over the micro-batches on the last stage,
-        broadcast so every rank returns the same; it carries no graph (the schedule already ran backward, and
-        :meth:`backward` does nothing). Without pipelining it is ``loss_fn(self.lightning_module(inputs), target)``
-        with its graph: the LightningModule's ``forward`` must return what the last stage returns (the logits of
-        a causal LM).
+        and test steps to return or log; the same step code runs with and without pipelining (see
+        :func:`ds_strategy.compose.pipeline_step.pipeline_step`): in training, forward and backward with gradients
+        divided by ``accumulate_grad_batches``, in validation and test forward only; under pipelining the loss
+        carries no graph and :meth:`backward` does nothing. The LightningModule's ``forward`` must return what the
+        last stage returns (the logits of a causal LM).
         """
         module = self.lightning_module
-        if self.pipeline is None:
-            return loss_fn(module(inputs), target)
         trainer = module.trainer
-        if module.training and trainer.training:
-            return self.pipeline.train_step(inputs, target, loss_fn, 1.0 / trainer.accumulate_grad_batches)
-        return self.pipeline.eval_step(inputs, target, loss_fn)
+        train = module.training and trainer.training
+        return pipeline_step(
+            self.pipeline,
+            module,
+            inputs,
+            target,
+            loss_fn,
+            train=train,
+            grad_scale=1.0 / trainer.accumulate_grad_batches,
+        )
 
     def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Lightning's backward, except under pipelining: the schedule ran it inside :meth:`pipeline_step`, so only

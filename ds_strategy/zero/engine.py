@@ -16,7 +16,7 @@ from ..comm.collectives import Collectives
 from ..comm.quantized import reduce_scatter_quantized
 from ..comm.sequence_check import CollectiveSequenceCheck
 from ..config import ZeroConfig
-from ..parallel.dtensor_params import spec_of
+from ..parallel.dtensor_params import local_tensor, point_param_at, spec_of
 from ..precision import GradStats, LossScaler, unscale_and_check_shards
 from ..profiler_ranges import profiler_range
 from .flat_param import FlatParam
@@ -478,12 +478,35 @@ class ZeroEngine:
             finally:
                 self.gatherer.holding = False
 
+    def adopt_replaced_parameters(self) -> None:
+        """Note: [Parameters replaced behind the engine's back]
+        Every trainable parameter is a view of its flat buffer, which the engine reduces, steps and gathers. Code
+        that assigns ``param.data = ...`` (accelerate's ``LocalSGD`` averaging its replicas) moves the parameter
+        onto a tensor of its own: the model would then read values no later step updates. This copies each moved
+        parameter's values into its place in the buffer (and its fp32 master, when that is a separate tensor) and
+        points the parameter back. Only whole buffers can take them (stages 0-2); a partitioned parameter is
+        empty between gathers, and replacing it means nothing. Checked before reading the weights out
+        (:meth:`full_state_dict`, checkpoints) and by adapters after user code that may replace parameters."""
+        with torch.no_grad():
+            for fp in self.flat_params:
+                if fp.policy.params:
+                    continue
+                moved = False
+                for p, view in zip(fp.params, fp.param_views()):
+                    if local_tensor(p).data_ptr() != view.data_ptr():
+                        view.copy_(local_tensor(p))
+                        point_param_at(p, view, storage_kept=True)
+                        moved = True
+                if moved and fp.master.data_ptr() != fp.master_region().data_ptr():
+                    fp.master.copy_(fp.master_region())
+
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """The module's whole ``state_dict`` in fp32 for parameters, gathered one unit at a time.
 
         Never the empty views a partitioned parameter has between uses. With ``rank0_only`` other ranks take
         part in the gathers but return an empty dict, so peak memory off rank 0 stays one unit.
         """
+        self.adopt_replaced_parameters()
         self.reshard()
         keep = not rank0_only or (dist.get_rank() if dist.is_initialized() else 0) == 0
         keys_of: dict[int, list[str]] = {}
@@ -523,6 +546,11 @@ class ZeroEngine:
             self._launched_per_unit[unit] = count
 
     # -- backward ---------------------------------------------------------------------------------------------
+    @property
+    def syncs_gradients(self) -> bool:
+        """False inside :meth:`no_sync`: stage 0/1 gradients then accumulate on each rank without being reduced."""
+        return self.reducer.sync
+
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients without communicating (stage 0/1); stage 2/3 still reduce every micro-batch."""
