@@ -92,6 +92,12 @@ class ParallelismPolicy:
     pipeline_keep_gathered: bool
 
     @property
+    def model_parallel(self) -> bool:
+        """Whether a tensor-, sequence- or pipeline-parallel dimension is above 1: the run then needs a mesh beyond
+        data parallelism, and ZeRO shards over its data-parallel part only."""
+        return max(self.tensor_parallel_size, self.sequence_parallel_size, self.pipeline_parallel_size) > 1
+
+    @property
     def microbatch_count(self) -> int:
         """The micro-batches each framework batch is split into: ``pipeline_microbatches``, by default one per
         pipeline stage; 1 without pipelining."""

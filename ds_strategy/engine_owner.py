@@ -75,6 +75,19 @@ def _drop_meta_tensors(module) -> None:
                 sub._buffers[name] = torch.empty(0, dtype=buffer.dtype)
 
 
+def backward_through_loss_scale(
+    engines: list[ZeroEngine], loss: torch.Tensor, refusal: str, *args: Any, **kwargs: Any
+) -> None:
+    """Backward of ``loss`` with no model named: through the fp16 loss scale of the one trained model that has one,
+    if any. One backward may reach several models (a generator's loss through the discriminator); each engine
+    reduces its own model's gradients. Several fp16 models each keep their own scale: ``refusal`` then says how to
+    name the one meant."""
+    scaled = [engine for engine in engines if engine.optimizer is not None and engine.loss_scaler is not None]
+    if len(scaled) > 1:
+        raise ValueError(refusal)
+    (scaled[0].scale_loss(loss) if scaled else loss).backward(*args, **kwargs)
+
+
 def release_engine(engine: ZeroEngine) -> None:
     """What a strategy's teardown undoes on its model: full parameters back to shards, the engine's hooks and its
     activation checkpointing removed."""

@@ -131,6 +131,25 @@ def test_hf_deepspeed_json_with_auto_and_optimizer_sections_trains_as_deepspeed_
     assert results["no_deepspeed_plugin"]
 
 
+@pytest.mark.parametrize(
+    ("zero", "parallelism", "words"),
+    [
+        ({"sequence_parallel_size": 2}, None, "sequence_parallel_size=2"),
+        ({}, types.SimpleNamespace(sp_size=2), "sequence_parallel_size=2"),
+        ({"pipeline_parallel_size": 2}, None, "pipeline_parallel_size=2"),
+    ],
+)
+def test_ulysses_and_pipelining_are_refused_under_the_trainer(zero, parallelism, words):
+    """Its loop runs the whole model on whole sequences: Ulysses would train silently wrong, a cut model not at all."""
+    from ds_strategy.transformers.trainer_config import trainer_zero_config
+
+    args = types.SimpleNamespace(
+        parallelism_config=parallelism, gradient_accumulation_steps=1, max_grad_norm=1.0, per_device_train_batch_size=2
+    )
+    with pytest.raises(ValueError, match=f"{words} is not supported under the Hugging Face Trainer"):
+        trainer_zero_config(zero, args)
+
+
 def test_a_deepspeed_value_that_contradicts_the_training_arguments_is_refused_naming_both():
     from ds_strategy.transformers import fill_from_training_args
 

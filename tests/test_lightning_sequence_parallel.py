@@ -194,22 +194,28 @@ def test_final_parameters_equal_the_full_sequence_parameters(runs):
             assert error < RTOL, f"{name}: relative error {error:.2e}"
 
 
-def test_the_gradient_divide_factor_composes_with_the_fp16_loss_scale():
-    """A divide factor of half the group (Ulysses' sp=2) doubles the loss for backward: backward sees loss x scale x
-    2; unscaling divides out the loss scale only."""
+@pytest.mark.parametrize("through_engine", [True, False])
+def test_the_gradient_divide_factor_composes_with_the_fp16_loss_scale(through_engine):
+    """A divide factor of half the group (Ulysses' sp=2) doubles the reduced gradient, whether backward runs through
+    the engine (loss x fp16 scale) or is the user's own ``loss.backward()`` (fp32): the reducer divides, not the
+    loss; unscaling divides out the loss scale only."""
     torch.manual_seed(0)
     model, reference = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
     reference.load_state_dict(model.state_dict())
-    config = ZeroConfig(stage=1, precision="16-mixed", loss_scale=1024.0)
+    precision = "16-mixed" if through_engine else "32-true"
+    config = ZeroConfig(stage=1, precision=precision, loss_scale=1024.0)
     engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=1.0), config)
     engine.set_gradient_divide_factor(engine.world_size / 2)
     x = torch.randn(5, 4)
-    loss = model(x.half()).float().pow(2).mean()
-    assert engine.scale_loss(loss).item() == pytest.approx(loss.item() * 1024 * 2)
-    engine.backward(loss)
+    if through_engine:
+        loss = model(x.half()).float().pow(2).mean()
+        assert engine.scale_loss(loss).item() == pytest.approx(loss.item() * 1024)
+        engine.backward(loss)
+    else:
+        model(x).pow(2).mean().backward()
     reference(x).pow(2).mean().backward()
     expected = torch.cat([p.grad.flatten() for p in reference.parameters()]).norm().item() * 2
-    assert engine.grad_norm().item() == pytest.approx(expected, rel=1e-3)  # fp16 gradients
+    assert engine.grad_norm().item() == pytest.approx(expected, rel=1e-3 if through_engine else 1e-6)
 
 
 def test_deepspeed_sequence_parallel_size_maps_to_the_field():

@@ -11,7 +11,7 @@ from distributed import run_ranks
 from ds_strategy.models import GPT, GPTConfig
 from ds_strategy.parallel.ulysses import (
     attend_with_ulysses,
-    gradient_scale,
+    gradient_divide_factor,
     heads_to_seq,
     register_hf_attention,
     seq_to_heads,
@@ -30,12 +30,13 @@ def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def _mean_over_group_times_scale(model: torch.nn.Module, world_size: int) -> dict[str, torch.Tensor]:
-    """What the engine does with each gradient over its dp×sp group (here dp=1): mean, then ``gradient_scale``."""
+    """What the engine does with each gradient over its dp×sp group (here dp=1): the sum over
+    ``gradient_divide_factor``."""
     grads = {}
     for name, param in model.named_parameters():
         grad = param.grad.clone()
         dist.all_reduce(grad)
-        grads[name] = grad / world_size * gradient_scale(world_size)
+        grads[name] = grad / gradient_divide_factor(world_size, world_size)
     return grads
 
 

@@ -20,8 +20,9 @@ from torch.optim import Optimizer
 
 from ..checkpoint.pretrained import load_weights
 from ..compose import Composed, build_mesh, compose_model, recompose_engine
-from ..compose.pipeline_step import pipeline_step
+from ..compose.pipeline_step import pipeline_step, ran_its_backward
 from ..config import ZeroConfig
+from ..engine_owner import backward_through_loss_scale
 from ..parallel.mesh import ACCELERATE_NAMES, ParallelMesh
 from ..precision import autocast_for
 from ..precision_flag import ACCELERATE_MIXED_PRECISION, reconcile_precision
@@ -109,7 +110,7 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
         )
         self.zero_config = config = with_parallelism(config, parallelism_config, self.num_processes)
         self.parallel_mesh: ParallelMesh | None = None
-        if max(config.tensor_parallel_size, config.sequence_parallel_size, config.pipeline_parallel_size) > 1:
+        if config.parallelism_policy.model_parallel:
             self.parallel_mesh = build_mesh(config, self.device.type, ACCELERATE_NAMES)
         self.composed: list[Composed] = []  # one per model prepared, in order
         if self._deepspeed_sections:
@@ -213,8 +214,9 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
 
     def _shard(self, model: nn.Module, optimizer: Optimizer | None, placement: bool | None) -> nn.Module:
         """A new engine over the model composed by :func:`~ds_strategy.compose.compose_model` (the auto tensor-parallel
-        plan for a model that arrives unsplit, placement, dtype, checkpointing, engine), then the pretrained weights
-        of a model built by ``sharded_from_pretrained`` read into it, shard by shard."""
+        plan for a model that arrives unsplit, Ulysses, the pipeline cut, placement, dtype, checkpointing, engine,
+        pipeline runner), then the pretrained weights of a model built by ``sharded_from_pretrained`` read into it,
+        shard by shard."""
         plan = self.zero_config.plan
         weights = _pretrained_weights(model)
         self._given_dtypes[model] = {key: value.dtype for key, value in model.state_dict().items()}
@@ -228,7 +230,7 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
             unparallelized="auto",
             place=self.device_placement if placement is None else placement,
         )
-        engine = composed.engine
+        model, engine = composed.module, composed.engine  # the same module: Accelerate takes no parallelize_fn
         if weights is not None:
             load_weights(engine, weights)
         if plan.autocasts:
@@ -353,25 +355,17 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Scale for accumulation as Accelerate does, then backward through the loss scale of the model that
-        trains (fp16) and the Ulysses multiplier, which every engine of the mesh shares (see
-        ``ZeroEngine.scale_loss``): one backward may reach several engines, each reducing the gradients of its own
-        model.
-        Under pipelining a loss without a graph is :meth:`pipeline_step`'s, whose schedule already ran backward
-        (and divided the gradients): nothing is left to do."""
-        if self.zero_config.pipeline_parallel_size > 1 and loss.grad_fn is None:
+        trains in fp16, if any (:func:`~ds_strategy.engine_owner.backward_through_loss_scale`). A
+        :meth:`pipeline_step` loss has had its backward (and its division) already."""
+        if ran_its_backward(loss, self.zero_config.pipeline_parallel_size > 1):
             return
         if not self.engines:
             return super().backward(loss, **kwargs)
-        trained = [engine for engine in self.engines if engine.optimizer is not None]
-        scaled = [engine for engine in trained if engine.loss_scaler is not None]
-        if len(scaled) > 1:
-            raise ValueError(
-                "fp16 loss scaling with several trained models: each engine keeps its own loss scale; "
-                "call engine.backward(loss) for each (accelerator.engine_of(model)), or train in bf16"
-            )
-        loss = loss / self.gradient_accumulation_steps
-        through = (scaled or trained or [None])[0]
-        (through.scale_loss(loss) if through is not None else loss).backward(**kwargs)
+        refusal = (
+            "fp16 loss scaling with several trained models: each engine keeps its own loss scale; "
+            "call engine.backward(loss) for each (accelerator.engine_of(model)), or train in bf16"
+        )
+        backward_through_loss_scale(self.engines, loss / self.gradient_accumulation_steps, refusal, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module):
@@ -492,7 +486,7 @@ class ZeroAcceleratedOptimizer(AcceleratedOptimizer):
         """A step inside ``model.no_sync()``, as accelerate's ``LocalSGD`` takes it: every rank steps its own replica
         and LocalSGD averages them (``param.data = ...``) every few steps. Only stage 0 has replicas; the averaged
         parameters are taken back into the flat buffers first (Note: [Parameters replaced behind the engine's
-        back]). From stage 1 each rank steps only its shard, which nothing reduced inside ``no_sync``."""
+        back]). From stage 1 each rank steps only its shard of one model: there are no replicas to average."""
         stage = self.engine.config.stage
         if stage >= 1:
             raise ValueError(

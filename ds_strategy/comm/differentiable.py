@@ -5,6 +5,11 @@ and in backward, so it is timed out, names a failed rank and is counted by kind 
 
 ``group`` is a process group, or None for the default one; ``label`` names the collective in profiler ranges,
 counters and errors.
+
+They are ``autograd.Function``s that wait on the collective in Python, where torch's functional collectives
+(``all_to_all_single_autograd``) would be traced: a model compiled by ``torch.compile`` breaks its graph at each of
+them (correct, slower). That is the price of one path with timeouts and failure naming for every collective; no
+test compiles a Ulysses or tensor-parallel model through them yet.
 """
 
 from __future__ import annotations

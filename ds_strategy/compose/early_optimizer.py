@@ -21,24 +21,37 @@ from torch.optim import Optimizer
 def rebind_optimizer(
     module: nn.Module, optimizer: Optimizer | None, change: Callable[[nn.Module], nn.Module]
 ) -> nn.Module:
-    """``change(module)``, the model it returns, with ``optimizer``'s param groups holding that model's parameters
-    of the same names (see Note: [An optimizer built before composition])."""
+    """``change(module)``, the model it returns, with ``optimizer``'s param groups holding that model's parameters:
+    each parameter still in it, or else the one now under any of its names (see Note: [An optimizer built before
+    composition]); a parameter none of whose names is left was cut away and is dropped."""
     if optimizer is None:
         return change(module)
     if any(optimizer.state.get(p) for group in optimizer.param_groups for p in group["params"]):
         raise ValueError(
-            "the optimizer has already stepped (it holds state); composition replaces the parameters it updates, "
-            "so build it fresh before setup (see Note: [An optimizer built before composition])"
+            "the optimizer has already stepped (it holds state); setup may replace the parameters it updates "
+            "(tensor parallelism, the pipeline cut), so build it fresh before setup (see Note: [An optimizer built "
+            "before composition])"
         )
-    name_of = {id(p): name for name, p in module.named_parameters()}
+    names_of: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):  # a tied weight under each of its names
+        names_of.setdefault(id(p), []).append(_plain(name))
     changed = change(module)
-    # a parallelize_fn that compiles (the whole model or its blocks) puts "_orig_mod." into the names
-    now = {name.replace("_orig_mod.", ""): p for name, p in changed.named_parameters()}
+    now = {_plain(name): p for name, p in changed.named_parameters(remove_duplicate=False)}
+    kept = {id(p) for p in now.values()}
     for group in optimizer.param_groups:
-        kept = []
+        rebound = []
         for p in group["params"]:
-            name = name_of.get(id(p))
-            if name is None or name in now:  # not the model's (the engine names it), or still there
-                kept.append(p if name is None else now[name])
-        group["params"] = kept
+            names = names_of.get(id(p))
+            if id(p) in kept or names is None:  # unchanged, or not the model's (the engine names it)
+                rebound.append(p)
+                continue
+            replacement = next((now[name] for name in names if name in now), None)
+            if replacement is not None:
+                rebound.append(replacement)
+        group["params"] = rebound
     return changed
+
+
+def _plain(name: str) -> str:
+    """A parameter's name without the ``_orig_mod.`` a compiled model or block puts into it."""
+    return name.replace("_orig_mod.", "")

@@ -46,7 +46,7 @@ from ..config import ZeroConfig
 from ..offload import step_runner_for
 from ..parallel.mesh import ParallelMesh, build_parallel_mesh
 from ..parallel.pipeline_split import StagePlan, cut_to_stages, plan_stages
-from ..parallel.ulysses import attend_with_ulysses, gradient_scale
+from ..parallel.ulysses import attend_with_ulysses, gradient_divide_factor
 from ..zero.engine import ZeroEngine
 from ..zero.groups import EngineGroups
 from ..zero.tied_copies import mark_tied_copy
@@ -61,11 +61,11 @@ Unparallelized = Literal["require", "replicate", "auto"]
 @dataclasses.dataclass
 class Composed:
     """What :func:`compose_model` made: the module the adapter hands back to the user (a ``parallelize_fn`` may
-    return it compiled), the engine, the optimizer it retargeted, and under pipelining the stage plan and runner."""
+    return it compiled), the engine (with the optimizer it retargeted), and under pipelining the stage plan and
+    runner."""
 
     module: nn.Module
     engine: ZeroEngine
-    optimizer: Optimizer | None
     stage_plan: StagePlan | None = None
     pipeline: PipelineRunner | None = None
 
@@ -105,11 +105,7 @@ def compose_model(
     the adapter's device placement flag (Accelerate's ``device_placement``); stage 3 and meta builds are placed by
     the engine either way. ``log``: the framework's rank-zero logger, for the engine's summary.
     """
-    mesh = _model_parallel(mesh)
-    if mesh is not None:  # the model-parallel groups' collectives (tp sums, Ulysses) wait as long as the engine's
-        for group in (mesh.tp_group, mesh.sp_group, mesh.pp_group):
-            if group is not None:
-                collectives_for(group, timeout=config.collective_timeout)
+    mesh = _model_parallel(mesh, config)
     early = optimizer if isinstance(optimizer, Optimizer) else None
     stage_plan: StagePlan | None = None
 
@@ -144,7 +140,7 @@ def recompose_engine(
     ``stage_plan``, its cut): the last part of ``compose_model``, and on its own a new engine for a model whose
     first engine's flat buffers do not fit its optimizer (Accelerate's Note: [An optimizer prepared after its
     model]); the caller removed the old engine's hooks."""
-    mesh = _model_parallel(mesh)
+    mesh = _model_parallel(mesh, config)
     inner = _uncompiled(module)
     if config.has_auto_values:
         config = config.resolve_auto(hidden_size_of(inner))
@@ -157,27 +153,26 @@ def recompose_engine(
         groups = EngineGroups(zero=mesh.zero_group, tensor_parallel=mesh.tp_group, pipeline=mesh.pp_group)
     engine = ZeroEngine(inner, optimizer, config, groups, device=device, step_runner=step_runner_for(config))
     if mesh is not None and mesh.sp_size > 1:
-        engine.set_gradient_divide_factor(engine.world_size / gradient_scale(mesh.sp_size))
+        engine.set_gradient_divide_factor(gradient_divide_factor(engine.world_size, mesh.sp_size))
     pipeline = None
     if stage_plan is not None:
         engine.set_state_dict_names(stage_plan.whole_names)
         pipeline = PipelineRunner(
-            inner,
-            engine.driven_by_schedule(),
-            stage_plan,
-            mesh,
-            config.parallelism_policy,
-            device,
-            config.collective_timeout,
+            inner, engine.driven_by_schedule(), stage_plan, mesh, config.parallelism_policy, device
         )
     log(engine.summary())
-    return Composed(module, engine, optimizer, stage_plan, pipeline)
+    return Composed(module, engine, stage_plan, pipeline)
 
 
-def _model_parallel(mesh: ParallelMesh | None) -> ParallelMesh | None:
-    """``mesh``, or None when it has no model-parallel dimension: ZeRO then shards over the default group."""
+def _model_parallel(mesh: ParallelMesh | None, config: ZeroConfig) -> ParallelMesh | None:
+    """``mesh``, or None when it has no model-parallel dimension: ZeRO then shards over the default group. Its
+    model-parallel groups' collectives (tensor-parallel sums, Ulysses all-to-alls, the pipeline's loss and tied
+    weights) wait as long as the engine's: ``collective_timeout``."""
     if mesh is None or max(mesh.tp_size, mesh.sp_size, mesh.pp_size) == 1:
         return None
+    for group in (mesh.tp_group, mesh.sp_group, mesh.pp_group):
+        if group is not None:
+            collectives_for(group, timeout=config.collective_timeout)
     return mesh
 
 
@@ -211,8 +206,8 @@ def _tensor_parallel(
 
 
 def _cut_for_pipeline(module: nn.Module, config: ZeroConfig, mesh: ParallelMesh | None) -> StagePlan | None:
-    """Step 3: plan the stages (errors before any work beyond the mesh), cut ``module`` down to this rank's in place,
-    and mark the tied copies it keeps of parameters another stage owns."""
+    """Step 3: plan the stages (a split that cannot be made raises before anything is cut), cut ``module`` down to
+    this rank's in place, and mark the tied copies it keeps of parameters another stage owns."""
     if config.pipeline_parallel_size == 1:
         return None
     plan = plan_stages(module, mesh.pp_size, mesh.pp_rank, config.pipeline_schedule, config.pipeline_split)

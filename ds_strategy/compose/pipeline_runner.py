@@ -9,7 +9,7 @@ Note: [Pipeline gradients]
   Schedules do not run one backward per optimizer step: every stage runs one per micro-batch, interleaved with
   other micro-batches' forwards, and the zero-bubble ones split it into an input part (``autograd.grad`` on the
   inputs) and a weight part that assigns ``.grad`` by hand, so post-accumulate-grad hooks fire for some
-  parameters and not others. The engine is therefore built without hooks (``gradients_from_hooks=False``):
+  parameters and not others. The engine's hooks are therefore removed (``ZeroEngine.driven_by_schedule``):
   autograd accumulates every parameter's ``.grad`` as it would without ZeRO, and the engine takes it over at
   boundaries the schedule reports, scaled by ``1 / (micro-batches x accumulated batches)`` since each
   micro-batch's loss is a mean (the schedule's own ``scale_grads`` is off):
@@ -50,7 +50,7 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from ..comm.collectives import Collectives
+from ..comm.group_collectives import collectives_for
 from ..config_policies import ParallelismPolicy
 from ..parallel.dtensor_params import local_tensor
 from ..parallel.mesh import ParallelMesh
@@ -122,14 +122,12 @@ class PipelineRunner:
         mesh: ParallelMesh,
         policy: ParallelismPolicy,
         device: torch.device,
-        timeout: float,
     ):
-        """``timeout``: the seconds a pipeline-group collective may wait (``ZeroConfig.collective_timeout``)."""
         self.engine = engine
         self.plan = plan
         self.policy = policy
         self.num_microbatches = policy.microbatch_count
-        self.pp = Collectives(mesh.pp_group, timeout=timeout)
+        self.pp = collectives_for(mesh.pp_group)  # its timeout set by compose_model
         self.last_stage_rank = plan.rank_of_stage[-1]
         self.modules = {s: StageModule(root, plan, s) for s in plan.stage_ids}
         stages = [

@@ -36,3 +36,9 @@ def pipeline_step(
     if train:
         return runner.train_step(inputs, target, loss_fn, grad_scale)
     return runner.eval_step(inputs, target, loss_fn)
+
+
+def ran_its_backward(loss: torch.Tensor, pipelined: bool) -> bool:
+    """Whether ``loss`` is one :func:`pipeline_step` returned under pipelining (``pipelined``): its schedule already
+    ran backward and it carries no graph, so the adapter's backward of it has nothing left to do."""
+    return pipelined and loss.grad_fn is None

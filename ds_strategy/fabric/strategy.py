@@ -20,10 +20,10 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ..compose import Composed, build_mesh, compose_model
-from ..compose.pipeline_step import pipeline_step
+from ..compose.pipeline_step import pipeline_step, ran_its_backward
 from ..config import ZeroConfig
 from ..deepspeed_config import config_from_deepspeed
-from ..engine_owner import EngineOwnerMixin, release_engine
+from ..engine_owner import EngineOwnerMixin, backward_through_loss_scale, release_engine
 from ..parallel.mesh import LIGHTNING_NAMES, ParallelMesh
 from ..precision import autocast_for
 from ..precision.init_dtype import init_dtype_context
@@ -139,7 +139,7 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
         super().setup_environment()
         self.precision.device_type = self.root_device.type
         config = self.config
-        if max(config.tensor_parallel_size, config.sequence_parallel_size, config.pipeline_parallel_size) > 1:
+        if config.parallelism_policy.model_parallel:
             self.parallel_mesh = build_mesh(config, self.root_device.type, LIGHTNING_NAMES)
 
     @property
@@ -295,23 +295,18 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
 
     def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         """Through the loss scale of ``module``'s engine (``fabric.backward(loss, model=...)``), or with no model
-        named, of the one model that trains in fp16, if any. One backward may reach several models (a generator's
-        loss through the discriminator): each engine reduces the gradients of its own model. Under pipelining a
-        loss without a graph is :meth:`pipeline_step`'s, whose schedule already ran backward: nothing is left."""
-        if self.config.pipeline_parallel_size > 1 and tensor.grad_fn is None:
+        named, of the one model that trains in fp16, if any (:func:`~ds_strategy.engine_owner.
+        backward_through_loss_scale`). A :meth:`pipeline_step` loss has had its backward already."""
+        if ran_its_backward(tensor, self.config.pipeline_parallel_size > 1):
             return
         if module is not None or len(self.engines) == 1:
             self.engine_of(module, "fabric.backward").backward(tensor)
             return
-        trained = [engine for engine in self.engines if engine.optimizer is not None]
-        scaled = [engine for engine in trained if engine.loss_scaler is not None]
-        if len(scaled) > 1:
-            raise ValueError(
-                "fabric.backward(loss) with several models trained in fp16: each keeps its own loss scale, so name "
-                "the model the loss trains: fabric.backward(loss, model=model)"
-            )
-        through = (scaled or trained or [None])[0]  # its loss scale, and the Ulysses multiplier every engine shares
-        (through.scale_loss(tensor) if through is not None else tensor).backward(*args, **kwargs)
+        refusal = (
+            "fabric.backward(loss) with several models trained in fp16: each keeps its own loss scale, so name the "
+            "model the loss trains: fabric.backward(loss, model=model)"
+        )
+        backward_through_loss_scale(self.engines, tensor, refusal, *args, **kwargs)
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> None:
         engine = next((engine for engine in self.engines if engine.optimizer is optimizer), None)

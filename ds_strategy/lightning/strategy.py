@@ -125,7 +125,7 @@ class ZeroStrategyMixin(EngineOwnerMixin):
         super().setup_environment()
         config = self.config
         mesh = build_mesh(config, self.root_device.type, LIGHTNING_NAMES)
-        if max(config.tensor_parallel_size, config.sequence_parallel_size, config.pipeline_parallel_size) > 1:
+        if config.parallelism_policy.model_parallel:
             self.parallel_mesh = mesh
         self.lightning_module._device_mesh = mesh.mesh
         destroy_process_groups_at_exit(self._release_mesh)  # [Why every process group is destroyed at exit]

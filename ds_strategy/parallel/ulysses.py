@@ -235,8 +235,9 @@ def sequence_parallel_loss(
     return SumOverRanks.apply(local_sum, group, "ulysses.loss_sum") / count.clamp(min=1)
 
 
-def gradient_scale(sp_size: int) -> int:
-    """The factor to multiply gradients by after the ZeRO engine has averaged them over its dp×sp group.
+def gradient_divide_factor(zero_group_size: int, sp_size: int) -> int:
+    """What the ZeRO engine divides its dp×sp group's gradient sum by under Ulysses (``ZeroEngine.
+    set_gradient_divide_factor``): the data-parallel size.
 
     Note: [Ulysses gradient scale]
     Every rank of an sp group holds the full weights but computes only its slice's part of the gradient: the
@@ -250,12 +251,12 @@ def gradient_scale(sp_size: int) -> int:
 
     Across dp, each replica's sequences give their own loss, and the step follows the mean of those losses' gradients,
     as in DDP. So the gradient wanted is a sum over sp and a mean over dp, which is DeepSpeed's rule too (it divides
-    by the dp size only). The ZeRO group is dp×sp and divides by dp·sp; multiplying by ``sp_size`` restores it:
-    ``mean over dp×sp × sp = sum over sp, mean over dp``.
+    by the dp size only). The ZeRO group is dp×sp, whose mean would divide by dp·sp; dividing its sum by dp instead
+    gives ``sum over sp, mean over dp``.
     """
-    if sp_size < 1:
-        raise ValueError(f"sp_size={sp_size} must be at least 1")
-    return sp_size
+    if sp_size < 1 or zero_group_size % sp_size:
+        raise ValueError(f"sp_size={sp_size} must be at least 1 and divide the ZeRO group's size {zero_group_size}")
+    return zero_group_size // sp_size
 
 
 def attend_with_ulysses(module: torch.nn.Module, group, tensor_parallel_size: int = 1) -> None:

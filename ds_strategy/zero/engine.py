@@ -114,7 +114,6 @@ class ZeroEngine:
         self.config = config
         self.plan = plan = config.plan
         self.process_group = process_group = groups.zero
-        self.loss_multiplier = 1.0
         self.device = torch.device(device) if device is not None else _device_of(module)
         if optimizer is not None:
             check_optimizer_is_elementwise(optimizer)
@@ -367,13 +366,13 @@ class ZeroEngine:
 
     # -- what other features set ------------------------------------------------------------------------------
     def set_gradient_divide_factor(self, factor: float) -> None:
-        """Average gradients as a sum over the engine's group divided by ``factor`` instead of the group's size (FSDP2's
-        method of that name). Ulysses sets the data-parallel size: its sequence-parallel ranks each hold a part of
-        one sample's gradient, to be summed, not averaged (Note: [Ulysses gradient scale] in
-        :mod:`ds_strategy.parallel.ulysses`). Applied as a loss multiplier in :meth:`scale_loss`."""
+        """Reduce gradients as their sum over the engine's group divided by ``factor`` instead of the group's size
+        (FSDP2's method of that name), however backward was run. Ulysses sets the data-parallel size: its
+        sequence-parallel ranks each hold a part of one sample's gradient, to be summed, not averaged (Note:
+        [Ulysses gradient scale] in :mod:`ds_strategy.parallel.ulysses`)."""
         if factor <= 0:
             raise ValueError(f"gradient divide factor must be positive, got {factor}")
-        self.loss_multiplier = self.world_size / factor
+        self.reducer.divide_factor = factor
 
     def set_state_dict_names(self, names: tuple[str, ...]) -> None:
         """The uncut model's ``state_dict`` names in order, by which checkpoints order every pipeline stage's
@@ -491,14 +490,18 @@ class ZeroEngine:
             for fp in self.flat_params:
                 if fp.policy.params:
                     continue
-                moved = False
-                for p, view in zip(fp.params, fp.param_views()):
+                moved = set()
+                for slot, p, view in zip(fp.slots, fp.params, fp.param_views()):
                     if local_tensor(p).data_ptr() != view.data_ptr():
                         view.copy_(local_tensor(p))
                         point_param_at(p, view, storage_kept=True)
-                        moved = True
-                if moved and fp.master.data_ptr() != fp.master_region().data_ptr():
-                    fp.master.copy_(fp.master_region())
+                        moved.add(slot.name)
+                if not moved or fp.master.data_ptr() == fp.master_region().data_ptr():
+                    continue
+                for slot, start, length in fp.master_slots():  # a separate master: the moved pieces only
+                    if slot.name in moved:
+                        where = slot.offset + start
+                        fp.master.narrow(0, where - fp.master_base, length).copy_(fp.full.narrow(0, where, length))
 
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """The module's whole ``state_dict`` in fp32 for parameters, gathered one unit at a time.
@@ -561,15 +564,15 @@ class ZeroEngine:
             self.reducer.sync = previous
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` times ``loss_multiplier``, and in fp32 times the current loss scale under fp16 loss scaling.
+        """``loss`` in fp32 times the current loss scale under fp16 loss scaling, else ``loss`` itself.
 
-        Backward through the result (``backward`` does both) and log ``loss`` itself; the step divides the loss
-        scale out again, never the multiplier. The product is taken in fp32, as DeepSpeed does, so that an fp16
+        Backward through the result (``backward`` does) and log ``loss`` itself; the step divides the loss scale
+        out again. The product is taken in fp32, as DeepSpeed does, so that an fp16
         loss times 2**16 does not overflow before backward.
         """
         if self.loss_scaler is not None:
-            return loss.float() * (self.loss_scaler.scale * self.loss_multiplier)
-        return loss * self.loss_multiplier if self.loss_multiplier != 1.0 else loss
+            return loss.float() * self.loss_scaler.scale
+        return loss
 
     def backward(self, loss: torch.Tensor) -> None:
         self.scale_loss(loss).backward()

@@ -127,6 +127,8 @@ class GradReducer:
         self.overlap = overlap
         self.bucket_numel = bucket_numel
         self.sync = True
+        # what the sum over the group is divided by: its size (the mean), unless ZeroEngine.set_gradient_divide_factor
+        self.divide_factor: float = collectives.world_size
         self.peak_scratch_bytes = 0
         self.working_set = working_set or WorkingSetPeak([])  # told of every scratch allocation and free
         self.on_launched = on_launched
@@ -232,7 +234,6 @@ class GradReducer:
 
     def _launch(self, fp: FlatParam) -> None:
         with profiler_range("grad.reduce", fp.name):
-            world = self.collectives.world_size
             if fp.policy.grads:
                 scratch = self._scratch_for(fp)
                 if self.quantized_reduce_scatter is not None:
@@ -267,24 +268,24 @@ class GradReducer:
                 or self._scratch_in_flight() > self.bucket_numel
                 or self._in_flight[0].pending.is_completed()
             ):
-                self._finish_oldest(world)
+                self._finish_oldest()
 
     def _scratch_in_flight(self) -> int:
         return sum(reduction.scratch_numel for reduction in self._in_flight)
 
-    def _finish_oldest(self, world: int) -> None:
+    def _finish_oldest(self) -> None:
         with profiler_range("grad.finish", self._in_flight[0].fp.name):
             reduction = self._in_flight.popleft()
             reduction.pending.wait()
-            fp, out = reduction.fp, reduction.out
+            fp, out, divisor = reduction.fp, reduction.out, self.divide_factor
             if reduction.kind is _Kind.SCATTERED:
-                fp.reduced_grad_shard().add_(out, alpha=1.0 / world)
+                fp.reduced_grad_shard().add_(out, alpha=1.0 / divisor)
                 del self._scratch[fp.index]
                 self.working_set.observe(self._scratch_bytes())
             elif reduction.kind is _Kind.ALL_REDUCED:
-                _store_all_reduced(fp, out, world)
+                _store_all_reduced(fp, out, divisor)
             else:
-                _store_mean(fp.grad_shard, out, world)
+                _store_mean(fp.grad_shard, out, divisor)
                 for p in fp.params:  # grad_full keeps this rank's own sum; no rank may read it as the gradient
                     p.grad = None
             if self.on_reduced is not None and self.sync:
@@ -303,7 +304,7 @@ class GradReducer:
     def wait_all(self) -> None:
         """Finish every reduction in flight (the optimizer must not read a shard still being written)."""
         while self._in_flight:
-            self._finish_oldest(self.collectives.world_size)
+            self._finish_oldest()
 
     # -- optimizer step ----------------------------------------------------------------------------------------
     def reduced_grad(self, fp: FlatParam) -> torch.Tensor:
@@ -317,24 +318,25 @@ class GradReducer:
             fp.grad_shard.zero_()
 
 
-def _store_all_reduced(fp: FlatParam, summed: torch.Tensor, world: int) -> None:
-    """After an all-reduce of ``grad_full`` (``summed`` is it, or its copy in the communication dtype): the mean
-    into the optimizer's shard, taken from ``summed`` before anything is rounded, then into ``grad_full``."""
+def _store_all_reduced(fp: FlatParam, summed: torch.Tensor, divisor: float) -> None:
+    """After an all-reduce of ``grad_full`` (``summed`` is it, or its copy in the communication dtype): the sum over
+    ``divisor`` (the mean) into the optimizer's shard, taken from ``summed`` before anything is rounded, then into
+    ``grad_full``."""
     if fp.policy.optimizer:
         mine = summed.narrow(0, fp.shard_offset, fp.shard_numel)
         if fp.grad_shard.data_ptr() != mine.data_ptr():
             if fp.grad_shard.element_size() >= mine.element_size():
-                fp.grad_shard.copy_(mine).div_(world)
+                fp.grad_shard.copy_(mine).div_(divisor)
             else:
-                fp.grad_shard.copy_(mine / world)
-    _store_mean(fp.grad_full, summed, world)
+                fp.grad_shard.copy_(mine / divisor)
+    _store_mean(fp.grad_full, summed, divisor)
 
 
-def _store_mean(target: torch.Tensor, summed: torch.Tensor, world: int) -> None:
-    """``target = summed / world``, dividing in the wider of the two dtypes (``summed`` may be ``target``)."""
+def _store_mean(target: torch.Tensor, summed: torch.Tensor, divisor: float) -> None:
+    """``target = summed / divisor``, dividing in the wider of the two dtypes (``summed`` may be ``target``)."""
     if summed.data_ptr() == target.data_ptr() and summed.dtype == target.dtype:
-        target.div_(world)
+        target.div_(divisor)
     elif target.element_size() >= summed.element_size():
-        target.copy_(summed).div_(world)
+        target.copy_(summed).div_(divisor)
     else:
-        target.copy_(summed.div_(world))
+        target.copy_(summed.div_(divisor))

@@ -66,9 +66,7 @@ class ParamGatherer:
         prefetch_numel: int,
         max_live_numel: int,
         working_set: WorkingSetPeak,
-        hooks: bool = True,
     ):
-        """``hooks`` False: no forward hooks; the caller gathers and releases units (a pipeline schedule)."""
         self.units = [u for u in units if u.partitioned and u is not root]
         self.root = root
         self.reshard_after_forward = reshard_after_forward
@@ -83,7 +81,7 @@ class ParamGatherer:
         self.working_set = working_set
         self.holding = False  # ZeroEngine.gathered_parameters: no-grad forwards keep their units gathered
         self._handles = []
-        for unit in self.units if hooks else ():
+        for unit in self.units:  # a pipeline schedule removes them (ZeroEngine.driven_by_schedule)
             self._handles.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
             self._handles.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
 
