@@ -210,7 +210,11 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
 
     def engine_of(self, model: nn.Module) -> ZeroEngine | None:
         """The engine that shards ``model``, if this accelerator prepared it."""
-        return next((engine for engine in self.engines if engine.module is model), None)
+        composed = self._composed_of(model)
+        return composed.engine if composed is not None else None
+
+    def _composed_of(self, model: nn.Module) -> Composed | None:
+        return next((composed for composed in self.composed if composed.engine.module is model), None)
 
     def _shard(self, model: nn.Module, optimizer: Optimizer | None, placement: bool | None) -> nn.Module:
         """A new engine over the model composed by :func:`~ds_strategy.compose.compose_model` (the auto tensor-parallel
@@ -345,7 +349,7 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
         loss is the mean over the micro-batches on the last stage, the same on every rank, without a graph:
         ``accelerator.backward`` of it does nothing. Without pipelining it is ``loss_fn(model(inputs), target)``
         with its graph (see :func:`~ds_strategy.compose.pipeline_step.pipeline_step`)."""
-        composed = next((composed for composed in self.composed if composed.engine.module is model), None)
+        composed = self._composed_of(model)
         if composed is None:
             raise ValueError(f"accelerator.pipeline_step: this {type(model).__name__} was not prepared by it")
         train, scale = model.training and torch.is_grad_enabled(), 1.0 / self.gradient_accumulation_steps

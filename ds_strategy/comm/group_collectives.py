@@ -32,7 +32,8 @@ def collectives_for(group=None, timeout: float | None = None) -> Collectives:
 def waiting_as_long_as_the_group(group=None) -> Collectives:
     """A ``Collectives`` over ``group`` whose waits last as long as the process group's own timeout (the
     ``init_process_group`` one, 30 minutes by default), for exchanges where one rank does slow work while the others
-    wait (rank 0 publishing a checkpoint directory), which a training collective's timeout would cut short."""
+    wait (rank 0 publishing a checkpoint directory, ranks building a model at their own pace), which a training
+    collective's timeout would cut short."""
     return _cached(group, "long waits", lambda: Collectives(group, timeout=_process_group_timeout(group)))
 
 

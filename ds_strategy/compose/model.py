@@ -119,11 +119,10 @@ def compose_model(
         return model
 
     module = rebind_optimizer(module, early, parallelize)
-    inner = _uncompiled(module)
-    _place(inner, config, device, place)
-    if callable(optimizer) and not isinstance(optimizer, Optimizer):
+    _place(_uncompiled(module), config, device, place)
+    if callable(optimizer):  # an Optimizer is not callable: this is the adapter's builder (step 5)
         optimizer = optimizer()
-    return recompose_engine(module, optimizer, config, mesh=mesh, device=device, log=log, stage_plan=stage_plan)
+    return _engine_and_runner(module, optimizer, config, mesh, device, log, stage_plan)
 
 
 def recompose_engine(
@@ -140,7 +139,19 @@ def recompose_engine(
     ``stage_plan``, its cut): the last part of ``compose_model``, and on its own a new engine for a model whose
     first engine's flat buffers do not fit its optimizer (Accelerate's Note: [An optimizer prepared after its
     model]); the caller removed the old engine's hooks."""
-    mesh = _model_parallel(mesh, config)
+    return _engine_and_runner(module, optimizer, config, _model_parallel(mesh, config), device, log, stage_plan)
+
+
+def _engine_and_runner(
+    module: nn.Module,
+    optimizer: Optimizer | None,
+    config: ZeroConfig,
+    mesh: ParallelMesh | None,
+    device: torch.device,
+    log: Callable[[str], Any],
+    stage_plan: StagePlan | None,
+) -> Composed:
+    """Steps 6-8 over ``mesh`` as :func:`_model_parallel` left it."""
     inner = _uncompiled(module)
     if config.has_auto_values:
         config = config.resolve_auto(hidden_size_of(inner))

@@ -26,7 +26,6 @@ from ..deepspeed_config import read_deepspeed_config
 from ..engine_owner import EngineOwnerMixin
 from ..micro_batch import check_micro_batch
 from ..parallel.mesh import LIGHTNING_NAMES, ParallelMesh
-from ..parallel.pipeline_split import StagePlan
 from ..precision_flag import reconcile_precision
 from ..zero.engine import ZeroEngine
 from ..zero.meta_parameters import parameters_on_meta
@@ -83,7 +82,6 @@ class ZeroStrategyMixin(EngineOwnerMixin):
         )
         self.engine: ZeroEngine | None = None
         self.parallel_mesh: ParallelMesh | None = None
-        self.stage_plan: StagePlan | None = None
         self.pipeline: PipelineRunner | None = None
         self._comm_meter: StepCommMeter | None = None
 
@@ -161,7 +159,7 @@ class ZeroStrategyMixin(EngineOwnerMixin):
             log=rank_zero_info,
             unparallelized="replicate",  # a model without tensor-parallel layers, as under ModelParallelStrategy
         )
-        self.engine, self.stage_plan, self.pipeline = composed.engine, composed.stage_plan, composed.pipeline
+        self.engine, self.pipeline = composed.engine, composed.pipeline
         self._comm_meter = StepCommMeter(self.engine.comm_stats) if config.log_comm_stats else None
         self.precision_plugin.attach_engine(self.engine, self.lightning_module)
         self.setup_precision_plugin()

@@ -13,6 +13,7 @@ from torch import nn
 
 from ..comm.accounting import combined
 from ..comm.collectives import Collectives
+from ..comm.group_collectives import waiting_as_long_as_the_group
 from ..comm.quantized import reduce_scatter_quantized
 from ..comm.sequence_check import CollectiveSequenceCheck
 from ..config import ZeroConfig
@@ -313,12 +314,12 @@ class ZeroEngine:
 
     def _check_ranks_built_alike(self, built_on_meta: bool) -> None:
         """Every rank must take the same materialisation path (each issues different collectives). Setup
-        plumbing, not training traffic: a ``Collectives`` of its own keeps it out of ``comm_stats``."""
+        plumbing, not training traffic, waited on as long as the process group waits (ranks build at their own
+        pace), and counted apart from ``comm_stats``."""
         if self.world_size == 1:
             return
         count = torch.tensor([float(built_on_meta)], device=self.device)
-        setup = Collectives(self.process_group, timeout=self.config.collective_timeout)
-        setup.all_reduce(count, label="check: ranks built alike").wait()
+        waiting_as_long_as_the_group(self.process_group).all_reduce(count, label="check: ranks built alike").wait()
         if 0 < count.item() < self.world_size:
             raise ValueError(
                 f"{int(count.item())} of {self.world_size} ranks built the model on the meta device "
@@ -567,8 +568,8 @@ class ZeroEngine:
         """``loss`` in fp32 times the current loss scale under fp16 loss scaling, else ``loss`` itself.
 
         Backward through the result (``backward`` does) and log ``loss`` itself; the step divides the loss scale
-        out again. The product is taken in fp32, as DeepSpeed does, so that an fp16
-        loss times 2**16 does not overflow before backward.
+        out again. The product is taken in fp32, as DeepSpeed does, so that an fp16 loss times 2**16 does not
+        overflow before backward.
         """
         if self.loss_scaler is not None:
             return loss.float() * self.loss_scaler.scale
