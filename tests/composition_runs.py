@@ -1,12 +1,13 @@
 """The composition matrix: {build} x {layout} x {ZeRO stage} x {entry point}, pruned to a pairwise-covering set of
 cells, each trained on real gloo ranks and compared with one process training a normally built copy.
 
-Every cell builds the same tiny Hugging Face Llama (``pipeline_runs.tiny_llama``: 4 layers, hidden 16, 2 heads),
-hands it to an entry point under a layout, records the full state dict right after setup (which must equal a
-normal build bitwise) and after ``STEPS`` SGD steps on the global batches of ``pipeline_runs.batches`` (which must
-match the reference in fp32). The axes are data, so a new way to build (say another empty-init path) is one more
-:class:`Build` in ``BUILDS``; a configuration refused whatever the entry point is listed in ``REFUSED_CONFIGS`` with
-the words its error must contain, and the matrix checks that it is refused so. Every entry point runs every layout,
+Every cell builds the same tiny Hugging Face Llama (``pipeline_runs.tiny_llama``: 4 layers, hidden 16, 4 heads, so
+that Ulysses inside tensor parallelism has heads to split over tp x sp), hands it to an entry point under a layout,
+records the full state dict right after setup (which must equal a normal build bitwise) and after ``STEPS`` SGD
+steps on the global batches of ``pipeline_runs.batches`` (which must match the reference in fp32). The axes are
+data, so a new way to build (say another empty-init path) is one more :class:`Build` in ``BUILDS``; a configuration
+refused whatever the entry point is listed in ``REFUSED_CONFIGS`` with the words its error must contain, and the
+matrix checks that it is refused so. Every entry point runs every layout,
 each step as its users write it (:func:`_step_loss`): through the entry point's ``pipeline_step`` under pipelining,
 Ulysses' sequence slice and loss under sequence parallelism. Accelerate's cells read their batches through a
 prepared data loader, so its split over the data-parallel ranks is part of what they check.
@@ -31,7 +32,7 @@ import torch
 import torch.distributed as dist
 from pipeline_runs import batches, loss_fn, tiny_llama
 
-STEPS, GLOBAL_BATCH, BLOCKS = 3, 8, 4
+STEPS, GLOBAL_BATCH, BLOCKS, HEADS = 3, 8, 4, 4
 MODEL = "llama"
 
 
@@ -75,6 +76,7 @@ LAYOUTS = {
         Layout("pp x dp", 4, pp=2),
         Layout("pp x tp", 4, tp=2, pp=2),
         Layout("ulysses sp", 2, sp=2),
+        Layout("ulysses sp x tp", 4, tp=2, sp=2),
         Layout("megatron sp", 2, tp=2, megatron_sp=True),
     )
 }
@@ -192,7 +194,7 @@ def pairwise_cells() -> list[Cell]:
 
 def build_model(seed: int = 0):
     torch.manual_seed(seed)
-    return tiny_llama(BLOCKS)
+    return tiny_llama(BLOCKS, HEADS)
 
 
 def reference(seed: int, dtype: torch.dtype = torch.float32) -> dict:

@@ -28,7 +28,7 @@ def tiny_gpt(blocks: int = 4) -> nn.Module:
     return GPT(GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=blocks, n_head=2, n_embd=WIDTH, dropout=0.0))
 
 
-def tiny_llama(blocks: int = 4) -> nn.Module:
+def tiny_llama(blocks: int = 4, heads: int = 2) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -36,8 +36,8 @@ def tiny_llama(blocks: int = 4) -> nn.Module:
         hidden_size=WIDTH,
         intermediate_size=2 * WIDTH,
         num_hidden_layers=blocks,
-        num_attention_heads=2,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
         max_position_embeddings=SEQ,
         tie_word_embeddings=False,
         attn_implementation="sdpa",
