@@ -29,9 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--with-optimizer",
         action="store_true",
-        help="also write the optimizer state, keyed by parameter name (.pt/.ckpt only); a checkpoint of the "
-        "Lightning Trainer, which consolidates into a Lightning checkpoint load_from_checkpoint loads, then also "
-        "resumes under DDP",
+        help="also write the optimizer state, keyed by parameter name (.pt/.ckpt only); a Lightning Trainer's "
+        "checkpoint, always written as a Lightning file that load_from_checkpoint loads, then also resumes under DDP",
     )
     parser.add_argument("--exclude-frozen", action="store_true", help="leave out parameters with requires_grad=False")
     parser.add_argument(
