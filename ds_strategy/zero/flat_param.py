@@ -17,6 +17,7 @@ from torch import nn
 
 from ..parallel.dtensor_params import TensorParallelSpec, local_tensor, point_param_at, spec_of
 from ..zero_plan import FlatDtypes, ShardPolicy
+from .param_types import parameter_like
 
 __all__ = ["FlatParam", "ParamSlot", "ShardPolicy"]
 
@@ -113,7 +114,8 @@ class FlatParam:
     def adopt_meta_params(self) -> None:
         """Give parameters built on the meta device real (uninitialised) storage: views of ``full``.
 
-        ``swap_tensors`` keeps each Parameter object, so optimizers and tied modules still refer to it.
+        ``swap_tensors`` keeps each Parameter object, so optimizers and tied modules still refer to it, and its type
+        and attributes (Note: [Parameter types the engine shards]).
         """
         self.alloc_full()
         self.full.zero_()
@@ -121,9 +123,7 @@ class FlatParam:
             if slot.tp is not None:
                 torch.utils.swap_tensors(p, slot.tp.wrap(view, p.requires_grad))
                 continue
-            torch.utils.swap_tensors(
-                p, nn.Parameter(torch.empty(0, dtype=view.dtype, device=view.device), requires_grad=p.requires_grad)
-            )
+            torch.utils.swap_tensors(p, parameter_like(p, torch.empty(0, dtype=view.dtype, device=view.device)))
             p.data = view
 
     def finish_sharding(self) -> None:

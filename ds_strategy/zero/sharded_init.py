@@ -46,6 +46,7 @@ from torch.distributed.tensor import distribute_tensor
 from ..parallel.dtensor_params import local_tensor, point_param_at
 from ..parallel.pipeline_split import cut_pieces_restored
 from .hf_init import Initialiser, hf_initialisers, outermost_hf_models
+from .param_types import parameter_like
 from .rng_replay import set_generator_state
 from .unit import Unit
 
@@ -247,14 +248,14 @@ def _hf_initialisers(root: nn.Module, device: torch.device) -> tuple[list[Initia
 def give_loose_tensors_storage(module: nn.Module, device: torch.device, recurse: bool = True) -> None:
     """Uninitialised storage on ``device`` for the meta buffers and frozen parameters of ``module`` (and with
     ``recurse`` its submodules): tensors every rank keeps whole, outside the flat buffers. ``swap_tensors`` keeps
-    each Parameter object, so ties hold."""
+    each Parameter object, so ties hold, and its type (Note: [Parameter types the engine shards])."""
     for sub in module.modules() if recurse else (module,):
         for name, buffer in sub._buffers.items():
             if buffer is not None and buffer.is_meta:
                 sub._buffers[name] = torch.empty_like(buffer, device=device)
         for p in sub._parameters.values():
             if p is not None and p.is_meta and not p.requires_grad:
-                torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device=device), requires_grad=False))
+                torch.utils.swap_tensors(p, parameter_like(p, torch.empty_like(p, device=device)))
 
 
 def _unit_of(units: list[Unit]) -> dict[int, Unit]:
