@@ -14,7 +14,8 @@ itself, so each rank starts from the same pristine, single-threaded state a fres
 under a second. What a fork cannot give is an environment changed after the server started: glibc reads
 ``MALLOC_MMAP_THRESHOLD_`` when the process starts, and Triton reads ``TRITON_INTERPRET`` when it is first imported.
 So a test that changed ``os.environ`` since the server started (the memory tests set the malloc threshold) gets
-spawned ranks, exactly as before.
+spawned ranks, exactly as before. The server is killed when the test process exits: left to notice that by itself, it
+finalizes everything it preloaded, which on a loaded machine outlasted the test run by minutes, and it holds nothing.
 
 Note: [What a rank leaves behind]
 Each rank runs in a process group of its own, which the processes it starts join (Lightning's launcher, a script, a
@@ -26,6 +27,7 @@ fails the run, named: a test must not leave processes behind (see Note: [A test 
 that reports them.
 """
 
+import atexit
 import faulthandler
 import multiprocessing.context
 import multiprocessing.forkserver
@@ -69,8 +71,17 @@ def _start_context() -> multiprocessing.context.BaseContext:
     environment = {key: value for key, value in os.environ.items() if key not in _PER_TEST_VARIABLES}
     if _forkserver_environment is None:
         multiprocessing.forkserver.set_forkserver_preload(_FORKSERVER_PRELOAD)
+        atexit.register(_stop_forkserver)
         _forkserver_environment = environment
     return mp.get_context("forkserver" if environment == _forkserver_environment else "spawn")
+
+
+def _stop_forkserver() -> None:
+    """At exit: the server killed and reaped (Note: [Forked ranks and the environment])."""
+    server = multiprocessing.forkserver._forkserver  # the one set_forkserver_preload configures
+    if server._forkserver_pid is not None:
+        os.kill(server._forkserver_pid, signal.SIGKILL)
+        server._stop()
 
 
 def set_torchrun_environment(rank: int, world_size: int) -> None:
