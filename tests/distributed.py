@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from process_tree import EXIT_GRACE_S, descendants, describe, in_groups, kill, snapshot, still_running
+from process_tree import EXIT_GRACE_S, descendants, in_groups, kill, snapshot, still_running
 
 _POLL_S = 0.2
 _STACK_DUMP_WAIT_S = 1.0
@@ -154,11 +154,10 @@ def _assert_nothing_left(procs) -> None:
     pgids = [proc.pid for proc in procs]
     left = still_running(lambda: in_groups(pgids, snapshot()), EXIT_GRACE_S)
     if left:
-        kill(left)
         groups = ", ".join(f"rank {rank}: {pgid}" for rank, pgid in enumerate(pgids))
         raise AssertionError(
             f"the ranks returned, but processes they started were still running {EXIT_GRACE_S:.0f} s later (killed "
-            f"now; process group of {groups}):\n{describe(left)}\nA Trainer or Fabric in a rank launches the ranks "
+            f"now; process group of {groups}):\n{kill(left)}\nA Trainer or Fabric in a rank launches the ranks "
             "it thinks are missing unless distributed.set_lightning_environment(rank) was called first."
         )
 

@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from process_tree import EXIT_GRACE_S, carrying, descendants, describe, kill, snapshot, still_running
+from process_tree import EXIT_GRACE_S, carrying, is_below, kill, still_running
 
 SESSION_VARIABLE = "DS_STRATEGY_TEST_SESSION"
 WANTED_VARIABLE = "DS_STRATEGY_TESTS_UNDER_A_LAUNCHER"
@@ -110,17 +110,14 @@ def _what_was_left(config: pytest.Config) -> str | None:
         return None
 
     def orphans():
-        everything = snapshot()
-        ours = descendants(os.getpid(), everything)
-        return [p for p in carrying(SESSION_VARIABLE, str(session), everything) if p.pid not in ours]
+        return [found for found in carrying(SESSION_VARIABLE, str(session)) if not is_below(found, os.getpid())]
 
     left = still_running(orphans, float(config.getini("process_exit_grace_s")))
-    kill(left)
     problems = [_copy_started(report) for report in _take_reports(session)]
     if left:
         problems.append(
             f"{len(left)} process(es) that this run started were still running with nobody waiting for them "
-            f"(killed now):\n{describe(left)}"
+            f"(killed now):\n{kill(left)}"
         )
     return "\n\n".join(problems) or None
 

@@ -19,9 +19,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
-_PROC = Path("/proc")
 _POLL_S = 0.2
 # How long a process found running may take to end by itself before it counts as left behind: an interpreter's
 # exit (atexit handlers, a worker noticing its parent is gone) takes seconds on a loaded machine.
@@ -33,59 +31,88 @@ class Process:
     pid: int
     ppid: int
     pgid: int
-    command: str
+
+    @property
+    def command(self) -> str:
+        command = _read(self.pid, "cmdline")
+        return command.replace(b"\0", b" ").decode(errors="replace").strip() if command else "(ended)"
 
     def __str__(self) -> str:
         return f"pid {self.pid} (parent {self.ppid}): {self.command}"
 
 
+def _read(pid: int, name: str) -> bytes | None:
+    """``/proc/PID/NAME``, or ``None`` when the process is gone or not ours to read. (This runs after every test:
+    plain reads, several times cheaper than ``pathlib``'s.)"""
+    try:
+        with open(f"/proc/{pid}/{name}", "rb") as file:
+            return file.read()
+    except OSError:
+        return None
+
+
+def _pids() -> list[int]:
+    try:
+        return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:  # no /proc: not Linux
+        return []
+
+
+def process(pid: int) -> Process | None:
+    """The live process ``pid`` (a zombie has ended), or ``None``."""
+    stat = _read(pid, "stat")
+    if stat is None:
+        return None
+    # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses, so split after its last ")"
+    state, ppid, pgid = stat[stat.rindex(b")") + 2 :].split()[:3]
+    return None if state in (b"Z", b"X") else Process(pid, int(ppid), int(pgid))
+
+
 def snapshot() -> list[Process]:
-    """Every live process (zombies, which have ended, are left out)."""
-    found = []
-    for entry in _PROC.glob("[0-9]*") if _PROC.is_dir() else ():
-        try:
-            stat = (entry / "stat").read_text()
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:  # it ended while we looked
-            continue
-        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses, so split after its last ")"
-        state, ppid, pgid = stat[stat.rindex(")") + 2 :].split()[:3]
-        if state not in ("Z", "X"):
-            found.append(Process(int(entry.name), int(ppid), int(pgid), command or f"[{stat.split()[1]}]"))
-    return found
+    """Every live process."""
+    return [found for found in map(process, _pids()) if found is not None]
 
 
-def carrying(variable: str, value: str, processes: Iterable[Process]) -> list[Process]:
-    """The processes started with ``variable=value`` in their environment (only our own user's are readable)."""
+def carrying(variable: str, value: str) -> list[Process]:
+    """The live processes started with ``variable=value`` in their environment (only our user's are readable)."""
     wanted = f"{variable}={value}".encode()
     found = []
-    for process in processes:
-        try:
-            environment = (_PROC / str(process.pid) / "environ").read_bytes()
-        except OSError:
-            continue
-        if wanted in environment.split(b"\0"):
-            found.append(process)
+    for pid in _pids():
+        environment = _read(pid, "environ")
+        if environment and wanted in environment.split(b"\0") and (alive := process(pid)) is not None:
+            found.append(alive)
     return found
+
+
+def is_below(found: Process, ancestor: int) -> bool:
+    """Whether ``ancestor`` is ``found`` or one of its ancestors (a process re-parented to init no longer is)."""
+    pid, seen = found.pid, set()
+    while pid > 1 and pid not in seen:
+        if pid == ancestor:
+            return True
+        seen.add(pid)
+        parent = process(pid)
+        pid = parent.ppid if parent is not None else 0
+    return False
 
 
 def in_groups(pgids: Iterable[int], processes: Iterable[Process]) -> list[Process]:
     wanted = set(pgids)
-    return [process for process in processes if process.pgid in wanted]
+    return [found for found in processes if found.pgid in wanted]
 
 
 def descendants(pid: int, processes: Iterable[Process]) -> set[int]:
     """``pid`` and every process below it (a process re-parented to init is no longer below anyone)."""
     children: dict[int, list[int]] = {}
-    for process in processes:
-        children.setdefault(process.ppid, []).append(process.pid)
-    found, frontier = {pid}, [pid]
+    for found in processes:
+        children.setdefault(found.ppid, []).append(found.pid)
+    below, frontier = {pid}, [pid]
     while frontier:
         for child in children.get(frontier.pop(), ()):
-            if child not in found:
-                found.add(child)
+            if child not in below:
+                below.add(child)
                 frontier.append(child)
-    return found
+    return below
 
 
 def still_running(find: Callable[[], list[Process]], grace_s: float = EXIT_GRACE_S) -> list[Process]:
@@ -98,16 +125,17 @@ def still_running(find: Callable[[], list[Process]], grace_s: float = EXIT_GRACE
     return found
 
 
-def kill(processes: Iterable[Process]) -> None:
-    for process in processes:
+def kill(processes: Iterable[Process]) -> str:
+    """Kill them, and return once they have ended (or after ``EXIT_GRACE_S``) what they were, one line each."""
+    processes = list(processes)
+    listing = "\n".join(f"  {found}" for found in processes)  # before they are gone with their command lines
+    for found in processes:
         try:
-            os.kill(process.pid, signal.SIGKILL)
+            os.kill(found.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-
-
-def describe(processes: Iterable[Process]) -> str:
-    return "\n".join(f"  {process}" for process in processes)
+    still_running(lambda: [found for found in processes if process(found.pid) is not None])
+    return listing
 
 
 def main(variable: str, grace_s: str = str(EXIT_GRACE_S)) -> int:
@@ -118,15 +146,14 @@ def main(variable: str, grace_s: str = str(EXIT_GRACE_S)) -> int:
         return 2
 
     def others() -> list[Process]:
-        return [process for process in carrying(variable, value, snapshot()) if process.pid != os.getpid()]
+        return [found for found in carrying(variable, value) if found.pid != os.getpid()]
 
     left = still_running(others, float(grace_s))
     if not left:
         return 0
-    kill(left)
     print(
         f"{len(left)} process(es) started by this run ({variable}={value}) were still running after it ended "
-        f"(killed now):\n{describe(left)}",
+        f"(killed now):\n{kill(left)}",
         file=sys.stderr,
     )
     return 1

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from distributed import run_ranks
 from models import EDGE_MODELS, MLP, FrozenParamModel, OddSizeModel, TinyGPT, param_groups, tiny_gpt
-from process_tree import snapshot
+from process_tree import process
 
 from ds_strategy.data import CharDataset, SyntheticTokens, stdlib_tokens
 from ds_strategy.models import GPT, gpt_config
@@ -53,7 +53,7 @@ def _leave_a_process_on_rank_1(rank, world_size, pid_file):
 
 
 def _is_running(pid_file: Path) -> bool:
-    return int(pid_file.read_text()) in {process.pid for process in snapshot()}
+    return process(int(pid_file.read_text())) is not None
 
 
 def test_run_ranks_returns_each_ranks_value_after_a_real_all_reduce():
