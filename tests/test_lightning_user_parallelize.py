@@ -9,15 +9,13 @@ DTensor over the tensor-parallel mesh when training starts (the optimizer holds 
 of them, unlike under ModelParallelStrategy), and both tensor-parallel ranks reading the same batches.
 """
 
-import os
-
 import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import torchmetrics
-from distributed import run_ranks
+from distributed import run_ranks, set_lightning_environment
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -97,7 +95,7 @@ def _fit(stage: int) -> dict:
 
 
 def _fit_stages(rank: int, world_size: int) -> dict:
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")  # processes already exist: Lightning must not launch
+    set_lightning_environment(rank)
     torch.set_num_threads(1)
     return {stage: _fit(stage) for stage in STAGES}
 
