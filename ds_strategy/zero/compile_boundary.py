@@ -7,7 +7,8 @@ every hook the engine registers on a unit or on the root: they resize flat buffe
 which a graph can hold (at best a graph break per hook and a recompilation per state, at worst a graph that replays
 one step's gather). Each such hook is wrapped in :func:`eager_hook` (``torch.compiler.disable``): dynamo breaks the
 graph around it and calls it as Python, so the compiled regions are the unit's own computation, and the compiled
-model gathers, frees and reduces exactly as the eager one does. The wrapping costs nothing outside compilation.
+model gathers, frees and reduces exactly as the eager one does. Outside compilation the wrapping costs about 1.5 us
+per call (measured on the host), per unit hook and per parameter's gradient hook.
 """
 
 from __future__ import annotations
