@@ -1,14 +1,14 @@
-"""Offload's host<->device copies, ordered and fenced, driven on the host through copies that land late
-(``slow_transfers.SlowTransfers``): the host step waits until the device has read the parameter shards it rewrites;
-reduced gradients leave the device, are summed in host buffers and train exactly as when summed in place; and pinned
-host memory is bounded, exact and released. One process: the logic is the same on any number of ranks."""
+"""Offload's host<->device copies, ordered and fenced, driven on the host through copies that land as late as
+they can (``late_transfers.LateTransfers``): the host step waits until the device has read the parameter shards it
+rewrites; reduced gradients leave the device, are summed in host buffers and train exactly as when summed in place;
+and pinned host memory is bounded, exact and released. One process: the logic is the same on any number of ranks."""
 
 import contextlib
 
 import models
 import pytest
 import torch
-from slow_transfers import SlowTransfers
+from late_transfers import LateTransfers
 
 from ds_strategy.config import ZeroConfig
 from ds_strategy.estimate import estimate_memory
@@ -70,7 +70,7 @@ STAGE3_PARAMS = {"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"
 
 @pytest.mark.slow
 def test_the_host_step_waits_until_the_device_has_read_the_shards_it_rewrites():
-    transfers = SlowTransfers(read_delay=0.3)
+    transfers = LateTransfers()
     run = train(*build(STAGE3_PARAMS, runner_with(transfers)), evaluate=True)
     assert transfers.copies_to_device > 0 and transfers.races == 0
     assert_identical(run, train(*build(STAGE3_PARAMS), evaluate=True))
@@ -79,7 +79,7 @@ def test_the_host_step_waits_until_the_device_has_read_the_shards_it_rewrites():
 @pytest.mark.slow
 def test_without_that_wait_the_device_would_read_rewritten_shards(monkeypatch):
     monkeypatch.setattr(ParamOffload, "wait_device_reads", lambda self: None)
-    transfers = SlowTransfers(read_delay=0.3)
+    transfers = LateTransfers()
     train(*build(STAGE3_PARAMS, runner_with(transfers)), evaluate=True)
     transfers.wait_device_reads()
     assert transfers.races > 0  # the race the event closes, seen by the late reads
@@ -101,7 +101,7 @@ GRADIENT_RUNS = {
 @pytest.mark.parametrize("name", list(GRADIENT_RUNS))
 def test_reduced_gradients_leave_the_device_and_train_as_when_summed_in_place(name):
     zero = GRADIENT_RUNS[name]
-    transfers = SlowTransfers(read_delay=0.05, side_delay=0.05)
+    transfers = LateTransfers()
     model, engine = build(zero, runner_with(transfers))
     seen = {}
 
@@ -172,7 +172,7 @@ def test_only_the_buffers_copied_to_or_from_the_device_are_pinned(monkeypatch):
     monkeypatch.setattr(pinned, "MIN_PINNED_BYTES", 0)  # the tiny model's buffers count too
     driver = Driver()
     memory = pinned.PinnedHostMemory(2**40, driver.register, driver.unregister)
-    model, engine = build({**STAGE3_PARAMS, "precision": "bf16-mixed"}, runner_with(SlowTransfers(0.0, 0.0), memory))
+    model, engine = build({**STAGE3_PARAMS, "precision": "bf16-mixed"}, runner_with(LateTransfers(), memory))
     generator = torch.Generator().manual_seed(1)
     engine.backward(model(models.TinyGPT.make_batch(generator, 4)))
     engine.step()
