@@ -11,13 +11,12 @@ can follow in the same process group.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import lightning as L
 import torch
 import torch.distributed as dist
-from distributed import set_torchrun_environment
+from distributed import set_lightning_environment, set_torchrun_environment
 from torch import nn
 
 LR = 1e-6  # Adam moves each weight by about LR a step: far below a bf16 (or fp16) half-ulp of a weight near 0.1
@@ -174,7 +173,7 @@ class Mlp(L.LightningModule):
 
 
 def _trainer(world_size: int, strategy, **kwargs) -> L.Trainer:
-    os.environ.update(LOCAL_RANK=str(dist.get_rank()), NODE_RANK="0")  # processes already exist: no launching
+    set_lightning_environment(dist.get_rank())
     return L.Trainer(
         accelerator="cpu",
         devices=world_size,
@@ -224,7 +223,7 @@ def fabric_run(rank: int, world_size: int, tmp: Path, name: str, **strategy) -> 
     """``precision`` goes to the strategy: on CPU Fabric turns its own "16-mixed" flag into "bf16-mixed"."""
     from ds_strategy import ZeroFabricStrategy
 
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")
+    set_lightning_environment(rank)
     fabric = L.Fabric(accelerator="cpu", devices=world_size, strategy=ZeroFabricStrategy(**strategy))
     fabric.launch()
     model = mlp()

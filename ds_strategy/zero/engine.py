@@ -20,6 +20,7 @@ from ..config import ZeroConfig
 from ..parallel.dtensor_params import local_tensor, point_param_at, spec_of
 from ..precision import GradStats, LossScaler, unscale_and_check_shards
 from ..profiler_ranges import profiler_range
+from .compile_boundary import eager_hook
 from .flat_param import FlatParam
 from .full_state_dict import compute_weights, gathered_state_dict, master_weights
 from .grad_reducer import GradReducer
@@ -28,6 +29,7 @@ from .hpz import WeightGather, hpz_collectives
 from .memory_report import WorkingSetPeak, memory_report, unit_bounded_sizes
 from .optimizer_retarget import check_optimizer_is_elementwise, param_group_index, retarget_optimizer
 from .param_gatherer import ParamGatherer
+from .param_types import check_shardable
 from .placement import place_units
 from .schedule_interface import ScheduleInterface
 from .sharded_init import materialise_sharded
@@ -180,11 +182,14 @@ class ZeroEngine:
             on_backward_end=self._end_of_backward if self.gatherer is not None else None,
             on_reduced=self.step_runner.on_reduced,
             quantized_reduce_scatter=qgz,
+            gradients=self.step_runner.gradients,
         )
         self.reducer.register_hooks()
-        self._hooks = [self.units[0].module.register_forward_pre_hook(lambda module, args: self.before_forward())]
+        self._hooks = [
+            self.units[0].module.register_forward_pre_hook(eager_hook(lambda module, args: self.before_forward()))
+        ]
         self._hooks += [
-            module.register_forward_pre_hook(self._gather_root_for)
+            module.register_forward_pre_hook(eager_hook(self._gather_root_for))
             for module in _modules_owning(self.module, self.units[0].partitioned)
         ]
 
@@ -201,6 +206,7 @@ class ZeroEngine:
         for name, p in self.module.named_parameters():
             if not p.requires_grad:
                 continue
+            check_shardable(name, p)
             if self.optimizer is not None and id(p) not in group_of:
                 raise ValueError(
                     f"parameter {name!r} requires grad but is in no optimizer param group; "
@@ -585,13 +591,15 @@ class ZeroEngine:
                     sharded=self.plan.partitions_optimizer,
                     weights=self._norm_weights,
                     model_parallel=self.model_parallel,
+                    device=self.device,
                 )
             return self._grad_stats
 
     def _optimizer_grads(self) -> list[torch.Tensor]:
         """Each flat buffer's reduced gradient in its master's dtype: what clipping scales and the optimizer reads.
 
-        ``grad_shard`` itself, or at stage 0 ``grad_full``, converted to an fp32 copy under mixed precision.
+        ``grad_shard`` itself, or at stage 0 ``grad_full``, converted to an fp32 copy under mixed precision; with the
+        optimizer offloaded at stage 2/3, the fp32 host buffer the reductions were summed into.
         """
         if self._master_grads is None:
             self.reducer.wait_all()
@@ -606,7 +614,7 @@ class ZeroEngine:
         total = self.grad_norm(norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for grad in self._gradients_to_clip():
-            grad.mul_(coef.to(grad.dtype))
+            grad.mul_(coef.to(device=grad.device, dtype=grad.dtype))
         return total
 
     def clip_grad_value_(self, clip_value: float) -> None:
@@ -631,16 +639,17 @@ class ZeroEngine:
         if self.loss_scaler is not None:
             self.unscale_gradients()
         grads = [g.float() for g in self._optimizer_grads()]
+        device = self.device  # gradients an offload keeps on the host are reduced beside the device's
         if math.isinf(norm_type):
             local = (
-                torch.stack([g.abs().max() * bool(w) for g, w in zip(grads, self._norm_weights)]).max()
+                torch.stack([(g.abs().max() * bool(w)).to(device) for g, w in zip(grads, self._norm_weights)]).max()
                 if grads
-                else torch.zeros(())
+                else torch.zeros((), device=device)
             )
             op = dist.ReduceOp.MAX
         else:
-            weighted = [g.pow(norm_type).sum() * w for g, w in zip(grads, self._norm_weights)]
-            local = torch.stack(weighted).sum() if grads else torch.zeros(())
+            weighted = [(g.pow(norm_type).sum() * w).to(device) for g, w in zip(grads, self._norm_weights)]
+            local = torch.stack(weighted).sum() if grads else torch.zeros((), device=device)
             op = dist.ReduceOp.SUM
         if self.plan.partitions_optimizer:
             self.collectives.all_reduce(local, op=op).wait()
