@@ -106,34 +106,32 @@ class FlatParam:
 
     # -- construction -----------------------------------------------------------------------------------------
     def adopt_params(self) -> torch.Tensor:
-        """Lay the parameters' current values out flat and make the parameters views of ``full``. Returns the
-        buffer holding the values, for the broadcast and :meth:`finish_sharding`: ``full`` itself, or under mixed
-        precision a buffer in the master's dtype (:meth:`values_buffer`), from which ``finish_sharding`` fills
-        ``full``."""
+        """Note: [Masters start from the model's own values]
+        Lay the parameters' current values out flat (zero padding, which stays zero for ever) and make the
+        parameters views of ``full``. Returns the buffer holding the values, for the broadcast of rank 0's and
+        :meth:`finish_sharding`: ``full`` itself, or, when the master is kept in a wider dtype than the compute
+        copy ("-mixed": an fp32 master beside bf16 or fp16 weights), a buffer in the master's dtype, from which
+        ``finish_sharding`` rounds ``full`` and cuts the master. Rounding the model's fp32 weights into the 16-bit
+        ``full`` first and widening them back would start the masters a rounding away from the weights the user
+        gave (up to half a bf16 ulp, 2**-9 relative), which DDP under autocast keeps exactly. Cost: one unit in
+        the master's dtype for the duration, and twice the broadcast bytes, at construction only. A model built on
+        the meta device is initialised in the compute dtype (its initialisers write the 16-bit ``full``), as
+        DeepSpeed's ``zero.Init`` initialises in its dtype; weights loaded afterwards (``load_pretrained``, a
+        checkpoint) are written to the masters whole."""
         self.alloc_full()
-        values = self.values_buffer()
+        staged = self.master_dtype != self.compute_dtype
+        values = torch.empty(self.padded_numel, dtype=self.master_dtype, device=self.device) if staged else self.full
         with torch.no_grad():
+            values.zero_()
             for slot, p in zip(self.slots, self.params):
                 values.narrow(0, slot.offset, slot.numel).copy_(local_tensor(p).reshape(-1))
         self.point_params_at_full()
         return values
 
-    def values_buffer(self) -> torch.Tensor:
-        """Note: [Masters start from the model's own values]
-        Where a unit's values are laid out before it is sharded, zeroed (the padding stays zero for ever):
-        ``full``, or, when the master is kept in a wider dtype than the compute copy ("-mixed": an fp32 master
-        beside bf16 or fp16 weights), a separate buffer in the master's dtype. Rounding the model's fp32 weights
-        into the 16-bit ``full`` first and widening them back would start the masters a rounding away from the
-        weights the user gave (up to half a bf16 ulp, 2**-9 relative), which DDP under autocast keeps exactly; so
-        the values travel (the broadcast of rank 0's) in the master's dtype and ``full`` is rounded from them.
-        Cost: one unit in the master's dtype for the duration, and twice the broadcast bytes, at construction
-        only. A model built on the meta device is initialised in the compute dtype (its initialisers write the
-        16-bit ``full``), as DeepSpeed's ``zero.Init`` initialises in its dtype; weights loaded afterwards
-        (``load_pretrained``, a checkpoint) are written to the masters whole."""
-        if self.master_dtype == self.compute_dtype:
-            self.full.zero_()
-            return self.full
-        return torch.zeros(self.padded_numel, dtype=self.master_dtype, device=self.device)
+    def held_values(self) -> torch.Tensor:
+        """What ``full`` holds after :meth:`adopt_meta_params` (zeros, and the values of parameters that had some),
+        as :meth:`adopt_params` returns values: ``full``, or a copy in the master's dtype under mixed precision."""
+        return self.full if self.master_dtype == self.compute_dtype else self.full.to(self.master_dtype)
 
     def adopt_meta_params(self) -> None:
         """Give parameters built on the meta device real (uninitialised) storage: views of ``full``; a parameter

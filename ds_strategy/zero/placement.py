@@ -45,7 +45,7 @@ def place_units(root: nn.Module, units: list[Unit], device: torch.device, broadc
             for fp in unit.flat_params:
                 if any(p.is_meta for p in fp.params):
                     fp.adopt_meta_params()
-                    values = fp.values_buffer()  # receives rank 0's values
+                    values = fp.held_values()  # receives rank 0's values
                 else:
                     values = fp.adopt_params()
                 broadcast(values)
