@@ -22,6 +22,7 @@ from ..precision import GradStats, LossScaler, unscale_and_check_shards
 from ..profiler_ranges import profiler_range
 from .compile_boundary import eager_hook
 from .flat_param import FlatParam
+from .full_state_dict import compute_weights, gathered_state_dict, master_weights
 from .grad_reducer import GradReducer
 from .groups import EngineGroups
 from .hpz import WeightGather, hpz_collectives
@@ -511,32 +512,20 @@ class ZeroEngine:
                         fp.master.narrow(0, where - fp.master_base, length).copy_(fp.full.narrow(0, where, length))
 
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
-        """The module's whole ``state_dict`` in fp32 for parameters, gathered one unit at a time.
+        """The module's whole ``state_dict``, its trainable parameters from the optimizer's masters in the dtype the
+        model gave each (fp32 weights of an fp32 model trained in bf16-mixed, not the bf16 compute copy): what every
+        export returns (Note: [What an export returns] in :mod:`.full_state_dict`).
 
-        Never the empty views a partitioned parameter has between uses. With ``rank0_only`` other ranks take
-        part in the gathers but return an empty dict, so peak memory off rank 0 stays one unit.
+        Gathered one flat buffer at a time; never the empty views a partitioned parameter has between uses. With
+        ``rank0_only`` other ranks take part in the gathers but return an empty dict.
         """
-        self.adopt_replaced_parameters()
-        self.reshard()
-        keep = not rank0_only or (dist.get_rank() if dist.is_initialized() else 0) == 0
-        keys_of: dict[int, list[str]] = {}
-        for key, value in self.module.state_dict(keep_vars=True).items():
-            keys_of.setdefault(id(value), []).append(key)
-        result: dict[str, torch.Tensor] = {}
-        for unit in self.units:
-            with self.gathered(unit):
-                for fp in unit.flat_params:
-                    for slot, p in zip(fp.slots, fp.params):
-                        # every tensor-parallel rank takes part in gathering a DTensor parameter whole
-                        value = p.detach() if slot.tp is None else p.detach().full_tensor()
-                        for key in keys_of.pop(id(p), []) if keep else ():
-                            result[key] = value.to(torch.float32, copy=True)
-        if not keep:
-            return {}
-        for key, value in self.module.state_dict().items():
-            result.setdefault(key, value.detach().clone())
-        order = list(self.module.state_dict().keys())
-        return {key: result[key] for key in order}
+        return gathered_state_dict(self, master_weights, rank0_only)
+
+    def full_compute_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """The module's whole ``state_dict`` as the forward computes with it: under mixed precision the 16-bit
+        copies rounded from the masters (DeepSpeed's ``save_16bit_model``), half the bytes of
+        :meth:`full_state_dict`, which is what trained. Gathered one unit at a time, as :meth:`full_state_dict`."""
+        return gathered_state_dict(self, compute_weights, rank0_only)
 
     def _end_of_backward(self) -> None:
         with profiler_range("backward.end"):
