@@ -19,7 +19,7 @@ EXTRAS = {
     "lightning": "lightning",
     "lightning_utilities": "lightning",
     "omegaconf": "hydra",
-    "pytorch_lightning": "pytorch-lightning",
+    "pytorch_lightning": "lightning",
     "transformers": "transformers",
     "triton": "triton",
 }

@@ -38,7 +38,7 @@ ESTIMATE_BYTES = 16 * 1e6 / 2
 
 # Each optional framework as the top-level packages its install brings (what a machine without it lacks).
 FRAMEWORKS = {
-    "lightning": ("lightning", "lightning_fabric", "lightning_utilities", "torchmetrics"),
+    "lightning": ("lightning", "lightning_fabric", "lightning_utilities", "pytorch_lightning", "torchmetrics"),
     "pytorch_lightning": ("pytorch_lightning",),
     "accelerate": ("accelerate",),
     "transformers": ("transformers",),
@@ -52,7 +52,7 @@ FRAMEWORKS = {
 # and the install command the refusal must name; a package's entry precedes its subpackages'.
 REFUSALS = {
     "ds_strategy.lightning": ({"lightning"}, "ds-strategy[lightning]"),
-    "ds_strategy.lightning.standalone": ({"pytorch_lightning"}, "ds-strategy[pytorch-lightning]"),
+    "ds_strategy.lightning.standalone": ({"pytorch_lightning"}, "ds-strategy[lightning]"),
     "ds_strategy.fabric": ({"lightning"}, "ds-strategy[lightning]"),
     "ds_strategy.autotune": ({"lightning"}, "ds-strategy[lightning]"),
     "ds_strategy.accelerate": ({"accelerate"}, "ds-strategy[accelerate]"),
