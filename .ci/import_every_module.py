@@ -87,7 +87,7 @@ def account(names: list[str], refusing: set[str]) -> tuple[dict[str, str], list[
         expected = next((r for r in sorted(refusing, key=len, reverse=True) if _under(name, r)), None)
         try:
             importlib.import_module(name)
-        except Exception as error:  # noqa: BLE001  every failure is accounted for below
+        except Exception as error:  # every failure is accounted for below
             message = str(error)
             match = REFUSAL.match(message)
             clear = (

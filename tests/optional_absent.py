@@ -3,9 +3,10 @@
     python tests/optional_absent.py OUT.json deepspeed [hydra omegaconf ...]
 
 Run in a fresh interpreter (``tests/test_optional_packages.py`` starts one per case). It hides the named top-level
-packages, imports every public module of ``ds_strategy``, then trains a few steps through each entry point that does
-not need a hidden package, and writes ``{"hidden": [...], "imports": {module: error or null}, "entry_points": {name:
-{"error": ..., "values": [...]}}}`` to ``OUT.json``. It never raises: every failure is a result for the test to judge.
+packages, imports every public module of ``ds_strategy`` and gets the Lightning names it exports, then trains a few
+steps through each entry point that does not need a hidden package, and writes ``{"hidden": [...], "imports":
+{module: error or null}, "adapter_names": {name: error or null}, "entry_points": {name: {"error": ..., "values":
+[...]}}}`` to ``OUT.json``. It never raises: every failure is a result for the test to judge.
 
 Note: [Hiding a package as a user's machine lacks it]
 A finder that *raises* ImportError for a name would also make ``importlib.util.find_spec(name)`` raise, where a
@@ -121,6 +122,18 @@ def import_all() -> dict[str, str | None]:
             importlib.import_module(name)
             results[name] = None
         except BaseException as error:  # noqa: B036  a SystemExit on import is a result too
+            results[name] = _error(error)
+    return results
+
+
+def adapter_names() -> dict[str, str | None]:
+    """``{name: None, or the error getting it}`` for the Lightning and Fabric names ``ds_strategy`` exports."""
+    results = {}
+    for name in ("ZeroStrategy", "ZeroPrecision", "ZeroFabricStrategy"):
+        try:
+            getattr(importlib.import_module("ds_strategy"), name)
+            results[name] = None
+        except Exception as error:  # the error is the result
             results[name] = _error(error)
     return results
 
@@ -382,6 +395,7 @@ def main(out: str, *hidden: str) -> None:
     start = time.perf_counter()
     hide(list(hidden))
     report = {"hidden": list(hidden), "imports": import_all(), "import_seconds": time.perf_counter() - start}
+    report["adapter_names"] = adapter_names()
     with tempfile.TemporaryDirectory(prefix="ds_strategy_absent_") as scratch:
         report["entry_points"] = entry_points(set(hidden), Path(scratch))
     report["seconds"] = time.perf_counter() - start

@@ -152,6 +152,13 @@ def test_everything_that_does_not_need_the_package_imports_and_trains_without_it
     }
     assert unclear == {}, f"with {hidden} missing these imports must fail naming the package and how to install it"
 
+    # ds_strategy.ZeroStrategy and the other Lightning names: there with Lightning, else an error saying what to install
+    names = report["adapter_names"]
+    if "lightning" in CASES[case]:
+        assert all(_names_what_to_install(error, hidden, "ds-strategy[lightning]") for error in names.values()), names
+    else:
+        assert names == dict.fromkeys(names) and len(names) == 3, names
+
     runs = report["entry_points"]
     expected = set(runnable(set(hidden)))
     assert set(runs) == expected == EXTRA_ENTRY_POINTS.get(case, expected) and "engine" in expected
