@@ -27,6 +27,7 @@ from .hpz import WeightGather, hpz_collectives
 from .memory_report import WorkingSetPeak, memory_report, unit_bounded_sizes
 from .optimizer_retarget import check_optimizer_is_elementwise, param_group_index, retarget_optimizer
 from .param_gatherer import ParamGatherer
+from .param_types import check_shardable
 from .placement import place_units
 from .schedule_interface import ScheduleInterface
 from .sharded_init import materialise_sharded
@@ -200,6 +201,7 @@ class ZeroEngine:
         for name, p in self.module.named_parameters():
             if not p.requires_grad:
                 continue
+            check_shardable(name, p)
             if self.optimizer is not None and id(p) not in group_of:
                 raise ValueError(
                     f"parameter {name!r} requires grad but is in no optimizer param group; "
