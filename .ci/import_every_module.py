@@ -19,6 +19,7 @@ wheel was installed (not editable). It checks, and exits 1 saying what went othe
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 import pkgutil
 import re
@@ -80,9 +81,9 @@ def _under(module: str, refusing: str) -> bool:
     return module == refusing or module.startswith(refusing + ".")
 
 
-def account(names: list[str], refusing: set[str]) -> tuple[dict[str, str], list[str]]:
-    """Import each module: ``({refused module: its error}, [what went otherwise])``."""
-    refused, wrong = {}, []
+def account(names: list[str], refusing: set[str]) -> tuple[list[str], dict[str, str], list[str]]:
+    """Import each module: ``([imported], {refused module: its error}, [what went otherwise])``."""
+    imported, refused, wrong = [], {}, []
     for name in names:
         expected = next((r for r in sorted(refusing, key=len, reverse=True) if _under(name, r)), None)
         try:
@@ -101,10 +102,11 @@ def account(names: list[str], refusing: set[str]) -> tuple[dict[str, str], list[
             else:
                 refused[name] = message
             continue
+        imported.append(name)
         # a module under a refusing package may import when its parent's failed import left it in sys.modules
         if name == expected:
             wrong.append(f"{name} imported, but should refuse: its package is expected to be missing here")
-    return refused, wrong
+    return imported, refused, wrong
 
 
 def main(refusing: list[str]) -> int:
@@ -112,11 +114,9 @@ def main(refusing: list[str]) -> int:
     differences = file_differences(folder)
     names = modules(folder)
     unknown = [r for r in refusing if r not in names]
-    refused, wrong = account(names, set(refusing))
-    import ds_strategy
-
-    imported = len(names) - len(refused)
-    print(f"ds_strategy {ds_strategy.__version__} from {folder}: {len(names)} modules, {imported} import")
+    imported, refused, wrong = account(names, set(refusing))
+    version = importlib.metadata.version("ds-strategy")
+    print(f"ds_strategy {version} from {folder}: {len(names)} modules, {len(imported)} import, {len(refused)} refuse")
     for name in refusing:
         print(f"  refuses as expected: {refused.get(name, '(did not refuse)')}")
     problems = differences + [f"{r}: no such module" for r in unknown] + wrong
