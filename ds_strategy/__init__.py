@@ -9,14 +9,18 @@ from .deepspeed_config import config_from_deepspeed
 from .estimate import estimate_memory
 from .fabric import ZeroFabricStrategy
 from .lightning import ZeroPrecision, ZeroStrategy
+from .zero.chained_optimizer import ChainedOptimizer
 from .zero.engine import ZeroEngine
+from .zero.optimizer_kinds import declare_optimizer
 
 __all__ = [
+    "ChainedOptimizer",
     "ZeroConfig",
     "ZeroEngine",
     "ZeroFabricStrategy",
     "ZeroPrecision",
     "ZeroStrategy",
     "config_from_deepspeed",
+    "declare_optimizer",
     "estimate_memory",
 ]

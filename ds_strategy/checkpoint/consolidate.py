@@ -78,9 +78,10 @@ def consolidate(
         torch_payload: dict[str, Any] = weights
     else:
         torch_payload = {"state_dict": weights, "optimizer": _read_optimizer(reader, metadata, manifest, where)}
-        extra = read_meta(where, manifest)["extra"]
-        if LIGHTNING_VERSION in extra:
-            torch_payload = _lightning_checkpoint(extra, torch_payload)
+        meta = read_meta(where, manifest)
+        if LIGHTNING_VERSION in meta["extra"]:
+            counts = meta.get("optimizer_param_groups") or [len(torch_payload["optimizer"]["param_groups"])]
+            torch_payload = _lightning_checkpoint(meta["extra"], torch_payload, counts)
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.suffix != ".safetensors":
         torch.save(torch_payload, out)
@@ -152,23 +153,28 @@ def _read_optimizer(reader, metadata: Metadata, manifest: Manifest, where: Path)
     return {"state": state, "param_groups": groups}
 
 
-def _lightning_checkpoint(extra: dict[str, Any], consolidated: dict[str, Any]) -> dict[str, Any]:
+def _lightning_checkpoint(extra: dict[str, Any], consolidated: dict[str, Any], counts: list[int]) -> dict[str, Any]:
     """Lightning's single-file layout: its saved entries, ``state_dict``, and the named optimizer state keyed by
     position as ``torch.optim.Optimizer.state_dict()`` is (in the user's order where the adapter recorded it, else
-    in ``state_dict`` order, which is that of ``configure_optimizers`` over ``self.parameters()``)."""
+    in ``state_dict`` order, which is that of ``configure_optimizers`` over ``self.parameters()``), one state dict
+    per optimizer (``counts``: how many of the param groups, in order, each optimizer has)."""
     named = consolidated["optimizer"]
     order = extra.get(OPTIMIZER_ORDER) or [group["params"] for group in named["param_groups"]]
-    state, groups, position = {}, [], 0
-    for group, names in zip(named["param_groups"], order):
-        positions = []
-        for name in names:
-            if name in named["state"]:
-                state[position] = named["state"][name]
-            positions.append(position)
-            position += 1
-        groups.append({**{key: value for key, value in group.items() if key != "params"}, "params": positions})
+    optimizer_states, first = [], 0
+    for count in counts:
+        state, groups, position = {}, [], 0
+        for group, names in zip(named["param_groups"][first : first + count], order[first : first + count]):
+            positions = []
+            for name in names:
+                if name in named["state"]:
+                    state[position] = named["state"][name]
+                positions.append(position)
+                position += 1
+            groups.append({**{key: value for key, value in group.items() if key != "params"}, "params": positions})
+        optimizer_states.append({"state": state, "param_groups": groups})
+        first += count
     lightning = {key: value for key, value in extra.items() if key != OPTIMIZER_ORDER}
-    return {**lightning, **consolidated, "optimizer_states": [{"state": state, "param_groups": groups}]}
+    return {**lightning, **consolidated, "optimizer_states": optimizer_states}
 
 
 def _save_safetensors(weights: dict[str, torch.Tensor], manifest: Manifest, out: Path) -> None:

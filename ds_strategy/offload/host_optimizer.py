@@ -7,7 +7,9 @@ holding and reading that same object: its ``param_groups`` (learning rate includ
 every step and its ``state`` holds torch's own state layout. For Adam, AdamW, Adagrad and SGD the offloaded
 masters are stepped by :mod:`.cpu_adam`'s kernels; their ``.grad`` stays None, so the ``optimizer.step()`` that
 follows (for masters kept on the device, and for the optimizer's hooks and its LR scheduler's bookkeeping) skips
-them. Any other optimizer is stepped by its own ``step`` on the host tensors.
+them. Any other optimizer is stepped by its own ``step`` on the host tensors, and so is a whole-tensor optimizer
+(Muon): each rank's host step runs on the whole parameters it owns. Each of several optimizers training one model
+has a host optimizer of its own, over its own flat parameters.
 
 Note: [Gradients to the host]
 On a CUDA device each reduced gradient shard is copied to a host buffer on a side stream as soon as its last
@@ -76,17 +78,29 @@ class _EarlyCopy(NamedTuple):
     version: int
 
 
+def flat_params_of(context: StepContext, optimizer_index: int) -> list[FlatParam]:
+    """The flat parameters optimizer ``optimizer_index`` of ``context`` steps, in engine order."""
+    return [fp for fp in context.flat_params if fp.optimizer_index == optimizer_index]
+
+
 class HostOptimizer:
-    """Steps the offloaded share of the user's optimizer on the host.
+    """Steps the offloaded share of one of the user's optimizers on the host.
 
     See Note: [The user's optimizer stays the optimizer].
     """
 
-    def __init__(self, context: StepContext, directory: RunDirectory | None, params: ParamOffload | None, pin: bool):
+    def __init__(
+        self,
+        context: StepContext,
+        optimizer_index: int,
+        directory: RunDirectory | None,
+        params: ParamOffload | None,
+        pin: bool,
+    ):
         offload = self.offload = context.offload
-        self.optimizer, self.pin, self.device = context.optimizer, pin, context.device
+        self.optimizer, self.pin, self.device = context.optimizers[optimizer_index], pin, context.device
         self.rule = rule_for(self.optimizer)
-        self.flat_params = offloaded_flat_params(context.flat_params, offload.offload_ratio)
+        self.flat_params = offloaded_flat_params(flat_params_of(context, optimizer_index), offload.offload_ratio)
         self.indices = {fp.index for fp in self.flat_params}
         self.copies_grads = context.device.type != "cpu"
         self.pool = TilePool()
@@ -125,19 +139,21 @@ class HostOptimizer:
 
     # -- NVMe ---------------------------------------------------------------------------------------------------
     @staticmethod
-    def nvme_bytes(context: StepContext) -> int:
-        """Bytes of the master and state files this rank's NVMe optimizer offload will create."""
-        rule, optimizer, device = rule_for(context.optimizer), context.optimizer, context.device
+    def nvme_bytes(context: StepContext, optimizer_index: int) -> int:
+        """Bytes of the master and state files this rank's NVMe offload of that optimizer will create."""
+        optimizer, device = context.optimizers[optimizer_index], context.device
+        rule = rule_for(optimizer)
         if rule is None:
             return 0
         return sum(
             fp.master.numel() * fp.master.element_size() * (1 + len(_state_keys(rule, optimizer, fp)))
             + _grad_file_numel(fp, device) * torch.empty((), dtype=_grad_file_dtype(fp, device)).element_size()
-            for fp in offloaded_flat_params(context.flat_params, context.offload.offload_ratio)
+            for fp in offloaded_flat_params(flat_params_of(context, optimizer_index), context.offload.offload_ratio)
         )
 
     def _move_masters_to_files(self, directory: RunDirectory) -> None:
-        for index, fp in enumerate(self.flat_params):
+        for fp in self.flat_params:
+            index = fp.index
             dtype, numel = fp.master.dtype, fp.master.numel()
             files = {"master": directory.new_file(f"flat{index}.master", numel, dtype)}
             for key in _state_keys(self.rule, self.optimizer, fp):
@@ -241,22 +257,25 @@ class HostOptimizer:
         return host
 
     # -- step ---------------------------------------------------------------------------------------------------
-    def step(self, grads: list[torch.Tensor]) -> set[int]:
-        """Step the offloaded flat parameters that have a host kernel (``grads`` by ``fp.index``), writing their
-        updated parameters back; returns their indices (none without a kernel: the caller's
-        ``optimizer.step()`` does it)."""
+    def step(self, pairs: list[tuple[FlatParam, torch.Tensor]]) -> set[int]:
+        """Step the offloaded elementwise flat parameters among ``pairs`` (flat parameter, host gradient) with the
+        host kernel, writing their updated parameters back; returns their indices (none without a kernel: the
+        caller's ``optimizer.step()`` steps the rest, whole-tensor ones included)."""
         if self.rule is None:
             return set()
-        sub_groups = []
-        for fp in self.flat_params:
+        sub_groups, stepped = [], set()
+        for fp, grad in pairs:
+            if fp.index not in self.indices or fp.whole:
+                continue
             group, state = self.optimizer.param_groups[fp.group_index], self.optimizer.state[fp.master]
             if self.swapper is not None:
-                sub_groups += self._sub_groups(fp, group, state, grads[fp.index])
+                sub_groups += self._sub_groups(fp, group, state, grad)
             else:
-                self._step_in_memory(fp, group, state, grads[fp.index])
+                self._step_in_memory(fp, group, state, grad)
+            stepped.add(fp.index)
         if sub_groups:
             self.swapper.run(sub_groups)
-        return set(self.indices)
+        return stepped
 
     def _step_in_memory(self, fp: FlatParam, group: dict, state: dict, grad: torch.Tensor) -> None:
         master = fp.master
@@ -300,7 +319,7 @@ class HostOptimizer:
                 placed[file.view.untyped_storage().data_ptr()] = "nvme"
             separate = fp.master.untyped_storage().data_ptr() != fp.master_region().untyped_storage().data_ptr()
             tensors = [fp.master] if separate else []  # else it is the parameters, which the report counts there
-            tensors += [v for v in self.optimizer.state.get(fp.master, {}).values() if torch.is_tensor(v)]
+            tensors += [v for state in self._states(fp) for v in state.values() if torch.is_tensor(v)]
             if (
                 not self.copies_grads
                 and fp.grad_shard is not None
@@ -323,13 +342,17 @@ class HostOptimizer:
         owned += [("buffers", t) for t in ([self._staging] if self._staging is not None else [])]
         owned += [("buffers", t) for t in (self.swapper.buffer_tensors() if self.swapper else [])]
         for fp in self.flat_params:
-            present = {id(v) for v in self.optimizer.state.get(fp.master, {}).values()}
+            present = {id(v) for state in self._states(fp) for v in state.values()}
             owned += [
                 ("optimizer", f.view)
                 for key, f in self.files.get(fp.index, {}).items()
                 if key != "master" and id(f.view) not in present
             ]
         return owned
+
+    def _states(self, fp: FlatParam) -> list[dict]:
+        """The optimizer's state of ``fp``: the master's, or each whole parameter's."""
+        return [self.optimizer.state.get(param, {}) for param in fp.optimizer_params()]
 
     def all_files(self) -> list[SwapFile]:
         return [file for files in self.files.values() for file in files.values()] + list(self.grad_files.values())
