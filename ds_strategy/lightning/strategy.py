@@ -160,8 +160,11 @@ class ZeroStrategyMixin(EngineOwnerMixin):
             unparallelized="replicate",  # a model without tensor-parallel layers, as under ModelParallelStrategy
         )
         self.engine, self.pipeline = composed.engine, composed.pipeline
-        for optimizer in self.engine.optimizers:
-            zero_grad_through_engine(optimizer, self.engine)
+        if not self.lightning_module.automatic_optimization:
+            # the loop's own zero_grad calls clear their optimizer's gradients; automatic optimization zeroes after
+            # the training step, whose backward a pipeline schedule has run already, and the step consumes them
+            for optimizer in self.engine.optimizers:
+                zero_grad_through_engine(optimizer, self.engine)
         self._comm_meter = StepCommMeter(self.engine.comm_stats) if config.log_comm_stats else None
         self.precision_plugin.attach_engine(self.engine, self.lightning_module)
         self.setup_precision_plugin()
