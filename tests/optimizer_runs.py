@@ -153,8 +153,9 @@ def accelerate(rank: int, world_size: int, fields: dict) -> dict:
     return _engine_outcome(accelerator.engine_of(model), model)
 
 
-def lightning(rank: int, world_size: int, fields: dict) -> dict:
-    """A LightningModule whose ``configure_optimizers`` returns Muon and AdamW, under manual optimization."""
+def lightning(rank: int, world_size: int, fields: dict, save_to: str | None = None) -> dict:
+    """A LightningModule whose ``configure_optimizers`` returns Muon and AdamW, under manual optimization; with
+    ``save_to``, then ``trainer.save_checkpoint(save_to)``."""
     import lightning as L
     from torch.utils.data import DataLoader
 
@@ -193,6 +194,8 @@ def lightning(rank: int, world_size: int, fields: dict) -> dict:
     module = MuonRecipe()
     rows = [mine(batch, rank, world_size) for batch in global_batches(world_size)]
     trainer.fit(module, DataLoader(torch.cat(rows), batch_size=PER_RANK))
+    if save_to is not None:
+        trainer.save_checkpoint(save_to)
     outcome = _engine_outcome(trainer.strategy.engine, module)
     outcome["params"] = {name.removeprefix("model."): value for name, value in outcome["params"].items()}
     return outcome
@@ -221,11 +224,12 @@ ENTRIES = {"engine": engine, "accelerate": accelerate, "lightning": lightning, "
 
 
 def jobs(rank: int, world_size: int, runs: dict) -> dict:
-    """``{name: (entry, ZeroConfig fields)}`` one after another in one process group, and DDP once."""
+    """``{name: (entry, ZeroConfig fields, *entry's other arguments)}`` one after another in one process group, and
+    DDP once."""
     torch.set_num_threads(1)
     results = {"ddp": ddp(rank, world_size)}
-    for name, (entry, fields) in runs.items():
-        results[name] = ENTRIES[entry](rank, world_size, fields)
+    for name, (entry, fields, *more) in runs.items():
+        results[name] = ENTRIES[entry](rank, world_size, fields, *more)
     return results
 
 
@@ -355,3 +359,35 @@ def hf_trainers(rank: int, world_size: int, out: str, fields: dict) -> dict:
             "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
         }
     return results
+
+
+# -- optimizer states of other shapes -------------------------------------------------------------------------
+
+
+def whole_states(zero: ZeroEngine) -> dict[str, dict]:
+    """Each whole-tensor parameter's optimizer state this rank holds, by parameter name, copied."""
+    states = {}
+    for fp in zero.flat_params:
+        if fp.whole:
+            optimizer = zero.optimizers[fp.optimizer_index]
+            for (slot, _, _), view in zip(fp.master_slots(), fp.optimizer_params()):
+                states[slot.name] = {key: value.clone() for key, value in optimizer.state.get(view, {}).items()}
+    return states
+
+
+def adafactor(rank: int, world_size: int, path: str, fields: dict, load: bool) -> dict:
+    """torch's Adafactor (whole-tensor: factored row and column statistics) over every parameter: two steps then
+    a checkpoint, or (``load``) a fresh engine at this world size and stage reading it."""
+    torch.set_num_threads(1)
+    model = build_model(seed=1 if load else 0)
+    optimizer = torch.optim.Adafactor(model.parameters(), lr=1e-2)
+    config = ZeroConfig(**fields)
+    zero = ZeroEngine(model, optimizer, config, step_runner=step_runner_for(config))
+    if load:
+        checkpoint.load(path, model, zero)
+    else:
+        for batch in global_batches(world_size, 2):
+            zero.backward(loss_of(model, mine(batch, rank, world_size)))
+            zero.step()
+        checkpoint.save(path, model, zero)
+    return {"states": whole_states(zero), "params": _engine_outcome(zero, model)["params"]}

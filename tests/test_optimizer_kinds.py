@@ -145,3 +145,20 @@ def test_the_estimate_adds_the_largest_whole_parameter_to_every_partitioned_term
 
 def test_the_public_names_are_exported():
     assert ds_strategy.ChainedOptimizer is ChainedOptimizer and ds_strategy.declare_optimizer is declare_optimizer
+
+
+def test_the_code_in_the_optimizers_page_runs():
+    """docs/optimizers.md: its recipe splits a Llama's parameters into Muon's matrices and AdamW's rest, and its
+    declarations say what the page says they do."""
+    import re
+    from pathlib import Path
+
+    import hf_models
+
+    page = (Path(__file__).parents[1] / "docs" / "optimizers.md").read_text()
+    namespace: dict = {}
+    for block in re.findall(r"```python\n(.*?)```", page, flags=re.S):
+        exec(block, namespace)  # noqa: S102
+    muon, adamw = namespace["muon_and_adamw"](hf_models.build("llama"))
+    assert {p.ndim for g in muon.param_groups for p in g["params"]} == {2}
+    assert class_is_elementwise(namespace["Lion"]) and not class_is_elementwise(namespace["ThirdPartyLamb"])

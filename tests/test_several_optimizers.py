@@ -10,6 +10,8 @@ import pytest
 import torch
 from distributed import run_ranks
 
+from ds_strategy import checkpoint
+
 pytestmark = pytest.mark.slow
 
 STAGE3 = {"stage": 3, "param_persistence_threshold": 0}  # every parameter partitioned, however small
@@ -20,25 +22,31 @@ RUNS = {
     "engine stage2 offload": ("engine", {"stage": 2, **runs.OFFLOAD_CPU}),
     "engine stage3 offload all": ("engine", {**STAGE3, **runs.OFFLOAD_ALL}),
     **{f"{entry} stage{stage}": (entry, {"stage": stage}) for entry in ENTRIES for stage in (1, 2)},
-    **{f"{entry} stage3": (entry, STAGE3) for entry in ENTRIES},
+    "accelerate stage3": ("accelerate", STAGE3),
+    "lightning stage3": ("lightning", STAGE3, "lightning_checkpoint"),  # saved after fit, then consolidated
     **{f"{entry} stage3 offload all": (entry, {**STAGE3, **runs.OFFLOAD_ALL}) for entry in ENTRIES},
     "fabric stage3": ("fabric", STAGE3),
 }
 
 
 @pytest.fixture(scope="module")
-def trained():
+def trained(tmp_path_factory):
     """Every run on 2 ranks in one process group (DDP once), and the one-process reference."""
-    ranks = run_ranks(runs.jobs, 2, RUNS, timeout=900)
+    where = tmp_path_factory.mktemp("lightning")
+    jobs = {
+        name: tuple(str(where / arg) if arg == "lightning_checkpoint" else arg for arg in run)
+        for name, run in RUNS.items()
+    }
+    ranks = run_ranks(runs.jobs, 2, jobs, timeout=900)
     for name in ranks[0]:
         for other in ranks[1:]:
             for key, value in ranks[0][name]["params"].items():
                 assert torch.equal(value, other[name]["params"][key]), f"{name}: ranks disagree on {key}"
-    return ranks, runs.reference()
+    return ranks, runs.reference(), where / "lightning_checkpoint"
 
 
 def test_every_stage_and_entry_point_ends_within_the_muon_bound_of_one_process(trained):
-    ranks, reference = trained
+    ranks, reference, _ = trained
     errors = {name: runs.relative_error(ranks[0][name]["params"], reference) for name in ranks[0]}
     print("\n".join(f"{name:>28}: {error:.2e} relative to one process" for name, error in errors.items()))
     assert errors["ddp"] < runs.BOUND / 2  # the noise the bound is for (Note: [The Muon bound])
@@ -47,7 +55,7 @@ def test_every_stage_and_entry_point_ends_within_the_muon_bound_of_one_process(t
 
 def test_every_stage_and_entry_point_equals_ddp_bitwise_where_the_reductions_are_ddps(trained):
     """Offloaded AdamW steps with ds_strategy's host kernels (not torch's): those runs are held to the bound."""
-    ranks, _ = trained
+    ranks, _, _ = trained
     ddp = ranks[0]["ddp"]["params"]
     exact = [name for name in RUNS if "offload" not in name]
     differing = {
@@ -60,7 +68,7 @@ def test_every_stage_and_entry_point_equals_ddp_bitwise_where_the_reductions_are
 def test_the_global_norm_is_one_norm_over_both_optimizers(trained):
     """The engine's ``clip_grad_norm_`` (no optimizer named) is the norm ``clip_grad_norm_(model.parameters())``
     takes under DDP, over both optimizers' parameters, at every step and stage."""
-    ranks, _ = trained
+    ranks, _, _ = trained
     for name in (n for n in RUNS if n.startswith("engine") and "offload" not in n):
         torch.testing.assert_close(
             torch.tensor(ranks[0][name]["norms"]), torch.tensor(ranks[0]["ddp"]["norms"]), rtol=1e-6, atol=0.0
@@ -71,7 +79,7 @@ def test_memory_per_rank_is_the_zero_formula_plus_at_most_the_largest_whole_para
     """fp32: the master is the shard itself, Muon keeps one fp32 state per element and AdamW two, so a rank's
     optimizer bytes are 4 x its whole-tensor elements + 8 x its AdamW shard, and it owns at most 1/N of the Muon
     parameters plus the largest (Note: [Whole parameters on owner ranks])."""
-    ranks, _ = trained
+    ranks, _, _ = trained
     for name in (n for n in RUNS if "stage0" not in n):
         for rank, outcome in enumerate(r[name] for r in ranks):
             owned = outcome["ownership"]
@@ -101,6 +109,36 @@ def test_a_checkpoint_resumes_at_another_world_size_and_stage(tmp_path):
     expected = runs.continue_in_one_process(path, 3, 2)
     for key, value in expected.items():
         assert torch.equal(resumed["params"][key], value), key
+
+
+def test_a_lightning_checkpoint_consolidates_into_one_optimizer_state_per_optimizer(trained, tmp_path):
+    """``trainer.save_checkpoint`` after the stage-3 fit, consolidated into Lightning's single-file layout: Muon's
+    momentum for each of its matrices, AdamW's moments for the rest, each keyed by position in its own optimizer."""
+    ranks, _, path = trained
+    payload = torch.load(checkpoint.consolidate(path, tmp_path / "one.ckpt", weights_only=False), weights_only=False)
+    muon, adamw = payload["optimizer_states"]
+    params = ranks[0]["lightning stage3"]["params"]
+    hidden = [name for name, value in params.items() if runs.is_hidden_matrix(name, value)]
+    assert [len(g["params"]) for g in muon["param_groups"]] == [len(hidden)]
+    assert [len(g["params"]) for g in adamw["param_groups"]] == [len(params) - len(hidden)]
+    assert sorted(muon["state"]) == list(range(len(hidden))) and all(
+        set(state) == {"momentum_buffer"} for state in muon["state"].values()
+    )
+    assert all(set(state) == {"step", "exp_avg", "exp_avg_sq"} for state in adamw["state"].values())
+    assert muon["state"][0]["momentum_buffer"].shape == params[hidden[0]].shape
+
+
+def test_adafactor_states_of_other_shapes_reload_at_another_world_size_and_stage(tmp_path):
+    """Adafactor keeps each matrix's second moment as a row and a column statistic (not shaped like the matrix):
+    saved whole by each owner on 2 ranks at stage 2, read back whole by 1 rank at stage 3."""
+    path = str(tmp_path / "adafactor")
+    saved = run_ranks(runs.adafactor, 2, path, {"stage": 2}, False, timeout=300)
+    loaded = run_ranks(runs.adafactor, 1, path, STAGE3, True, timeout=300)[0]
+    expected = {name: state for rank in saved for name, state in rank["states"].items()}
+    assert set(expected) == set(loaded["states"]) and {"row_var", "col_var"} <= set(expected["lm_head.weight"])
+    for name, state in expected.items():
+        for key, value in state.items():
+            assert torch.equal(loaded["states"][name][key], value), (name, key)
 
 
 def test_hugging_face_trainer_with_chained_muon_and_adamw_equals_ddp(tmp_path):
