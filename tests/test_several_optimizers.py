@@ -19,6 +19,9 @@ ENTRIES = ("accelerate", "lightning")
 RUNS = {
     **{f"engine stage{stage}": ("engine", {"stage": stage}) for stage in (0, 1, 2)},
     "engine stage3": ("engine", STAGE3),
+    # the regions reduced to each owner and broadcast from it, NCCL's default path (gloo's is the all-reduce)
+    "engine stage1 reduce-scatter": ("engine", {"stage": 1, "gradient_reduction": "reduce_scatter"}),
+    "engine stage3 reduce-scatter": ("engine", {**STAGE3, "gradient_reduction": "reduce_scatter"}),
     "engine stage2 offload": ("engine", {"stage": 2, **runs.OFFLOAD_CPU}),
     "engine stage3 offload all": ("engine", {**STAGE3, **runs.OFFLOAD_ALL}),
     **{f"{entry} stage{stage}": (entry, {"stage": stage}) for entry in ENTRIES for stage in (1, 2)},

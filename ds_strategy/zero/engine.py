@@ -26,8 +26,6 @@ from .grad_reducer import GradReducer
 from .groups import EngineGroups
 from .hpz import WeightGather, hpz_collectives
 from .memory_report import WorkingSetPeak, memory_report, unit_bounded_sizes, whole_tensor_ownership
-from .optimizer_kinds import group_is_elementwise
-from .owner_layout import assign_owners
 from .param_gatherer import ParamGatherer
 from .placement import place_units
 from .schedule_interface import ScheduleInterface
@@ -56,18 +54,6 @@ def _collectives_over(group, config: ZeroConfig) -> Collectives | None:
     if group is None or dist.get_world_size(group) == 1:
         return None
     return Collectives(group, timeout=config.collective_timeout)
-
-
-def _check_whole_tensors(members: list[tuple[str, nn.Parameter]], optimizer: torch.optim.Optimizer) -> None:
-    """A whole-tensor optimizer must see whole tensors: a parameter tensor parallelism splits is refused by name."""
-    for name, p in members:
-        spec = spec_of(p)
-        if spec is not None and not spec.replicated:
-            raise ValueError(
-                f"{type(optimizer).__name__} updates each parameter whole, but tensor parallelism splits {name!r} "
-                f"({spec.placements}); give that parameter to an elementwise optimizer (AdamW), or leave it out of "
-                f"the tensor-parallel plan"
-            )
 
 
 def _step_runner_factory(step_runner: StepRunnerFactory | None, config: ZeroConfig) -> StepRunnerFactory:
@@ -230,7 +216,11 @@ class ZeroEngine:
             members[where[0] + 1 if len(where) == 1 else 0].append((owner or name, p))
         names = ["<root>"] + [name for name, _ in chosen]
         modules = [self.module] + [module for _, module in chosen]
-        owners = self._owners([p for params in members for _, p in params])
+        owners = (
+            self.sharded_optimizers.owners([p for params in members for _, p in params], self.world_size)
+            if self.plan.partitions_optimizer
+            else {}
+        )
         units, first = [], 0
         store = shard_store.store if shard_store is not None else None
         for name, module, params in zip(names, modules, members):
@@ -258,18 +248,6 @@ class ZeroEngine:
             self.sequence_check = CollectiveSequenceCheck(list(self.comm_groups.values()))
             self.comm_groups["monitor"] = self.sequence_check.collectives
 
-    def _owners(self, params: list[nn.Parameter]) -> dict[int, int]:
-        """``id(param)`` -> owner rank of each parameter a whole-tensor optimizer keeps whole on one rank (where
-        optimizer state is partitioned), balanced over the whole model (Note: [Whole parameters on owner ranks])."""
-        if not self.plan.partitions_optimizer:
-            return {}
-        whole = [p for p in params if self._is_whole(p)]
-        return dict(zip(map(id, whole), assign_owners([p.numel() for p in whole], self.world_size)))
-
-    def _is_whole(self, p: nn.Parameter) -> bool:
-        where = self.sharded_optimizers.where(p)
-        return where is not None and self.sharded_optimizers.is_whole(*where)
-
     def _flat_params_of(
         self,
         unit_name: str,
@@ -291,9 +269,9 @@ class ZeroEngine:
         flat = []
         for (optimizer, group, persistent, replicated, tied_copy), members in buckets.items():
             policy = plan.persistent_sharding if persistent else plan.sharding
-            whole = self._is_whole(members[0][1])
+            whole = self.sharded_optimizers.is_whole_param(members[0][1])
             if whole:
-                _check_whole_tensors(members, self.sharded_optimizers.optimizers[optimizer])
+                self.sharded_optimizers.check_whole(members)
             name = f"{unit_name}/{f'optimizer{optimizer}.' if optimizer else ''}group{group}"
             name += ("/persistent" if persistent else "") + ("/tp_replicated" if replicated else "")
             name += "/tied_copy" if tied_copy else ""
@@ -388,42 +366,12 @@ class ZeroEngine:
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Give an engine built without it (a model prepared before its optimizers) an optimizer that trains it
-        (or a :class:`~.chained_optimizer.ChainedOptimizer` of several).
-
-        The flat buffers were laid out without its param groups, so this works when each of them falls inside one
-        of its groups or outside all of them (always so for one optimizer of one group), the step runs on the
-        device, and either the optimizer is elementwise or no optimizer state is partitioned (stage 0; see
-        :meth:`can_attach`); otherwise the caller builds a new engine over the module (stage 0-2, whose parameters
-        are whole on every rank). Whether every trainable parameter ends up in some optimizer is the caller's to
-        know: as in one process, a parameter no optimizer holds is not updated.
-        """
-        if not self.can_attach(optimizer):
-            raise ValueError(
-                "the optimizer's param groups split this model's flat buffers (or its step is offloaded, or it "
-                "keeps parameters whole on owner ranks): prepare the model together with its optimizers"
-            )
-        optimizers = self.sharded_optimizers
-        trainable = {id(p) for fp in self.flat_params for p in fp.params}
-        for member in as_optimizer_list(optimizer):
-            where = optimizers.where_in(member)
-            if not set(where) <= trainable:
-                raise ValueError("the optimizer holds parameters that are not trainable parameters of this model")
-            index = optimizers.add(member, where)
-            for fp in self.flat_params:
-                if id(fp.params[0]) in where:
-                    fp.optimizer_index, fp.group_index = index, where[id(fp.params[0])]
-                    fp.whole = optimizers.is_whole(index, fp.group_index)
-            optimizers.retarget(self.flat_params, index)
+        (or a :class:`~.chained_optimizer.ChainedOptimizer` of several): see :meth:`ShardedOptimizers.attach`."""
+        self.sharded_optimizers.attach(optimizer, self.flat_params, self.plan)
 
     def can_attach(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether :meth:`attach_optimizer` can take ``optimizer`` without laying the flat buffers out anew."""
-        for member in as_optimizer_list(optimizer):
-            where = self.sharded_optimizers.where_in(member)
-            fits = all(len({where.get(id(p)) for p in fp.params}) == 1 for fp in self.flat_params)
-            elementwise = all(group_is_elementwise(member, group) for group in member.param_groups)
-            if not fits or self.plan.offloads_optimizer or not (elementwise or not self.plan.partitions_optimizer):
-                return False
-        return True
+        return self.sharded_optimizers.fits(optimizer, self.flat_params, self.plan)
 
     # -- what other features set ------------------------------------------------------------------------------
     def set_gradient_divide_factor(self, factor: float) -> None:

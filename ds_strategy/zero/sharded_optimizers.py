@@ -15,11 +15,15 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
+from ..parallel.dtensor_params import spec_of
 from .chained_optimizer import ChainedOptimizer
 from .optimizer_kinds import check_supported, group_is_elementwise
+from .owner_layout import assign_owners
 
 if TYPE_CHECKING:
+    from ..zero_plan import ZeroPlan
     from .flat_param import FlatParam
 
 
@@ -89,6 +93,29 @@ class ShardedOptimizers:
         """Whether that group's optimizer needs each parameter whole (see :mod:`.optimizer_kinds`)."""
         return not self._elementwise[optimizer_index, group_index]
 
+    def is_whole_param(self, param: torch.Tensor) -> bool:
+        """Whether the optimizer holding ``param`` (if any) needs it whole."""
+        where = self.where(param)
+        return where is not None and self.is_whole(*where)
+
+    def owners(self, params: list[nn.Parameter], world_size: int) -> dict[int, int]:
+        """``id(param)`` -> owner rank of each of ``params`` (in model order) that a whole-tensor optimizer keeps
+        whole, balanced over all of them (Note: [Whole parameters on owner ranks])."""
+        whole = [p for p in params if self.is_whole_param(p)]
+        return dict(zip(map(id, whole), assign_owners([p.numel() for p in whole], world_size)))
+
+    def check_whole(self, members: list[tuple[str, nn.Parameter]]) -> None:
+        """A whole-tensor optimizer must see whole tensors: a parameter tensor parallelism splits is refused."""
+        for name, p in members:
+            spec = spec_of(p)
+            if spec is not None and not spec.replicated:
+                optimizer = self.optimizers[self.where(p)[0]]
+                raise ValueError(
+                    f"{type(optimizer).__name__} updates each parameter whole, but tensor parallelism splits "
+                    f"{name!r} ({spec.placements}); give that parameter to an elementwise optimizer (AdamW), or "
+                    f"leave it out of the tensor-parallel plan"
+                )
+
     def indices_of(self, optimizer: torch.optim.Optimizer) -> set[int]:
         """The positions of ``optimizer`` (the object itself; a chain's members) among these; ValueError when it is
         not one of them."""
@@ -119,3 +146,37 @@ class ShardedOptimizers:
                     for t in fp.optimizer_params()
                 ]
             optimizer.state.clear()
+
+    # -- an optimizer prepared after its model ------------------------------------------------------------------
+    def fits(self, optimizer: torch.optim.Optimizer, flat_params: list[FlatParam], plan: ZeroPlan) -> bool:
+        """Whether ``optimizer`` (or a chain's every member) can train flat buffers laid out without it: each falls
+        inside one of its groups or outside all of them, its step is not offloaded, and it runs elementwise or no
+        optimizer state is partitioned (stage 0), so no parameter needs an owner."""
+        for member in as_optimizer_list(optimizer):
+            where = self.where_in(member)
+            fits = all(len({where.get(id(p)) for p in fp.params}) == 1 for fp in flat_params)
+            elementwise = all(group_is_elementwise(member, group) for group in member.param_groups)
+            if not fits or plan.offloads_optimizer or not (elementwise or not plan.partitions_optimizer):
+                return False
+        return True
+
+    def attach(self, optimizer: torch.optim.Optimizer, flat_params: list[FlatParam], plan: ZeroPlan) -> None:
+        """Hold ``optimizer`` (or a chain's members) for flat buffers laid out without it, when it :meth:`fits`;
+        otherwise the caller lays the buffers out anew (a new engine). Whether every trainable parameter ends up in
+        some optimizer is the caller's to know: as in one process, a parameter no optimizer holds is not updated."""
+        if not self.fits(optimizer, flat_params, plan):
+            raise ValueError(
+                "the optimizer's param groups split this model's flat buffers (or its step is offloaded, or it "
+                "keeps parameters whole on owner ranks): prepare the model together with its optimizers"
+            )
+        trainable = {id(p) for fp in flat_params for p in fp.params}
+        for member in as_optimizer_list(optimizer):
+            where = self.where_in(member)
+            if not set(where) <= trainable:
+                raise ValueError("the optimizer holds parameters that are not trainable parameters of this model")
+            index = self.add(member, where)
+            for fp in flat_params:
+                if id(fp.params[0]) in where:
+                    fp.optimizer_index, fp.group_index = index, where[id(fp.params[0])]
+                    fp.whole = self.is_whole(index, fp.group_index)
+            self.retarget(flat_params, index)
