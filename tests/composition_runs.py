@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from distributed import set_lightning_environment
 from pipeline_runs import batches, loss_fn, tiny_llama
 
 STEPS, GLOBAL_BATCH, BLOCKS, HEADS = 3, 8, 4, 4
@@ -307,7 +308,7 @@ def _make(build: Build, rank: int, layout: Layout, empty: Callable[[], contextli
 def run_cell(rank: int, world_size: int, cell: Cell, pretrained: str) -> dict:
     """Build, set up, (load,) record the initial state, train ``STEPS`` steps, record the final state."""
     torch.set_num_threads(1)
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")  # processes already exist: no entry point may launch
+    set_lightning_environment(rank)
     build, layout = BUILDS[cell.build], LAYOUTS[cell.layout]
     fields = {"stage": cell.stage, "precision": cell.precision, **layout.fields(), **dict(build.fields)}
     optimizers = functools.partial(make_optimizers, kind=cell.optimizers)
