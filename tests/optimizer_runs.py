@@ -64,6 +64,10 @@ def loss_of(model, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, labels=ids).loss
 
 
+def _params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
 def named_params(model) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
@@ -92,7 +96,10 @@ def ddp(rank: int, world_size: int) -> dict:
     norms = []
     for batch in global_batches(world_size):
         loss_of(wrapped, mine(batch, rank, world_size)).backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).item())  # measures, clips nothing
+        norms.append(  # over both optimizers' parameters, then each's own: measured, nothing clipped
+            [torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9).item()]
+            + [torch.nn.utils.clip_grad_norm_(_params_of(o), 1e9).item() for o in optimizers]
+        )
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
@@ -108,7 +115,9 @@ def engine(rank: int, world_size: int, fields: dict) -> dict:
     norms = []
     for batch in global_batches(world_size):
         zero.backward(loss_of(model, mine(batch, rank, world_size)))
-        norms.append(zero.clip_grad_norm_(1e9).item())
+        norms.append(
+            [zero.clip_grad_norm_(1e9).item()] + [zero.clip_grad_norm_(1e9, optimizer=o).item() for o in optimizers]
+        )
         for optimizer in optimizers:
             zero.step(optimizer)
     result = _engine_outcome(zero, model)
@@ -142,15 +151,18 @@ def accelerate(rank: int, world_size: int, fields: dict) -> dict:
     accelerator = ZeroAccelerator(fields, cpu=True)
     model = build_model()
     muon, adamw = muon_and_adamw(model)
+    hidden = _params_of(muon)  # the model's own parameters: prepare retargets the optimizer onto shards
     rows = torch.cat(global_batches(world_size))
     loader = DataLoader(rows, batch_size=PER_RANK)  # prepared: rank r reads every world_size-th, its slice of each
     model, muon, adamw, loader = accelerator.prepare(model, muon, adamw, loader)
+    norms = []
     for ids in loader:
         accelerator.backward(loss_of(model, ids))
+        norms.append([accelerator.clip_grad_norm_(p, 1e9).item() for p in (model.parameters(), hidden)])
         for optimizer in (muon, adamw):
             optimizer.step()
             optimizer.zero_grad()
-    return _engine_outcome(accelerator.engine_of(model), model)
+    return {**_engine_outcome(accelerator.engine_of(model), model), "norms": norms}
 
 
 def lightning(rank: int, world_size: int, fields: dict, save_to: str | None = None) -> dict:
