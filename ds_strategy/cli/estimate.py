@@ -100,9 +100,15 @@ def _gpt(preset: str):
 def _heading(args: argparse.Namespace, size: ModelSize | None) -> str:
     count = args.params if size is None else size.params
     what = f"GPT '{args.model}', {count / 1e6:,.1f}M trainable parameters" if size else f"{count / 1e9:g}B parameters"
+    whole = (
+        f", a whole-tensor optimizer's largest parameter ({args.largest_whole_param:,.0f} elements) on top of each "
+        f"partitioned 1/N"
+        if args.largest_whole_param
+        else ""
+    )
     return (
         f"ZeRO model-state bytes per rank: {what} on {args.world_size} ranks, {args.precision}, "
-        f"{args.optimizer_states} optimizer states per parameter ({args.unit} = {_UNITS[args.unit]:g} bytes)\n"
+        f"{args.optimizer_states} optimizer states per parameter{whole} ({args.unit} = {_UNITS[args.unit]:g} bytes)\n"
     )
 
 
