@@ -20,7 +20,7 @@ import os
 
 import hf_models
 import torch
-from distributed import set_torchrun_environment
+from distributed import set_lightning_environment, set_torchrun_environment
 from torch.nn.parallel import DistributedDataParallel
 
 from ds_strategy import checkpoint
@@ -173,7 +173,7 @@ def lightning(rank: int, world_size: int, fields: dict, save_to: str | None = No
 
     import ds_strategy
 
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")  # processes already exist: Lightning must not launch
+    set_lightning_environment(rank)
 
     class MuonRecipe(L.LightningModule):
         def __init__(self):
@@ -219,7 +219,7 @@ def fabric(rank: int, world_size: int, fields: dict) -> dict:
 
     from ds_strategy import ZeroFabricStrategy
 
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")
+    set_lightning_environment(rank)
     runner = L.Fabric(accelerator="cpu", devices=world_size, strategy=ZeroFabricStrategy(**fields))
     runner.launch()
     model = build_model()
