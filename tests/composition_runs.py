@@ -91,19 +91,25 @@ class Build:
     point's own way (the engine: ``torch.device("meta")``; Lightning: in ``configure_model``, on meta under stage
     3; Fabric: ``init_module(empty_init=True)`` under stage 3, where it means meta; Accelerate:
     ``init_empty_weights()``), else normally under ``torch.manual_seed(0)``. ``fields``: the ZeroConfig fields it
-    needs. ``pretrained_seed``: load, after setup, the weights a normal build under that seed saved
-    (``load_pretrained``); the initial state must then equal that build instead. ``sync_module_states`` streams
+    needs (over the layout's). ``pretrained_seed``: load, after setup, the weights a normal build under that seed
+    saved (``load_pretrained``); the initial state must then equal that build instead. ``sync_module_states`` streams
     over the data-parallel group, as DDP's does: the first data-parallel replica (every tensor-parallel rank and
     pipeline stage of it) builds the model, the other replicas build it empty. ``init_module``: the entry points
     that have one (``entries``) build under ``trainer.init_module`` / ``fabric.init_module``, with
     ``empty_init=True`` under stage 3 (sharded on meta, then initialised) and the default below it (a normal build
-    on the device; ``empty_init=True`` there means uninitialised memory, as under DDP)."""
+    on the device; ``empty_init=True`` there means uninitialised memory, as under DDP). ``user_plan``: the user's
+    own ``parallelize_module`` (:func:`user_parallelize`) splits the built model over the tensor-parallel mesh, as
+    Lightning's and Fabric's ModelParallelStrategy docs teach: in Lightning's ``configure_model`` (at stage 3 inside
+    the strategy's build context, on a model ``__init__`` built), in Fabric between the build and ``setup``; no plan
+    is configured. ``layouts``: the layouts it applies to (None: every one)."""
 
     name: str
     empty_on: Callable[[int, Layout], bool]
     fields: tuple[tuple[str, object], ...] = ()
     pretrained_seed: int | None = None
     entries: tuple[str, ...] = ("engine", "lightning", "fabric", "accelerate")
+    user_plan: bool = False
+    layouts: tuple[str, ...] | None = None
 
     @property
     def seed(self) -> int:
@@ -111,6 +117,13 @@ class Build:
         return 0 if self.pretrained_seed is None else self.pretrained_seed
 
 
+# The user's own tensor-parallel plan (issue 42): Lightning and Fabric, tensor-parallel layouts, no configured plan.
+USER_PLAN = {
+    "fields": (("tensor_parallel_plan", None),),
+    "entries": ("lightning", "fabric"),
+    "user_plan": True,
+    "layouts": ("tp", "dp x tp"),
+}
 BUILDS = {
     build.name: build
     for build in (
@@ -119,6 +132,8 @@ BUILDS = {
         Build("sync_module_states", lambda rank, layout: layout.dp_rank(rank) != 0, (("sync_module_states", True),)),
         Build("load_pretrained", lambda rank, layout: True, pretrained_seed=5),
         Build("init_module", lambda rank, layout: True, entries=("lightning", "fabric")),
+        Build("user_plan", lambda rank, layout: False, **USER_PLAN),
+        Build("user_plan_init_module", lambda rank, layout: True, **USER_PLAN),
     )
 }
 
@@ -153,14 +168,24 @@ class Cell:
         return self.build, self.layout, self.stage, self.entry
 
     def applies(self) -> bool:
-        """Whether the entry point has the build path at all (only Lightning and Fabric have ``init_module``)."""
-        return self.entry in BUILDS[self.build].entries
+        """Whether the entry point has the build path at all (only Lightning and Fabric have ``init_module``), and
+        the build the layout (a user's tensor-parallel plan needs a tensor-parallel mesh)."""
+        build = BUILDS[self.build]
+        return self.entry in build.entries and (build.layouts is None or self.layout in build.layouts)
 
 
 # The reported cases (a Lightning configure_model build on meta under dp x tp and under pp x dp, stage 3): always run.
 REPORTED = (Cell("meta", "dp x tp", 3, "lightning"), Cell("meta", "pp x dp", 3, "lightning"))
 # Issue 26, item 1: Lightning's init_module(empty_init=True) at stage 3 builds on meta, here cut over tp: always run.
-REQUIRED = (*REPORTED, Cell("init_module", "tp", 3, "lightning"))
+# Issue 42: parallelize_module in configure_model on a model built in __init__, at stage 3 (it crashed), and the
+# user's parallelize_module on a model built under init_module(empty_init=True) at stage 3, Lightning and Fabric.
+REQUIRED = (
+    *REPORTED,
+    Cell("init_module", "tp", 3, "lightning"),
+    Cell("user_plan", "tp", 3, "lightning"),
+    Cell("user_plan_init_module", "tp", 3, "lightning"),
+    Cell("user_plan_init_module", "dp x tp", 3, "fabric"),
+)
 
 # init_module() under "bf16-true" (issue 26, item 10): 16-bit weights, built sharded (stage 3) and normally (stage 1).
 BF16_CELLS = (
@@ -214,6 +239,15 @@ def pairwise_cells() -> list[Cell]:
 def build_model(seed: int = 0):
     torch.manual_seed(seed)
     return tiny_llama(BLOCKS, HEADS)
+
+
+def user_parallelize(model, tp_mesh) -> None:
+    """What a ModelParallelStrategy user writes: torch's ``parallelize_module`` on each decoder layer."""
+    from tensor_parallel_llama import LAYER_PLAN
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    for layer in model.model.layers:
+        parallelize_module(layer, tp_mesh, LAYER_PLAN)
 
 
 class NormalizedSGD(torch.optim.Optimizer):
@@ -375,7 +409,8 @@ def _lightning_entry(rank: int, build: Build, layout: Layout, fields: dict, pret
 
     class Module(L.LightningModule):
         """Built in ``__init__`` (normally, or under ``trainer.init_module``) or in ``configure_model`` (in the
-        strategy's sharded context), which also creates a buffer and a metric, never parameters."""
+        strategy's sharded context), which also creates a buffer and a metric, never parameters, and applies the
+        user's tensor-parallel plan for the builds that have one."""
 
         def __init__(self, empty: bool):
             super().__init__()
@@ -386,6 +421,8 @@ def _lightning_entry(rank: int, build: Build, layout: Layout, fields: dict, pret
         def configure_model(self):
             if self.empty and not hasattr(self, "model"):
                 self.model = build_model(0)
+            if build.user_plan and not hasattr(self, "metric"):
+                user_parallelize(self.model, self.device_mesh["tensor_parallel"])
             if not hasattr(self, "metric"):
                 self.register_buffer("scale", torch.full((4,), BUFFER_VALUE), persistent=False)
                 self.metric = torchmetrics.MeanMetric()
@@ -449,6 +486,8 @@ def _fabric_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrai
     model = _make(build, rank, layout, lambda: fabric.init_module(empty_init=True if fields["stage"] == 3 else None))
     # (the "meta" and "init_module" builds are one path here: Fabric builds on meta only through init_module)
     built = _as_built(model)
+    if build.user_plan:
+        user_parallelize(model, fabric.strategy.device_mesh["tensor_parallel"])
     model, *stepping = fabric.setup(model, *optimizers(model))
     if build.pretrained_seed is not None:
         fabric.strategy.load_pretrained(pretrained)

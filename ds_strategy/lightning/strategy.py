@@ -251,11 +251,13 @@ class ZeroStrategyMixin(EngineOwnerMixin):
     def model_sharded_context(self):
         """Under stage 3, ``configure_model`` builds its parameters on the meta device and the engine materialises
         and initialises shards only; buffers and other tensors (torchmetrics states) are built for real, see
-        Note: [Only parameters go to the meta device]."""
+        Note: [Only parameters go to the meta device]. What the LightningModule held before (a model built in
+        ``__init__``, which ``configure_model`` may parallelize) keeps its values: Note: [What the build context
+        moves to meta]."""
         if not self.config.plan.partitions_parameters:
             yield
             return
-        with parameters_on_meta():
+        with parameters_on_meta(existing=self.lightning_module):
             yield
 
     @contextlib.contextmanager

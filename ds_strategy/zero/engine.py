@@ -21,12 +21,14 @@ from ..config import ZeroConfig
 from ..parallel.dtensor_params import local_tensor, point_param_at, spec_of
 from ..precision import GradStats, LossScaler, unscale_and_check_shards
 from ..profiler_ranges import profiler_range
+from .compile_boundary import eager_hook
 from .flat_param import FlatParam
 from .grad_reducer import GradReducer
 from .groups import EngineGroups
 from .hpz import WeightGather, hpz_collectives
 from .memory_report import WorkingSetPeak, memory_report, unit_bounded_sizes, whole_tensor_ownership
 from .param_gatherer import ParamGatherer
+from .param_types import check_shardable
 from .placement import place_units
 from .schedule_interface import ScheduleInterface
 from .sharded_init import materialise_sharded
@@ -183,11 +185,14 @@ class ZeroEngine:
             on_backward_end=self._end_of_backward if self.gatherer is not None else None,
             on_reduced=self.step_runner.on_reduced,
             quantized_reduce_scatter=qgz,
+            gradients=self.step_runner.gradients,
         )
         self.reducer.register_hooks()
-        self._hooks = [self.units[0].module.register_forward_pre_hook(lambda module, args: self.before_forward())]
+        self._hooks = [
+            self.units[0].module.register_forward_pre_hook(eager_hook(lambda module, args: self.before_forward()))
+        ]
         self._hooks += [
-            module.register_forward_pre_hook(self._gather_root_for)
+            module.register_forward_pre_hook(eager_hook(self._gather_root_for))
             for module in _modules_owning(self.module, self.units[0].partitioned)
         ]
 
@@ -204,6 +209,7 @@ class ZeroEngine:
         for name, p in self.module.named_parameters():
             if not p.requires_grad:
                 continue
+            check_shardable(name, p)
             if len(optimizers) and optimizers.where(p) is None:
                 raise ValueError(
                     f"parameter {name!r} requires grad but is in no optimizer param group; "
@@ -616,6 +622,7 @@ class ZeroEngine:
                     sharded=self.plan.partitions_optimizer,
                     weights=[self._norm_weights[fp.index] for fp in fps],
                     model_parallel=self.model_parallel,
+                    device=self.device,
                 )
                 self._unscaled.update(key)
             return self._grad_stats[key]
@@ -623,7 +630,8 @@ class ZeroEngine:
     def _optimizer_grads(self, fps: list[FlatParam]) -> list[torch.Tensor]:
         """Each of ``fps``' reduced gradient in its master's dtype: what clipping scales and the optimizer reads.
 
-        ``grad_shard`` itself, or at stage 0 ``grad_full``, converted to an fp32 copy under mixed precision.
+        ``grad_shard`` itself, or at stage 0 ``grad_full``, converted to an fp32 copy under mixed precision; with the
+        optimizer offloaded at stage 2/3, the fp32 host buffer the reductions were summed into.
         """
         self.reducer.wait_all()
         for fp in fps:
@@ -643,7 +651,7 @@ class ZeroEngine:
         total = self.grad_norm(norm_type, optimizer)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for grad in self._gradients_to_clip(self.flat_params_of(optimizer)):
-            grad.mul_(coef.to(grad.dtype))
+            grad.mul_(coef.to(device=grad.device, dtype=grad.dtype))
         return total
 
     def clip_grad_value_(self, clip_value: float, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -671,16 +679,17 @@ class ZeroEngine:
         fps = self.flat_params_of(optimizer)
         grads = [g.float() for g in self._optimizer_grads(fps)]
         weights = [self._norm_weights[fp.index] for fp in fps]
+        device = self.device  # gradients an offload keeps on the host are reduced beside the device's
         if math.isinf(norm_type):
             local = (
-                torch.stack([g.abs().max() * bool(w) for g, w in zip(grads, weights)]).max()
+                torch.stack([(g.abs().max() * bool(w)).to(device) for g, w in zip(grads, weights)]).max()
                 if grads
-                else torch.zeros(())
+                else torch.zeros((), device=device)
             )
             op = dist.ReduceOp.MAX
         else:
-            weighted = [g.pow(norm_type).sum() * w for g, w in zip(grads, weights)]
-            local = torch.stack(weighted).sum() if grads else torch.zeros(())
+            weighted = [(g.pow(norm_type).sum() * w).to(device) for g, w in zip(grads, weights)]
+            local = torch.stack(weighted).sum() if grads else torch.zeros((), device=device)
             op = dist.ReduceOp.SUM
         if self.plan.partitions_optimizer:
             self.collectives.all_reduce(local, op=op).wait()

@@ -20,6 +20,7 @@ from torch import nn
 from ..parallel.dtensor_params import TensorParallelSpec, local_tensor, point_param_at, spec_of
 from ..zero_plan import FlatDtypes, ShardPolicy
 from .owner_layout import owned_elements
+from .param_types import parameter_like
 
 __all__ = ["FlatParam", "ParamSlot", "ShardPolicy"]
 
@@ -134,20 +135,24 @@ class FlatParam:
         self.point_params_at_full()
 
     def adopt_meta_params(self) -> None:
-        """Give parameters built on the meta device real (uninitialised) storage: views of ``full``.
+        """Give parameters built on the meta device real (uninitialised) storage: views of ``full``; a parameter
+        that has values (built before the rest, Note: [Values built before the meta build]) brings them.
 
-        ``swap_tensors`` keeps each Parameter object, so optimizers and tied modules still refer to it.
+        ``swap_tensors`` keeps each Parameter object, so optimizers and tied modules still refer to it, and its type
+        and attributes (Note: [Parameter types the engine shards]).
         """
         self.alloc_full()
         self.full.zero_()
         for slot, p, view in zip(self.slots, self.params, self.param_views()):
-            if slot.tp is not None:
+            if not p.is_meta:
+                with torch.no_grad():
+                    view.copy_(local_tensor(p).reshape(view.shape))
+                point_param_at(p, view)
+            elif slot.tp is not None:
                 torch.utils.swap_tensors(p, slot.tp.wrap(view, p.requires_grad))
-                continue
-            torch.utils.swap_tensors(
-                p, nn.Parameter(torch.empty(0, dtype=view.dtype, device=view.device), requires_grad=p.requires_grad)
-            )
-            p.data = view
+            else:
+                torch.utils.swap_tensors(p, parameter_like(p, torch.empty(0, dtype=view.dtype, device=view.device)))
+                p.data = view
 
     def finish_sharding(self) -> None:
         """Cut this rank's shard out of ``full`` and set up the optimizer's master; free ``full`` at stage 3."""

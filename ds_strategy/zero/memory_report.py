@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from ..config import UNITS
+from .param_types import plain_tensors
 
 if TYPE_CHECKING:
     from ..config_policies import CommPolicy
@@ -166,7 +167,8 @@ def memory_report(engine: ZeroEngine, peak: bool = False) -> dict[str, dict[str,
             add("optimizer", fp.master)
     for p in engine.module.parameters():
         if id(p) not in managed:
-            add("params", p)
+            for plain in plain_tensors(p):
+                add("params", plain)
             add("grads", p.grad)
     for optimizer in engine.optimizers:
         for state in optimizer.state.values():

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
+from .param_types import plain_tensors
 from .sharded_init import give_loose_tensors_storage
 from .unit import Unit
 
@@ -61,4 +62,5 @@ def place_loose_tensors(module: nn.Module, device: torch.device, broadcast) -> N
     for p in module._parameters.values():
         if p is not None and not p.requires_grad:
             p.data = p.data.to(device)
-            broadcast(p.data)
+            for plain in plain_tensors(p.data):
+                broadcast(plain)
