@@ -21,7 +21,9 @@ from ._version import __version__
 from .config import ZeroConfig
 from .deepspeed_config import config_from_deepspeed
 from .estimate import estimate_memory
+from .zero.chained_optimizer import ChainedOptimizer
 from .zero.engine import ZeroEngine
+from .zero.optimizer_kinds import declare_optimizer
 
 # the Lightning and Fabric adapters' public names, by the subpackage that defines each
 _ADAPTER_NAMES = {"ZeroFabricStrategy": "fabric", "ZeroPrecision": "lightning", "ZeroStrategy": "lightning"}
@@ -32,10 +34,12 @@ if importlib.util.find_spec("lightning") is not None:
     from .lightning import ZeroStrategy as ZeroStrategy
 
 __all__ = [
+    "ChainedOptimizer",
     "ZeroConfig",
     "ZeroEngine",
     "__version__",
     "config_from_deepspeed",
+    "declare_optimizer",
     "estimate_memory",
     *(name for name in _ADAPTER_NAMES if name in globals()),
 ]

@@ -157,10 +157,12 @@ class Cell:
     stage: int
     entry: str
     precision: str = "32-true"
+    optimizers: str = "sgd"  # or "whole+sgd": see make_optimizers
 
     @property
     def id(self) -> str:
         suffix = "" if self.precision == "32-true" else f"-{self.precision}"
+        suffix += "" if self.optimizers == "sgd" else f"-{self.optimizers}"
         return f"{self.entry}-{self.layout.replace(' ', '')}-stage{self.stage}-{self.build}{suffix}"
 
     @property
@@ -213,6 +215,22 @@ def export_dir(pretrained: str, cell: Cell) -> Path:
     return Path(pretrained).parent / "exports" / cell.id
 
 
+# Several optimizers over one model, one of them whole-tensor (issue 39): a NormalizedSGD, which steps each hidden
+# matrix by its gradient over the gradient's norm (wrong on any slice of the matrix) beside SGD on the rest, given
+# separately to the engine, Fabric and Accelerate and chained (ChainedOptimizer) to Lightning's automatic
+# optimization; every entry point, every stage, over dp, pp, pp x dp and Ulysses. Outside the pairwise set.
+OPTIMIZER_CELLS = (
+    Cell("normal", "dp", 3, "engine", optimizers="whole+sgd"),
+    Cell("normal", "dp", 0, "accelerate", optimizers="whole+sgd"),
+    Cell("normal", "dp", 1, "lightning", optimizers="whole+sgd"),
+    Cell("normal", "pp", 2, "fabric", optimizers="whole+sgd"),
+    Cell("meta", "ulysses sp", 3, "accelerate", optimizers="whole+sgd"),
+    Cell("normal", "pp x dp", 3, "lightning", optimizers="whole+sgd"),
+)
+# A whole-tensor optimizer over matrices tensor parallelism splits is refused, naming a parameter: (cell, words).
+REFUSED_OPTIMIZER_CELLS = ((Cell("normal", "tp", 1, "engine", optimizers="whole+sgd"), "tensor parallelism splits"),)
+
+
 def pairwise_cells() -> list[Cell]:
     """A deterministic greedy pairwise-covering set: every pair of values of two axes appears in some cell (a build
     path an entry point does not have pairs with no cell). Starting from ``REQUIRED``, each round takes the cell
@@ -251,20 +269,51 @@ def user_parallelize(model, tp_mesh) -> None:
         parallelize_module(layer, tp_mesh, LAYER_PLAN)
 
 
-def reference(seed: int, dtype: torch.dtype = torch.float32, autocast: torch.dtype | None = None) -> dict:
-    """One process, the normally built model (converted to ``dtype``), SGD at lr 1 on each whole global batch (mean
-    token loss), its forward in ``torch.autocast`` to ``autocast`` if given."""
+class NormalizedSGD(torch.optim.Optimizer):
+    """Steps each parameter by its gradient divided by that gradient's whole norm: declared whole-tensor, since on a
+    slice of the tensor it would divide by the slice's norm."""
+
+    elementwise = False
+
+    def __init__(self, params, lr: float):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad / p.grad.norm().clamp_min(1e-12), alpha=-group["lr"])
+
+
+def make_optimizers(model: torch.nn.Module, kind: str) -> list[torch.optim.Optimizer]:
+    """``kind`` "sgd": SGD at lr 1 on every parameter; "whole+sgd": NormalizedSGD at lr 0.1 on the decoder layers'
+    matrices and SGD at lr 1 on the rest (a pipeline stage may hold no matrix: then SGD alone)."""
+    if kind == "sgd":
+        return [torch.optim.SGD(model.parameters(), lr=1.0)]
+    named = list(model.named_parameters())
+    hidden = [p for n, p in named if p.ndim == 2 and ".layers." in n]
+    optimizers = [torch.optim.SGD([p for n, p in named if not (p.ndim == 2 and ".layers." in n)], lr=1.0)]
+    return [NormalizedSGD(hidden, lr=0.1), *optimizers] if hidden else optimizers
+
+
+def reference(
+    seed: int, dtype: torch.dtype = torch.float32, autocast: torch.dtype | None = None, optimizers: str = "sgd"
+) -> dict:
+    """One process, the normally built model (converted to ``dtype``), trained by ``make_optimizers(optimizers)``
+    on each whole global batch (mean token loss), its forward in ``torch.autocast`` to ``autocast`` if given."""
     torch.set_num_threads(1)
     model = build_model(seed).to(dtype)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    stepping = make_optimizers(model, optimizers)
     losses = []
     for x, y in batches(MODEL, STEPS, GLOBAL_BATCH):
         with torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext():
             loss = loss_fn(model(input_ids=x).logits, y)
         loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        for optimizer in stepping:
+            optimizer.step()
+            optimizer.zero_grad()
         losses.append(loss.item())
     return {
         "initial": initial,
@@ -319,7 +368,8 @@ def run_cell(rank: int, world_size: int, cell: Cell, pretrained: str) -> dict:
     build, layout = BUILDS[cell.build], LAYOUTS[cell.layout]
     fields = {"stage": cell.stage, "precision": cell.precision, **layout.fields(), **dict(build.fields)}
     export_to = export_dir(pretrained, cell) if cell in EXPORT_CELLS else None
-    return ENTRY_RUNNERS[cell.entry](rank, build, layout, fields, pretrained, export_to)
+    optimizers = functools.partial(make_optimizers, kind=cell.optimizers)
+    return ENTRY_RUNNERS[cell.entry](rank, build, layout, fields, pretrained, export_to, optimizers)
 
 
 def _as_built(model: torch.nn.Module) -> dict:
@@ -348,7 +398,9 @@ def _unprefixed(state: dict) -> dict:
     return {k.removeprefix("model."): v for k, v in state.items()}
 
 
-def _engine_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrained: str, export_to) -> dict:
+def _engine_entry(
+    rank: int, build: Build, layout: Layout, fields: dict, pretrained: str, export_to, optimizers
+) -> dict:
     from ds_strategy import checkpoint
     from ds_strategy.checkpoint.pretrained import load_weights
     from ds_strategy.compose import build_mesh, compose_model
@@ -360,8 +412,8 @@ def _engine_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrai
     assert mesh.dp_rank == layout.dp_rank(rank)
     model = _make(build, rank, layout, lambda: torch.device("meta"))
     built = _as_built(model)
-    optimizer = lambda: torch.optim.SGD(model.parameters(), lr=1.0)  # noqa: E731  over this rank's stages only
-    composed = compose_model(model, optimizer, config, mesh=mesh, device=torch.device("cpu"), log=lambda _: None)
+    build_optimizers = lambda: optimizers(model)  # noqa: E731  over this rank's stages only
+    composed = compose_model(model, build_optimizers, config, mesh=mesh, device=torch.device("cpu"), log=lambda _: None)
     engine, runner = composed.engine, composed.pipeline
     if build.pretrained_seed is not None:
         load_weights(engine, pretrained)
@@ -383,7 +435,9 @@ def _engine_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrai
 BUFFER_VALUE = 0.5  # the plain buffer every Lightning cell's configure_model creates
 
 
-def _lightning_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrained: str, export_to) -> dict:
+def _lightning_entry(
+    rank: int, build: Build, layout: Layout, fields: dict, pretrained: str, export_to, optimizers
+) -> dict:
     import lightning as L
     import torchmetrics
     from torch.utils.data import DataLoader, TensorDataset
@@ -428,7 +482,8 @@ def _lightning_entry(rank: int, build: Build, layout: Layout, fields: dict, pret
             self.extras["mean_loss"] = self.metric.compute().item()  # over every rank and step
 
         def configure_optimizers(self):
-            return torch.optim.SGD(self.model.parameters(), lr=1.0)
+            several = optimizers(self.model)  # chained: automatic optimization takes one optimizer
+            return several[0] if len(several) == 1 else ds_strategy.ChainedOptimizer(*several)
 
     trainer = L.Trainer(
         accelerator="cpu",
@@ -461,7 +516,9 @@ def _lightning_entry(rank: int, build: Build, layout: Layout, fields: dict, pret
     return {**outcome, "initial": _unprefixed(outcome["initial"]), "final": _unprefixed(outcome["final"])}
 
 
-def _fabric_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrained: str, export_to) -> dict:
+def _fabric_entry(
+    rank: int, build: Build, layout: Layout, fields: dict, pretrained: str, export_to, optimizers
+) -> dict:
     import lightning as L
 
     from ds_strategy import ZeroFabricStrategy
@@ -474,7 +531,7 @@ def _fabric_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrai
     built = _as_built(model)
     if build.user_plan:
         user_parallelize(model, fabric.strategy.device_mesh["tensor_parallel"])
-    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    model, *stepping = fabric.setup(model, *optimizers(model))
     if build.pretrained_seed is not None:
         fabric.strategy.load_pretrained(pretrained)
     sp_group = fabric.strategy.device_mesh["sequence_parallel"].get_group() if layout.sp > 1 else None
@@ -482,7 +539,7 @@ def _fabric_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrai
     outcome = _train_prepared(
         fabric.strategy.engine,
         model,
-        optimizer,
+        stepping,
         fabric.backward,
         _my_batches(layout, rank),
         layout,
@@ -492,27 +549,30 @@ def _fabric_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrai
     )
     if export_to is not None:
         outcome["export"] = fabric.strategy.get_module_state_dict(model)
-        fabric.save(export_to, {"model": model, "optimizer": optimizer})
+        fabric.save(export_to, {"model": model, **{f"optimizer{i}": o for i, o in enumerate(stepping)}})
     return outcome
 
 
 def _train_prepared(
-    engine, model, optimizer, backward, my_batches, layout: Layout, built: dict, *, pipeline_step, sp_group
+    engine, model, optimizers, backward, my_batches, layout: Layout, built: dict, *, pipeline_step, sp_group
 ) -> dict:
     """The steps of a Fabric or Accelerate cell once the entry point has set the model up, over this rank's
     ``my_batches``: its own ``backward`` of the loss :func:`_step_loss` computes with its ``pipeline_step`` (bound
-    to the model) and the mesh's ``sp_group`` (None without Ulysses), and the wrapped optimizer's
+    to the model) and the mesh's ``sp_group`` (None without Ulysses), and each wrapped optimizer's
     ``step``/``zero_grad``, as a user's loop under it calls them."""
     initial = engine.full_state_dict(rank0_only=False)
     for x, y in my_batches:
         backward(_step_loss(layout, model, x, y, pipeline_step, sp_group))
-        optimizer.step()
-        optimizer.zero_grad()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
     held = set(engine.module.state_dict())
     return _outcome(initial, engine.full_state_dict(rank0_only=False), held, built)
 
 
-def _accelerate_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrained: str, export_to) -> dict:
+def _accelerate_entry(
+    rank: int, build: Build, layout: Layout, fields: dict, pretrained: str, export_to, optimizers
+) -> dict:
     from accelerate import init_empty_weights
     from accelerate.state import AcceleratorState, GradientState
     from torch.utils.data import DataLoader, TensorDataset
@@ -530,7 +590,7 @@ def _accelerate_entry(rank: int, build: Build, layout: Layout, fields: dict, pre
     every = batches(MODEL, STEPS, GLOBAL_BATCH)
     rows = TensorDataset(torch.cat([x for x, _ in every]), torch.cat([y for _, y in every]))
     loader = DataLoader(rows, batch_size=GLOBAL_BATCH // layout.dp)
-    model, optimizer, loader = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=1.0), loader)
+    model, *stepping, loader = accelerator.prepare(model, *optimizers(model), loader)
     if build.pretrained_seed is not None:
         accelerator.load_pretrained(pretrained)
     sp_group = accelerator.torch_device_mesh["sp"].get_group() if layout.sp > 1 else None
@@ -538,7 +598,7 @@ def _accelerate_entry(rank: int, build: Build, layout: Layout, fields: dict, pre
     outcome = _train_prepared(
         accelerator.engine,
         model,
-        optimizer,
+        stepping,
         accelerator.backward,
         loader,
         layout,
@@ -561,5 +621,17 @@ ENTRY_RUNNERS = {
 
 
 def run_cells(rank: int, world_size: int, cells: list[Cell], pretrained: str) -> dict:
-    """Every cell in turn in one process group (starting ranks is the slow part)."""
-    return {cell.id: run_cell(rank, world_size, cell, pretrained) for cell in cells}
+    """Every cell in turn in one process group (starting ranks is the slow part); a cell refused (one of
+    ``REFUSED_OPTIMIZER_CELLS``) gives the error it raised."""
+    refused = {cell for cell, _ in REFUSED_OPTIMIZER_CELLS}
+    outcomes = {}
+    for cell in cells:
+        if cell not in refused:
+            outcomes[cell.id] = run_cell(rank, world_size, cell, pretrained)
+            continue
+        try:
+            run_cell(rank, world_size, cell, pretrained)
+            outcomes[cell.id] = {"refused": None}
+        except ValueError as error:
+            outcomes[cell.id] = {"refused": str(error)}
+    return outcomes

@@ -19,7 +19,9 @@ from composition_runs import (
     BUILDS,
     EXPORT_CELLS,
     LAYOUTS,
+    OPTIMIZER_CELLS,
     REFUSED_CONFIGS,
+    REFUSED_OPTIMIZER_CELLS,
     build_model,
     export_dir,
     pairwise_cells,
@@ -48,7 +50,7 @@ def pretrained(tmp_path_factory) -> str:
 def matrix(pretrained):
     """Each world size's cells in one process group; the references per seed in this process."""
     results = {}
-    every = [*CELLS, *BF16_CELLS, *EXPORT_CELLS]
+    every = [*CELLS, *BF16_CELLS, *EXPORT_CELLS, *OPTIMIZER_CELLS, *(cell for cell, _ in REFUSED_OPTIMIZER_CELLS)]
     for world in sorted({LAYOUTS[c.layout].world for c in every}):
         cells = [c for c in every if LAYOUTS[c.layout].world == world]
         for outcome in run_ranks(run_cells, world, cells, pretrained, timeout=600):
@@ -58,6 +60,7 @@ def matrix(pretrained):
     references["bf16"] = reference(0, torch.bfloat16)
     for seed in {BUILDS[c.build].seed for c in EXPORT_CELLS}:
         references["bf16-mixed", seed] = reference(seed, autocast=torch.bfloat16)
+    references["whole+sgd"] = reference(0, optimizers="whole+sgd")
     return results, references
 
 
@@ -144,6 +147,27 @@ def test_init_module_under_bf16_true_builds_16bit_weights_of_the_normal_build(ma
         torch.testing.assert_close(
             final[name], value, rtol=BF16_RTOL, atol=BF16_ATOL, msg=lambda m, n=name: f"{n}: {m}"
         )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cell", OPTIMIZER_CELLS, ids=[c.id for c in OPTIMIZER_CELLS])
+def test_several_optimizers_one_of_them_whole_tensor_train_as_one_process(matrix, cell):
+    """Issue 39: a whole-tensor optimizer (each hidden matrix stepped by its gradient over the gradient's norm) beside
+    SGD on the rest, as separate optimizers or chained, under every entry point, stage and dp/pp/sp layout."""
+    results, references = matrix
+    expected = references[cell.optimizers]
+    initial, final = _gathered(results[cell.id])
+    _assert_initial_equal(cell.id, initial, expected["initial"])
+    for name, value in expected["params"].items():
+        torch.testing.assert_close(final[name], value, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cell, words", REFUSED_OPTIMIZER_CELLS, ids=[c.id for c, _ in REFUSED_OPTIMIZER_CELLS])
+def test_whole_tensor_optimizer_over_split_matrices_is_refused_by_name(matrix, cell, words):
+    results, _ = matrix
+    for rank in results[cell.id]:
+        assert rank["refused"] is not None and words in rank["refused"], rank["refused"]
 
 
 @pytest.mark.parametrize("fields, words", REFUSED_CONFIGS, ids=lambda v: str(v))

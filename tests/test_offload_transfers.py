@@ -29,10 +29,16 @@ def runner_with(transfers, pinned_memory=None):
     return Slow
 
 
-def build(zero: dict, runner=None):
+def build(zero: dict, runner=None, muon: bool = False):
+    """TinyGPT under AdamW, or (``muon``) under Muon on its blocks' matrices and AdamW on the rest."""
     torch.manual_seed(0)
     model = models.TinyGPT()
     optimizer = torch.optim.AdamW(models.param_groups(model), lr=1e-2, fused=True)
+    if muon:
+        named = list(model.named_parameters())
+        matrices = [p for n, p in named if n.startswith("blocks.") and p.ndim == 2]
+        rest = [p for n, p in named if not (n.startswith("blocks.") and p.ndim == 2)]
+        optimizer = [torch.optim.Muon(matrices, lr=1e-2), torch.optim.AdamW(rest, lr=1e-2, fused=True)]
     config = ZeroConfig(param_persistence_threshold=0, **zero)
     return model, ZeroEngine(model, optimizer, config, step_runner=runner or step_runner_for(config))
 
@@ -95,6 +101,17 @@ GRADIENT_RUNS = {
         "grad_accum_dtype": "fp32",  # the host sums in fp32; so does the device then, and bit for bit alike
     },
 }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [{"stage": 2, "offload_optimizer": "cpu"}, STAGE3_PARAMS], ids=["stage2", "stage3"])
+def test_muon_beside_adamw_steps_its_whole_matrices_on_the_host_from_gradients_copied_off_the_device(zero):
+    """Each optimizer has its host optimizer and its host gradient buffers (issue 39): Muon steps the whole matrices
+    on the host, AdamW its shards with the host kernels, and the copies through the device change nothing."""
+    transfers = LateTransfers()
+    run = train(*build(zero, runner_with(transfers), muon=True))
+    assert transfers.side_work > 0
+    assert_identical(run, train(*build(zero, muon=True)))
 
 
 @pytest.mark.slow
@@ -176,7 +193,7 @@ def test_only_the_buffers_copied_to_or_from_the_device_are_pinned(monkeypatch):
     generator = torch.Generator().manual_seed(1)
     engine.backward(model(models.TinyGPT.make_batch(generator, 4)))
     engine.step()
-    host = engine.step_runner.host
+    host = engine.step_runner.hosts[0]
     address = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
     copied = {address(fp.shard) for fp in engine.flat_params} | {address(t) for t in host._host_grads.values()}
     copied |= {address(host._staging)} if host._staging is not None else set()

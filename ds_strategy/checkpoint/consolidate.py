@@ -91,11 +91,15 @@ def _torch_payload(
 ) -> dict[str, Any]:
     """What a ``.pt``/``.ckpt`` file holds: the weights, with the optimizer unless ``weights_only``, in Lightning's
     layout for a checkpoint the Lightning Trainer wrote (see :func:`consolidate`)."""
-    extra = read_meta(where, manifest)["extra"]
+    meta = read_meta(where, manifest)
+    extra = meta["extra"]
     if weights_only:
         return _lightning_weights_checkpoint(extra, weights) if LIGHTNING_VERSION in extra else weights
     consolidated = {"state_dict": weights, "optimizer": _read_optimizer(reader, metadata, manifest, where)}
-    return _lightning_checkpoint(extra, consolidated) if LIGHTNING_VERSION in extra else consolidated
+    if LIGHTNING_VERSION not in extra:
+        return consolidated
+    counts = meta.get("optimizer_param_groups") or [len(consolidated["optimizer"]["param_groups"])]
+    return _lightning_checkpoint(extra, consolidated, counts)
 
 
 class _MetadataOnceReader(ChecksummedReader):
@@ -162,23 +166,28 @@ def _read_optimizer(reader, metadata: Metadata, manifest: Manifest, where: Path)
     return {"state": state, "param_groups": groups}
 
 
-def _lightning_checkpoint(extra: dict[str, Any], consolidated: dict[str, Any]) -> dict[str, Any]:
+def _lightning_checkpoint(extra: dict[str, Any], consolidated: dict[str, Any], counts: list[int]) -> dict[str, Any]:
     """Lightning's single-file layout: its saved entries, ``state_dict``, and the named optimizer state keyed by
     position as ``torch.optim.Optimizer.state_dict()`` is (in the user's order where the adapter recorded it, else
-    in ``state_dict`` order, which is that of ``configure_optimizers`` over ``self.parameters()``)."""
+    in ``state_dict`` order, which is that of ``configure_optimizers`` over ``self.parameters()``), one state dict
+    per optimizer (``counts``: how many of the param groups, in order, each optimizer has)."""
     named = consolidated["optimizer"]
     order = extra.get(OPTIMIZER_ORDER) or [group["params"] for group in named["param_groups"]]
-    state, groups, position = {}, [], 0
-    for group, names in zip(named["param_groups"], order):
-        positions = []
-        for name in names:
-            if name in named["state"]:
-                state[position] = named["state"][name]
-            positions.append(position)
-            position += 1
-        groups.append({**{key: value for key, value in group.items() if key != "params"}, "params": positions})
+    optimizer_states, first = [], 0
+    for count in counts:
+        state, groups, position = {}, [], 0
+        for group, names in zip(named["param_groups"][first : first + count], order[first : first + count]):
+            positions = []
+            for name in names:
+                if name in named["state"]:
+                    state[position] = named["state"][name]
+                positions.append(position)
+                position += 1
+            groups.append({**{key: value for key, value in group.items() if key != "params"}, "params": positions})
+        optimizer_states.append({"state": state, "param_groups": groups})
+        first += count
     lightning = {key: value for key, value in extra.items() if key != OPTIMIZER_ORDER}
-    return {**lightning, **consolidated, "optimizer_states": [{"state": state, "param_groups": groups}]}
+    return {**lightning, **consolidated, "optimizer_states": optimizer_states}
 
 
 def _lightning_weights_checkpoint(extra: dict[str, Any], weights: dict[str, torch.Tensor]) -> dict[str, Any]:

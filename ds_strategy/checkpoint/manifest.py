@@ -54,6 +54,7 @@ class StateKind(str, enum.Enum):
 
     ELEMENTWISE = "elementwise"  # shaped like the parameter (Adam's exp_avg): stored as pieces, like the parameter
     SCALAR = "scalar"  # one value per parameter (Adam's step): written once, by the rank holding its first element
+    WHOLE = "whole"  # another shape (Adafactor's row statistics), of a whole-tensor optimizer: written like a scalar
 
 
 @dataclass(frozen=True)

@@ -52,8 +52,8 @@ class ZeroFabricCheckpointing:
                 "ZeroFabricStrategy.save_checkpoint(..., storage_options=...) is not supported: it writes "
                 "sharded checkpoint directories itself, not through a CheckpointIO plugin"
             )
-        engine, module_key, optimizer_key = self._engine_keys(state, "save")
-        filtered = sorted({module_key, optimizer_key} & set(filter or {}))
+        engine, module_key, optimizer_keys = self._engine_keys(state, "save")
+        filtered = sorted({module_key, *optimizer_keys} & set(filter or {}))
         if filtered:
             raise NotImplementedError(
                 f"fabric.save(filter=...) for {filtered}: the sharded model and optimizer are "
@@ -61,7 +61,7 @@ class ZeroFabricCheckpointing:
             )
         extra: dict[str, Any] = {}
         for key, obj in state.items():
-            if key in (module_key, optimizer_key):
+            if key in (module_key, *optimizer_keys):
                 extra[key] = IN_SHARDS
             else:
                 _apply_filter(key, filter or {}, obj.state_dict() if isinstance(obj, _Stateful) else obj, extra)
@@ -70,7 +70,7 @@ class ZeroFabricCheckpointing:
             engine.module,
             engine,
             extra=extra,
-            with_optimizer=optimizer_key is not None,
+            with_optimizer=bool(optimizer_keys),
         )
 
     def load_checkpoint(
@@ -99,13 +99,13 @@ class ZeroFabricCheckpointing:
                 f"set up by fabric.setup, with its optimizer if it should be restored too, e.g. "
                 f"fabric.load(path, {{'model': model, 'optimizer': optimizer}})"
             )
-        engine, module_key, optimizer_key = self._engine_keys(state, "load")
+        engine, module_key, optimizer_keys = self._engine_keys(state, "load")
         saved = _saved_entries(path)
         _validate_keys_for_strict_loading(state.keys(), saved.keys(), strict=strict)
-        load_optimizer = optimizer_key is not None and _is_marker(saved.get(optimizer_key))
+        load_optimizer = bool(optimizer_keys) and all(_is_marker(saved.get(key)) for key in optimizer_keys)
         remainder = checkpoint.load(path, engine.module, engine, load_optimizer=load_optimizer, strict=strict)
         for key, obj in state.items():
-            if key in (module_key, optimizer_key) or key not in remainder:
+            if key in (module_key, *optimizer_keys) or key not in remainder:
                 continue
             if isinstance(obj, _Stateful):
                 obj.load_state_dict(remainder.pop(key))
@@ -136,7 +136,7 @@ class ZeroFabricCheckpointing:
 
     def _refuse_optimizer_from_file(self, path: str, state: Any) -> None:
         """A set-up optimizer in ``state`` cannot take the unsharded optimizer state a single file holds."""
-        held = {id(engine.optimizer) for engine in self.engines if engine.optimizer is not None}
+        held = {id(optimizer) for engine in self.engines for optimizer in engine.optimizers}
         keys = [key for key, obj in (state or {}).items() if id(obj) in held] if isinstance(state, dict) else []
         if keys:
             raise ValueError(
@@ -146,8 +146,9 @@ class ZeroFabricCheckpointing:
                 f"directory written by ZeroFabricStrategy"
             )
 
-    def _engine_keys(self, state: dict[str, Any], verb: str) -> tuple[ZeroEngine, str, str | None]:
-        """The engine of the one set-up model in ``state``, its key, and its optimizer's key (optional)."""
+    def _engine_keys(self, state: dict[str, Any], verb: str) -> tuple[ZeroEngine, str, list[str]]:
+        """The engine of the one set-up model in ``state``, its key, and its optimizers' keys: all of them, or
+        (saving or loading the weights alone) none."""
         if not self.engines:
             raise RuntimeError(
                 f"fabric.{verb}: call fabric.setup(model, optimizer) first; the checkpoint is written "
@@ -162,8 +163,14 @@ class ZeroFabricCheckpointing:
                 f"save each sharded model, with its optimizer, to its own path"
             )
         module_key, engine = modules[0]
-        optimizers = [key for key, obj in state.items() if obj is engine.optimizer and obj is not None]
-        return engine, module_key, optimizers[0] if optimizers else None
+        optimizer_keys = [key for key, obj in state.items() if engine.holds(obj)]
+        if optimizer_keys and len(optimizer_keys) != len(engine.optimizers):
+            raise ValueError(
+                f"fabric.{verb}(path, state): the state holds {len(optimizer_keys)} of the {len(engine.optimizers)} "
+                f"optimizers training the model ({optimizer_keys}); their states are saved together, so pass all "
+                f"of them, or none for the weights alone"
+            )
+        return engine, module_key, optimizer_keys
 
 
 def _saved_entries(path: str) -> dict[str, Any]:

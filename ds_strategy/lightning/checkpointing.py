@@ -38,12 +38,16 @@ class ZeroCheckpointing:
     _optimizer_order: list[list[str]] | None = None
     _fit_engine = None  # the fit's engine while validate/test/predict run on one without its optimizer
 
-    def record_optimizer_order(self, optimizer) -> None:
-        """Remember, per param group, the names of the parameters in the order ``optimizer`` lists them, for
-        ``ds-strategy consolidate`` to key the optimizer state by position as Lightning does ("" for a parameter
-        outside the module, which keeps its position and has no state)."""
+    def record_optimizer_order(self, optimizers: list) -> None:
+        """Remember, per param group (every optimizer's, one after another), the names of the parameters in the
+        order the optimizers list them, for ``ds-strategy consolidate`` to key the optimizer state by position as
+        Lightning does ("" for a parameter outside the module, which keeps its position and has no state)."""
         names = {id(p): name for name, p in self.lightning_module.named_parameters()}
-        self._optimizer_order = [[names.get(id(p), "") for p in group["params"]] for group in optimizer.param_groups]
+        self._optimizer_order = [
+            [names.get(id(p), "") for p in group["params"]]
+            for optimizer in optimizers
+            for group in optimizer.param_groups
+        ]
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -88,12 +92,12 @@ class ZeroCheckpointing:
         """
         if fitting:
             self._fit_engine = None
-        elif self.engine is not None and self.engine.optimizer is not None:
+        elif self.engine is not None and self.engine.optimizers:
             self._fit_engine = None if self.engine.plan.offloads_optimizer else self.engine
 
     def _optimizer_engine(self):
         """The engine whose optimizer state a save writes: this one's, else the fit's kept for it (or None)."""
-        if self.engine is not None and self.engine.optimizer is not None:
+        if self.engine is not None and self.engine.optimizers:
             return self.engine
         return self._fit_engine
 
@@ -172,11 +176,12 @@ class ZeroCheckpointing:
             )
         load_weights(self.engine, loaded.pop("state_dict"))
         saved_optimizers = loaded.pop("optimizer_states", None)
-        if fitting and saved_optimizers and self.engine.optimizer is not None:
-            groups = saved_optimizers[0].get("param_groups", [])
-            if len(groups) == len(self.engine.optimizer.param_groups):
-                for group, saved in zip(self.engine.optimizer.param_groups, groups):
-                    group.update({key: value for key, value in saved.items() if key != "params"})
+        if fitting and saved_optimizers and self.engine.optimizers:
+            for optimizer, saved_optimizer in zip(self.engine.optimizers, saved_optimizers):
+                groups = saved_optimizer.get("param_groups", [])
+                if len(groups) == len(optimizer.param_groups):
+                    for group, saved in zip(optimizer.param_groups, groups):
+                        group.update({key: value for key, value in saved.items() if key != "params"})
             warnings.warn(
                 f"{path} is a single-file checkpoint: its weights, loops, schedulers and callbacks are restored, and "
                 f"its optimizer's hyperparameters, but its optimizer state (moments) is not cut into ZeRO shards and "

@@ -7,7 +7,9 @@ holding and reading that same object: its ``param_groups`` (learning rate includ
 every step and its ``state`` holds torch's own state layout. For Adam, AdamW, Adagrad and SGD the offloaded
 masters are stepped by :mod:`.cpu_adam`'s kernels; their ``.grad`` stays None, so the ``optimizer.step()`` that
 follows (for masters kept on the device, and for the optimizer's hooks and its LR scheduler's bookkeeping) skips
-them. Any other optimizer is stepped by its own ``step`` on the host tensors.
+them. Any other optimizer is stepped by its own ``step`` on the host tensors, and so is a whole-tensor optimizer
+(Muon): each rank's host step runs on the whole parameters it owns. Each of several optimizers training one model
+has a host optimizer of its own, over its own flat parameters.
 
 Note: [Gradients to the host]
 On a CUDA device, at stage 2/3, every reduced gradient slice goes to the flat buffer's fp32 host buffer as soon as it
@@ -84,8 +86,13 @@ class _EarlyCopy(NamedTuple):
     version: int
 
 
+def flat_params_of(context: StepContext, optimizer_index: int) -> list[FlatParam]:
+    """The flat parameters optimizer ``optimizer_index`` of ``context`` steps, in engine order."""
+    return [fp for fp in context.flat_params if fp.optimizer_index == optimizer_index]
+
+
 class HostOptimizer:
-    """Steps the offloaded share of the user's optimizer on the host.
+    """Steps the offloaded share of one of the user's optimizers on the host.
 
     See Note: [The user's optimizer stays the optimizer].
     """
@@ -93,17 +100,21 @@ class HostOptimizer:
     def __init__(
         self,
         context: StepContext,
+        optimizer_index: int,
         directory: RunDirectory | None,
         params: ParamOffload | None,
         pinned: PinnedHostMemory | None,
         transfers: Transfers | None,
+        others: GradientStore | None = None,
     ):
-        """``pinned``: where host buffers that are copied to or from the device come from (None: pageable);
-        ``transfers``: the device's copies (None on a CPU device, where the host step reads gradients in place)."""
+        """``optimizer_index``: which of ``context.optimizers`` this steps. ``pinned``: where host buffers that are
+        copied to or from the device come from (None: pageable); ``transfers``: the device's copies (None on a CPU
+        device, where the host step reads gradients in place). ``others``: where the gradients of flat buffers this
+        does not step are summed (another optimizer's host buffers; by default on the device)."""
         offload = self.offload = context.offload
-        self.optimizer, self.pinned, self.device = context.optimizer, pinned, context.device
+        self.optimizer, self.pinned, self.device = context.optimizers[optimizer_index], pinned, context.device
         self.rule = rule_for(self.optimizer)
-        self.flat_params = offloaded_flat_params(context.flat_params, offload.offload_ratio)
+        self.flat_params = offloaded_flat_params(flat_params_of(context, optimizer_index), offload.offload_ratio)
         self.indices = {fp.index for fp in self.flat_params}
         self.transfers = transfers
         self.copies_grads = transfers is not None
@@ -131,7 +142,7 @@ class HostOptimizer:
         self._early_copies: dict[int, _EarlyCopy] = {}
         self._arriving: dict[int, Done] = {}  # fp.index -> the step's gradient copy to the host (see host_grad)
         self._staging: torch.Tensor | None = None
-        self.gradients: GradientStore = DeviceGradients()
+        self.gradients: GradientStore = others or DeviceGradients()
         if transfers is not None:  # Note: [Reduced gradients leave the device]
             held = {fp.index for fp in self.flat_params if fp.policy.grads}
             self.gradients = HostGradients(held, self._host_grad, transfers, self.gradients)
@@ -147,19 +158,21 @@ class HostOptimizer:
 
     # -- NVMe ---------------------------------------------------------------------------------------------------
     @staticmethod
-    def nvme_bytes(context: StepContext) -> int:
-        """Bytes of the master and state files this rank's NVMe optimizer offload will create."""
-        rule, optimizer, copies = rule_for(context.optimizer), context.optimizer, context.device.type != "cpu"
+    def nvme_bytes(context: StepContext, optimizer_index: int) -> int:
+        """Bytes of the master and state files this rank's NVMe offload of that optimizer will create."""
+        optimizer, copies = context.optimizers[optimizer_index], context.device.type != "cpu"
+        rule = rule_for(optimizer)
         if rule is None:
             return 0
         return sum(
             fp.master.numel() * fp.master.element_size() * (1 + len(_state_keys(rule, optimizer, fp)))
             + _grad_file_numel(fp, copies) * torch.empty((), dtype=_grad_file_dtype(fp, copies)).element_size()
-            for fp in offloaded_flat_params(context.flat_params, context.offload.offload_ratio)
+            for fp in offloaded_flat_params(flat_params_of(context, optimizer_index), context.offload.offload_ratio)
         )
 
     def _move_masters_to_files(self, directory: RunDirectory) -> None:
-        for index, fp in enumerate(self.flat_params):
+        for fp in self.flat_params:
+            index = fp.index  # file names unique across the optimizers' host optimizers
             dtype, numel = fp.master.dtype, fp.master.numel()
             files = {"master": directory.new_file(f"flat{index}.master", numel, dtype)}
             for key in _state_keys(self.rule, self.optimizer, fp):
@@ -274,26 +287,27 @@ class HostOptimizer:
             done.synchronize()
 
     # -- step ---------------------------------------------------------------------------------------------------
-    def step(self, grads: list[torch.Tensor]) -> set[int]:
-        """Step the offloaded flat parameters that have a host kernel (``grads`` by ``fp.index``), writing their
-        updated parameters back; returns their indices (none without a kernel: the caller's
-        ``optimizer.step()`` does it)."""
-        if self.rule is None or self.swapper is not None:
-            for fp in self.flat_params:
+    def step(self, pairs: list[tuple[FlatParam, torch.Tensor]]) -> set[int]:
+        """Step the offloaded elementwise flat parameters among ``pairs`` (flat parameter, host gradient) with the
+        host kernel, writing their updated parameters back; returns their indices (none without a kernel: the
+        caller's ``optimizer.step()`` steps the rest, whole-tensor ones included)."""
+        kernel = [
+            (fp, grad) for fp, grad in pairs if self.rule is not None and fp.index in self.indices and not fp.whole
+        ]
+        if len(kernel) < len(pairs) or self.swapper is not None:
+            for fp, _ in pairs:
                 self._arrived(fp)
-        if self.rule is None:
-            return set()
         sub_groups = []
-        for fp in self.flat_params:
+        for fp, grad in kernel:
             group, state = self.optimizer.param_groups[fp.group_index], self.optimizer.state[fp.master]
             if self.swapper is not None:
-                sub_groups += self._sub_groups(fp, group, state, grads[fp.index])
+                sub_groups += self._sub_groups(fp, group, state, grad)
             else:
                 self._arrived(fp)
-                self._step_in_memory(fp, group, state, grads[fp.index])
+                self._step_in_memory(fp, group, state, grad)
         if sub_groups:
             self.swapper.run(sub_groups)
-        return set(self.indices)
+        return {fp.index for fp, _ in kernel}
 
     def _step_in_memory(self, fp: FlatParam, group: dict, state: dict, grad: torch.Tensor) -> None:
         master = fp.master
@@ -341,7 +355,7 @@ class HostOptimizer:
                 placed[file.view.untyped_storage().data_ptr()] = "nvme"
             separate = fp.master.untyped_storage().data_ptr() != fp.master_region().untyped_storage().data_ptr()
             tensors = [fp.master] if separate else []  # else it is the parameters, which the report counts there
-            tensors += [v for v in self.optimizer.state.get(fp.master, {}).values() if torch.is_tensor(v)]
+            tensors += [v for state in self._states(fp) for v in state.values() if torch.is_tensor(v)]
             if (
                 not self.copies_grads
                 and fp.grad_shard is not None
@@ -364,13 +378,17 @@ class HostOptimizer:
         owned += [("buffers", t) for t in ([self._staging] if self._staging is not None else [])]
         owned += [("buffers", t) for t in (self.swapper.buffer_tensors() if self.swapper else [])]
         for fp in self.flat_params:
-            present = {id(v) for v in self.optimizer.state.get(fp.master, {}).values()}
+            present = {id(v) for state in self._states(fp) for v in state.values()}
             owned += [
                 ("optimizer", f.view)
                 for key, f in self.files.get(fp.index, {}).items()
                 if key != "master" and id(f.view) not in present
             ]
         return owned
+
+    def _states(self, fp: FlatParam) -> list[dict]:
+        """The optimizer's state of ``fp``: the master's, or each whole parameter's."""
+        return [self.optimizer.state.get(param, {}) for param in fp.optimizer_params()]
 
     def all_files(self) -> list[SwapFile]:
         return [file for files in self.files.values() for file in files.values()] + list(self.grad_files.values())

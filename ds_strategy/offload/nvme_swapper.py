@@ -178,7 +178,8 @@ class SwapFile:
         self.itemsize = torch.empty((), dtype=dtype).element_size()
         self.fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.posix_fallocate(self.fd, 0, numel * self.itemsize)
+            if numel:  # a rank may own nothing of a buffer (Note: [Whole parameters on owner ranks])
+                os.posix_fallocate(self.fd, 0, numel * self.itemsize)
         except OSError:
             os.close(self.fd)
             raise
@@ -192,6 +193,8 @@ class SwapFile:
     @property
     def view(self) -> torch.Tensor:
         """The file as a 1-D tensor (a shared map; see [Files, page cache and the tensors others see])."""
+        if self._view is None and not self.numel:
+            self._view = torch.empty(0, dtype=self.dtype)  # nothing to map
         if self._view is None:
             self._map = mmap.mmap(self.fd, self.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             self._view = torch.frombuffer(self._map, dtype=self.dtype)

@@ -46,14 +46,15 @@ class GradStats:
 
 def unscale_and_check_shards(
     grads: list[torch.Tensor],
-    inv_scale: float,
+    inv_scale: float | list[float],
     collectives,
     sharded: bool,
     weights: list[float] | None = None,
     model_parallel: tuple = (),
     device: torch.device | None = None,
 ) -> GradStats:
-    """Multiply each flat gradient in ``grads`` by ``inv_scale`` in place and return the agreed statistics.
+    """Multiply each flat gradient in ``grads`` by ``inv_scale`` (one for all, or one each: 1.0 for a gradient
+    unscaled already) in place and return the agreed statistics.
 
     ``sharded``: each rank holds different gradient elements (ZeRO stage >= 1), so squared norms are summed
     across ranks; otherwise (stage 0) they are identical on every rank and only the inf flag is combined.
@@ -66,8 +67,9 @@ def unscale_and_check_shards(
     """
     device = device or (grads[0].device if grads else torch.device("cpu"))
     local = torch.zeros(2, dtype=torch.float32, device=device)
-    for grad, weight in zip(grads, weights or [1.0] * len(grads)):
-        sq_norm, found_inf = unscale_and_check(grad, inv_scale)
+    scales = inv_scale if isinstance(inv_scale, list) else [inv_scale] * len(grads)
+    for grad, scale, weight in zip(grads, scales, weights or [1.0] * len(grads)):
+        sq_norm, found_inf = unscale_and_check(grad, scale)
         local[0] += (sq_norm * weight).to(device)
         local[1] += found_inf.to(device)
     agreed = local.clone()

@@ -4,6 +4,8 @@ A :class:`FlatParam` is the engine's atom: the parameters of a unit that share a
 end to end in one 1-D buffer, padded so that every rank owns an equal contiguous shard. The module's parameters
 become views into the full buffer; the optimizer sees only this rank's shard. Which of the three states (full
 parameters, gradients, optimizer state) are partitioned is a :class:`ShardPolicy`, so stages 0-3 are one code path.
+The parameters of a whole-tensor optimizer are laid out owner by owner instead, each rank's region holding the
+whole parameters it owns (Note: [Whole parameters on owner ranks] in :mod:`.owner_layout`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch import nn
 
 from ..parallel.dtensor_params import TensorParallelSpec, local_tensor, point_param_at, spec_of
 from ..zero_plan import FlatDtypes, ShardPolicy
+from .owner_layout import owned_elements
 from .param_types import parameter_like
 
 __all__ = ["FlatParam", "ParamSlot", "ShardPolicy"]
@@ -71,13 +74,24 @@ class FlatParam:
         device: torch.device,
         shard_store: Callable[[FlatParam, torch.Tensor], torch.Tensor] | None = None,
         tied_copy: bool = False,
+        whole: bool = False,
+        owners: list[int] | None = None,
+        optimizer_index: int = 0,
     ):
+        """``group_index``: the param group, of optimizer ``optimizer_index``, that holds ``params``. ``whole``:
+        the optimizer steps each parameter whole (views shaped like them), not the flat shard. ``owners``: the
+        owner rank of each of ``params`` (a whole-tensor optimizer's, partitioned): the buffer is laid out owner
+        by owner and each rank's region is what it owns; None: equal padded shards."""
+        if owners is not None:
+            order = sorted(range(len(params)), key=lambda i: owners[i])
+            params, owners = [params[i] for i in order], [owners[i] for i in order]
         self.index = index  # position in the engine's flat_params: the key of per-buffer state elsewhere
         self.name = name
         self.shard_store = shard_store  # (fp, values) -> where a partitioned shard lives; None: a clone in memory
         self.tied_copy = tied_copy  # its parameters are tied copies another pipeline stage owns and saves
         self.params = [p for _, p in params]
         self.group_index = group_index
+        self.optimizer_index = optimizer_index
         self.policy = policy
         self.rank = rank
         self.world_size = world_size
@@ -92,9 +106,17 @@ class FlatParam:
             self.slots.append(ParamSlot(pname, local.shape, offset, local.numel(), local.dtype, spec_of(p)))
             offset += local.numel()
         self.numel = offset
-        self.shard_numel = max(1, math.ceil(offset / world_size))
-        self.padded_numel = self.shard_numel * world_size
-        self.shard_offset = rank * self.shard_numel
+        self.whole = whole
+        # (offset, length) of every rank's region when they differ (owner layout), else None: equal shards
+        self.regions: tuple[tuple[int, int], ...] | None = None
+        if owners is None:
+            self.shard_numel = max(1, math.ceil(offset / world_size))
+            self.padded_numel = self.shard_numel * world_size
+            self.shard_offset = rank * self.shard_numel
+        else:
+            self.regions = _owner_regions([slot.numel for slot in self.slots], owners, world_size)
+            self.shard_offset, self.shard_numel = self.regions[rank]
+            self.padded_numel = offset
         self.device = device
         self.full = torch.empty(self.padded_numel, dtype=self.compute_dtype, device=device)
         self.free_full()  # storage comes one unit at a time, when the unit is adopted (see zero.placement)
@@ -103,6 +125,7 @@ class FlatParam:
         self.grad_full: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
         self._shard_source: Callable[[], torch.Tensor] | None = None  # see relocate_shard
+        self._optimizer_params: list[torch.Tensor] | None = None  # see optimizer_params
 
     # -- construction -----------------------------------------------------------------------------------------
     def adopt_params(self) -> torch.Tensor:
@@ -199,6 +222,7 @@ class FlatParam:
     def relocate_master(self, master: torch.Tensor) -> None:
         """The optimizer's master now lives in ``master`` (host memory, or an NVMe file's map)."""
         self.master = master
+        self._optimizer_params = None
 
     def relocate_grad_shard(self, grad_shard: torch.Tensor) -> None:
         """The reduced gradient shard now lives in ``grad_shard`` (an NVMe file's map, on a CPU device)."""
@@ -263,6 +287,26 @@ class FlatParam:
         if region.data_ptr() != self.master.data_ptr():
             region.copy_(self.master)
 
+    # -- what the optimizer steps -------------------------------------------------------------------------------
+    def optimizer_params(self) -> list[torch.Tensor]:
+        """The tensors the optimizer holds for this buffer: ``master`` itself, or for a whole-tensor optimizer a
+        view of ``master`` per whole parameter in it, shaped like the parameter. The same objects every call (the
+        optimizer keys its state by them) until the master is relocated."""
+        if self._optimizer_params is None:
+            self._optimizer_params = self.optimizer_views(self.master)
+        return self._optimizer_params
+
+    def optimizer_views(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """``tensor``, laid out like ``master`` (its gradient, a state), as the optimizer sees it: itself, or one
+        view per whole parameter (see :meth:`optimizer_params`)."""
+        if not self.whole:
+            return [tensor]
+        views = []
+        for slot, start, length in self.master_slots():
+            assert start == 0 and length == slot.numel, f"{self.name}: {slot.name} is not whole on this rank"
+            views.append(tensor.narrow(0, slot.offset - self.master_base, slot.numel).view(slot.shape))
+        return views
+
     # -- introspection ------------------------------------------------------------------------------------------
     def slot_pieces(self, lo: int, hi: int) -> list[tuple[ParamSlot, int, int]]:
         """(slot, start within the slot, length) for each parameter piece inside flat positions ``[lo, hi)``."""
@@ -283,7 +327,12 @@ class FlatParam:
         return self.slot_pieces(self.master_base, self.master_base + self.master.numel())
 
     def __repr__(self) -> str:
-        return (
-            f"FlatParam({self.name}, numel={self.numel}, shard={self.shard_numel}x{self.world_size}, "
-            f"policy={self.policy})"
-        )
+        shards = f"{self.shard_numel}x{self.world_size}" if self.regions is None else f"owned {self.regions}"
+        return f"FlatParam({self.name}, numel={self.numel}, shard={shards}, policy={self.policy})"
+
+
+def _owner_regions(sizes: list[int], owners: list[int], world_size: int) -> tuple[tuple[int, int], ...]:
+    """(offset, length) of each rank's region of a buffer whose parameters (of ``sizes``) are sorted by owner."""
+    lengths = owned_elements(sizes, owners, world_size)
+    starts = [sum(lengths[:r]) for r in range(world_size)]
+    return tuple(zip(starts, lengths))

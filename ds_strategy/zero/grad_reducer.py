@@ -241,7 +241,12 @@ class GradReducer:
         with profiler_range("grad.reduce", fp.name):
             if fp.policy.grads:
                 scratch = self._scratch_for(fp)
-                if self.quantized_reduce_scatter is not None:
+                if fp.regions is not None:  # owner layout: exact, each region to its owner (never quantised)
+                    out = scratch.narrow(0, fp.shard_offset, fp.shard_numel)
+                    pending = self.collectives.reduce_scatter(
+                        out, scratch, label=f"gradients of {fp.name}", regions=fp.regions
+                    )
+                elif self.quantized_reduce_scatter is not None:
                     out = torch.empty(fp.shard_numel, dtype=torch.float32, device=scratch.device)
                     pending = self.quantized_reduce_scatter(out, scratch, label=f"gradients of {fp.name}")
                 else:
@@ -253,13 +258,16 @@ class GradReducer:
                     pending = self.collectives.reduce_scatter(out, scratch, label=f"gradients of {fp.name}")
                 launched = _Reduction(pending, fp, out, _Kind.SCATTERED, scratch.numel())
             elif fp.policy.optimizer and not self.collectives.use_all_reduce:
-                send = fp.grad_full.to(self._comm_dtype(fp))
+                # reducing regions to their owners writes into what it sends: never grad_full itself
+                send = fp.grad_full.to(self._comm_dtype(fp), copy=fp.regions is not None)
                 out = (
                     fp.grad_shard
                     if fp.grad_shard.dtype == send.dtype
                     else torch.empty(fp.shard_numel, dtype=send.dtype, device=send.device)
                 )
-                pending = self.collectives.reduce_scatter(out, send, label=f"gradients of {fp.name}")
+                pending = self.collectives.reduce_scatter(
+                    out, send, label=f"gradients of {fp.name}", regions=fp.regions
+                )
                 launched = _Reduction(pending, fp, out, _Kind.SCATTERED_ONCE, 0)
             else:
                 send = fp.grad_full.to(self._comm_dtype(fp))
