@@ -90,7 +90,8 @@ def _whole_master(engine: ZeroEngine, fp: FlatParam) -> torch.Tensor:
     if not fp.policy.params and _same_storage(fp.master, fp.full):
         return fp.full
     whole = torch.empty(fp.padded_numel, dtype=fp.master.dtype, device=engine.device)
-    engine.collectives.all_gather(whole, fp.master.to(engine.device), label=f"export {fp.name}").wait()
+    shard = fp.master.to(engine.device)
+    engine.collectives.all_gather(whole, shard, label=f"export {fp.name}", regions=fp.regions).wait()
     return whole
 
 
