@@ -28,8 +28,13 @@ Activations are not model state and are not estimated.
 Note: [Offload (DeepSpeed's ZeRO-Offload and ZeRO-Infinity semantics)]
 ``offload_optimizer="cpu"`` (stage >= 1) moves the optimizer state to host memory, together with the fp32 gradient
 partition the host optimizer reads; ``"nvme"`` (stage >= 1, as the engine allows) moves the optimizer state to NVMe.
-``offload_params="cpu"|"nvme"`` (stage 3) keeps each rank's parameter partition there; the gathered working set stays on
-the device. Staging buffers of the NVMe path are not counted.
+At stage 2/3 the device then keeps no gradient: each reduced slice is summed into the host partition as it is
+reduced (Note: [Reduced gradients leave the device] in ``ds_strategy.offload.host_gradients``), so device gradients
+count 0 and only the reduction buckets remain; at stage 1 the whole gradient stays on the device, where it is
+accumulated. ``offload_params="cpu"|"nvme"`` (stage 3) keeps each rank's parameter partition there; the gathered
+working set stays on the device. Staging buffers of the NVMe path are not counted. With ``pin_memory`` the host
+buffers the device copies (parameter and gradient partitions, staging) are pinned within a budget, the rest stays
+pageable (Note: [Pinned host memory is bounded] in ``ds_strategy.offload.pinned``).
 """
 
 from __future__ import annotations

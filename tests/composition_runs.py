@@ -16,7 +16,9 @@ Every Lightning cell's ``configure_model`` also creates tensors that are not par
 LightningModule, a torchmetrics ``MeanMetric`` updated with each step's loss), which must be real and hold their
 values under every stage (Lightning builds parameters only on meta): the outcome's ``extras``. ``BF16_CELLS`` run
 ``init_module()`` under "bf16-true", which creates 16-bit weights; they are outside the fp32 pairwise set and are
-checked against a bf16 reference (see ``test_composition_matrix``).
+checked against a bf16 reference (see ``test_composition_matrix``). ``EXPORT_CELLS`` train under "bf16-mixed" and
+record, besides, what the entry point's own export returns and the checkpoint it writes (Note: [What an export
+returns] in ``ds_strategy.zero.full_state_dict``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import functools
 import itertools
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -194,6 +197,22 @@ BF16_CELLS = (
 )
 
 
+# "bf16-mixed" (issue 41): the entry point's export (``full_state_dict``, ``get_module_state_dict``,
+# ``get_state_dict``; Lightning's ``lightning_module_state_dict`` takes the same path, tested with the data-parallel
+# runs of ``test_export_masters``) under tensor and pipeline parallelism and the builds that keep the model's fp32
+# weights, against the file ``consolidate`` writes of the checkpoint the entry point saved.
+EXPORT_CELLS = (
+    Cell("sync_module_states", "dp x tp", 1, "engine", "bf16-mixed"),
+    Cell("load_pretrained", "pp x dp", 2, "accelerate", "bf16-mixed"),
+    Cell("normal", "tp", 0, "fabric", "bf16-mixed"),
+)
+
+
+def export_dir(pretrained: str, cell: Cell) -> Path:
+    """Where an export cell's entry point saves its checkpoint (beside the pretrained weights)."""
+    return Path(pretrained).parent / "exports" / cell.id
+
+
 def pairwise_cells() -> list[Cell]:
     """A deterministic greedy pairwise-covering set: every pair of values of two axes appears in some cell (a build
     path an entry point does not have pairs with no cell). Starting from ``REQUIRED``, each round takes the cell
@@ -232,16 +251,17 @@ def user_parallelize(model, tp_mesh) -> None:
         parallelize_module(layer, tp_mesh, LAYER_PLAN)
 
 
-def reference(seed: int, dtype: torch.dtype = torch.float32) -> dict:
+def reference(seed: int, dtype: torch.dtype = torch.float32, autocast: torch.dtype | None = None) -> dict:
     """One process, the normally built model (converted to ``dtype``), SGD at lr 1 on each whole global batch (mean
-    token loss)."""
+    token loss), its forward in ``torch.autocast`` to ``autocast`` if given."""
     torch.set_num_threads(1)
     model = build_model(seed).to(dtype)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     losses = []
     for x, y in batches(MODEL, STEPS, GLOBAL_BATCH):
-        loss = loss_fn(model(input_ids=x).logits, y)
+        with torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext():
+            loss = loss_fn(model(input_ids=x).logits, y)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -298,7 +318,8 @@ def run_cell(rank: int, world_size: int, cell: Cell, pretrained: str) -> dict:
     set_lightning_environment(rank)
     build, layout = BUILDS[cell.build], LAYOUTS[cell.layout]
     fields = {"stage": cell.stage, "precision": cell.precision, **layout.fields(), **dict(build.fields)}
-    return ENTRY_RUNNERS[cell.entry](rank, build, layout, fields, pretrained)
+    export_to = export_dir(pretrained, cell) if cell in EXPORT_CELLS else None
+    return ENTRY_RUNNERS[cell.entry](rank, build, layout, fields, pretrained, export_to)
 
 
 def _as_built(model: torch.nn.Module) -> dict:
@@ -309,13 +330,17 @@ def _as_built(model: torch.nn.Module) -> dict:
     }
 
 
-def _outcome(initial: dict, final: dict, held: set[str], built: dict, extras: dict | None = None) -> dict:
-    """The tensors this rank holds (a pipeline stage's), under the uncut model's names."""
+def _outcome(
+    initial: dict, final: dict, held: set[str], built: dict, extras: dict | None = None, export: dict | None = None
+) -> dict:
+    """The tensors this rank holds (a pipeline stage's), under the uncut model's names; ``export``: what the entry
+    point's export returned (export cells)."""
     return {
         "initial": {k: v for k, v in initial.items() if k in held},
         "final": {k: v for k, v in final.items() if k in held},
         **built,
         "extras": extras,
+        "export": export,
     }
 
 
@@ -323,10 +348,12 @@ def _unprefixed(state: dict) -> dict:
     return {k.removeprefix("model."): v for k, v in state.items()}
 
 
-def _engine_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrained: str) -> dict:
+def _engine_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrained: str, export_to) -> dict:
+    from ds_strategy import checkpoint
     from ds_strategy.checkpoint.pretrained import load_weights
     from ds_strategy.compose import build_mesh, compose_model
     from ds_strategy.config import ZeroConfig
+    from ds_strategy.precision import autocast_for
 
     config = ZeroConfig(**fields)
     mesh = build_mesh(config, "cpu")
@@ -340,19 +367,23 @@ def _engine_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrai
         load_weights(engine, pretrained)
     initial = engine.full_state_dict(rank0_only=False)
     for x, y in _my_batches(layout, rank):
-        if runner is not None:
-            runner.train_step(x, y, loss_fn, 1.0)
-        else:
-            engine.backward(_sp_loss(model, x, y, mesh.sp_group) if layout.sp > 1 else _plain_loss(model, x, y))
+        with autocast_for(config.precision, "cpu"):
+            if runner is not None:
+                runner.train_step(x, y, loss_fn, 1.0)
+            else:
+                engine.backward(_sp_loss(model, x, y, mesh.sp_group) if layout.sp > 1 else _plain_loss(model, x, y))
         engine.step()
     held = set(dict(model.named_parameters())) | set(dict(model.named_buffers()))
-    return _outcome(initial, engine.full_state_dict(rank0_only=False), held, built)
+    final = engine.full_state_dict(rank0_only=False)
+    if export_to is not None:
+        checkpoint.save(export_to, model, engine)
+    return _outcome(initial, final, held, built, export=final if export_to is not None else None)
 
 
 BUFFER_VALUE = 0.5  # the plain buffer every Lightning cell's configure_model creates
 
 
-def _lightning_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrained: str) -> dict:
+def _lightning_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrained: str, export_to) -> dict:
     import lightning as L
     import torchmetrics
     from torch.utils.data import DataLoader, TensorDataset
@@ -422,11 +453,15 @@ def _lightning_entry(rank: int, build: Build, layout: Layout, fields: dict, pret
     trainer.fit(module, DataLoader(data, batch_size=len(mine[0][0])))
     final = trainer.strategy.engine.full_state_dict(rank0_only=False)
     held = set(dict(module.named_parameters())) | set(dict(module.named_buffers()))
-    outcome = _outcome(module.initial, final, held, module.built, module.extras)
+    export = None
+    if export_to is not None:
+        export = _unprefixed(trainer.strategy.lightning_module_state_dict())
+        trainer.save_checkpoint(export_to)
+    outcome = _outcome(module.initial, final, held, module.built, module.extras, export)
     return {**outcome, "initial": _unprefixed(outcome["initial"]), "final": _unprefixed(outcome["final"])}
 
 
-def _fabric_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrained: str) -> dict:
+def _fabric_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrained: str, export_to) -> dict:
     import lightning as L
 
     from ds_strategy import ZeroFabricStrategy
@@ -444,7 +479,7 @@ def _fabric_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrai
         fabric.strategy.load_pretrained(pretrained)
     sp_group = fabric.strategy.device_mesh["sequence_parallel"].get_group() if layout.sp > 1 else None
     pipeline_step = functools.partial(fabric.strategy.pipeline_step, model)
-    return _train_prepared(
+    outcome = _train_prepared(
         fabric.strategy.engine,
         model,
         optimizer,
@@ -455,6 +490,10 @@ def _fabric_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrai
         pipeline_step=pipeline_step,
         sp_group=sp_group,
     )
+    if export_to is not None:
+        outcome["export"] = fabric.strategy.get_module_state_dict(model)
+        fabric.save(export_to, {"model": model, "optimizer": optimizer})
+    return outcome
 
 
 def _train_prepared(
@@ -473,7 +512,7 @@ def _train_prepared(
     return _outcome(initial, engine.full_state_dict(rank0_only=False), held, built)
 
 
-def _accelerate_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrained: str) -> dict:
+def _accelerate_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrained: str, export_to) -> dict:
     from accelerate import init_empty_weights
     from accelerate.state import AcceleratorState, GradientState
     from torch.utils.data import DataLoader, TensorDataset
@@ -496,7 +535,7 @@ def _accelerate_entry(rank: int, build: Build, layout: Layout, fields: dict, pre
         accelerator.load_pretrained(pretrained)
     sp_group = accelerator.torch_device_mesh["sp"].get_group() if layout.sp > 1 else None
     pipeline_step = functools.partial(accelerator.pipeline_step, model)
-    return _train_prepared(
+    outcome = _train_prepared(
         accelerator.engine,
         model,
         optimizer,
@@ -507,6 +546,10 @@ def _accelerate_entry(rank: int, build: Build, layout: Layout, fields: dict, pre
         pipeline_step=pipeline_step,
         sp_group=sp_group,
     )
+    if export_to is not None:
+        outcome["export"] = accelerator.get_state_dict(model)
+        accelerator.save_state(str(export_to))
+    return outcome
 
 
 ENTRY_RUNNERS = {

@@ -1,8 +1,8 @@
 """The documentation site holds what it promises.
 
-* Every ```` ```python ```` block of a page under ``docs/`` runs as a script, from an empty folder, and exits 0; a
-  block written ```` ```py ```` is a fragment that is only read. Some pages' blocks print what they promise, and
-  ``PROMISES`` checks it.
+* Every ```` ```python ```` block of a page under ``docs/`` runs as a script, from an empty folder, and exits 0 (or, for
+  the pages in ``IN_PROCESS``, runs in this process); a block written ```` ```py ```` is a fragment that is only read.
+  Some pages' blocks print what they promise, and ``PROMISES`` checks it.
 * Every Python block of the pages and of the README parses, and every ``ds_strategy`` name it imports exists.
 * The generated blocks (tables from ``ZeroConfig``, the presets and the DeepSpeed rules, the composition matrix, the
   index of Notes) are what ``python tests/docs_blocks.py`` writes now.
@@ -48,12 +48,17 @@ def _halves_the_optimizer_state(out: str) -> None:
 
 
 PROMISES = {"getting-started.md": _halves_the_optimizer_state}
+# Pages whose blocks start no process and set nothing process-wide (a single-process engine, asserts of their own):
+# they run in this process, which saves an interpreter's start and keeps them in the fast tier.
+IN_PROCESS = {"precision.md"}
 RUNNABLE = [(page, index, code) for page in PAGES for index, code in enumerate(_blocks(page, {"python"}))]
+SCRIPTS = [block for block in RUNNABLE if _name(block[0]) not in IN_PROCESS]
+EXECUTED = [block for block in RUNNABLE if _name(block[0]) in IN_PROCESS]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("page, index, code", RUNNABLE, ids=[f"{_name(p)}-{i}" for p, i, _ in RUNNABLE])
-def test_python_block_runs(tmp_path, page, index, code):
+@pytest.mark.parametrize("page, index, code", SCRIPTS, ids=[f"{_name(p)}-{i}" for p, i, _ in SCRIPTS])
+def test_python_block_runs_as_a_script(tmp_path, page, index, code):
     script = tmp_path / "snippet.py"
     script.write_text(code)
     # A rank process Lightning starts can end without flushing a buffered stdout; unbuffered, its lines get out.
@@ -62,8 +67,14 @@ def test_python_block_runs(tmp_path, page, index, code):
         PROMISES[_name(page)](output(result))
 
 
-def test_every_promise_has_a_block_to_check():
-    assert set(PROMISES) <= {_name(page) for page, _, _ in RUNNABLE}
+@pytest.mark.parametrize("page, index, code", EXECUTED, ids=[f"{_name(p)}-{i}" for p, i, _ in EXECUTED])
+def test_python_block_runs_in_this_process(page, index, code):
+    exec(compile(code, str(page), "exec"), {"__name__": "__main__"})
+
+
+def test_every_promise_and_in_process_page_has_a_block():
+    assert set(PROMISES) <= {_name(page) for page, _, _ in SCRIPTS}
+    assert IN_PROCESS <= {_name(page) for page, _, _ in EXECUTED}
 
 
 def _imported_names(code: str) -> list[tuple[str, str | None]]:

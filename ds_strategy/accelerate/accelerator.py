@@ -441,10 +441,11 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
         return self.consolidated_state_dict(model, rank0_only=False)
 
     def consolidated_state_dict(self, model: nn.Module, rank0_only: bool = True) -> dict[str, torch.Tensor]:
-        """The whole state dict of a prepared model, gathered unit by unit, in the dtype each tensor had when the
-        model was prepared: DDP's rule (it trains and saves the module as given, in autocast for "bf16"/"fp16"),
-        so an fp32 model trained in bf16 saves fp32 weights, from the fp32 masters. Every rank calls it; with
-        ``rank0_only`` the others return an empty dict and hold at most one gathered unit.
+        """The whole state dict of a prepared model, gathered one flat buffer at a time, in the dtype each tensor had
+        when the model was prepared: DDP's rule (it trains and saves the module as given, in autocast for
+        "bf16"/"fp16"), so an fp32 model trained in bf16 saves fp32 weights, from the fp32 masters (``ZeroEngine.
+        full_state_dict``), never the bf16 copy the forward computes with. Every rank calls it; with ``rank0_only``
+        the others return an empty dict and hold at most one gathered buffer.
 
         Its tensors are copies: the parameters themselves are views of the engine's flat buffers, which
         safetensors would take for shared tensors and drop.

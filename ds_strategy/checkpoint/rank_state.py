@@ -82,7 +82,8 @@ def describe(module: nn.Module, engine: ZeroEngine | None = None) -> dict[str, E
             entries[name] = Entry(Kind.ALIAS, alias_of=tied[name])
         elif id(tensor) in flat:
             fp, slot = flat[id(tensor)]
-            entries[name] = Entry(Kind.PARAMETER, global_shape(slot), group=fp.group_index)
+            dtype = str(slot.dtype).removeprefix("torch.")
+            entries[name] = Entry(Kind.PARAMETER, global_shape(slot), group=fp.group_index, dtype=dtype)
         elif id(tensor) in parameters:
             entries[name] = Entry(Kind.PARAMETER if tensor.requires_grad else Kind.FROZEN, tuple(tensor.shape))
         else:

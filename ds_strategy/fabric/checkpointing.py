@@ -8,6 +8,7 @@ are recorded in ``extra`` too, with a marker for a value, so ``fabric.load`` che
 the saved ones as Fabric does for a plain file. ``fabric.load`` may run at another world size, ZeRO stage,
 precision or offload setting; see :mod:`ds_strategy.checkpoint.directory` for the layout and atomicity. One
 checkpoint holds one sharded model (with several set up, save each to its own path), as with DeepSpeed and FSDP.
+``fabric.strategy.get_module_state_dict(model)`` gathers the whole state dict, from the fp32 masters.
 
 A single file (``torch.save``d, as DDP or one device write it) loads too, as DeepSpeed's ``load_full_weights``
 and FSDP load it: every rank reads the file, a model set up by ``fabric.setup`` takes its shards of the weights
@@ -24,6 +25,7 @@ from typing import Any
 
 from lightning.fabric.strategies.strategy import _apply_filter, _validate_keys_for_strict_loading
 from lightning.fabric.utilities.types import _Stateful
+from lightning.fabric.wrappers import _unwrap_objects
 from torch import nn
 from torch.optim import Optimizer
 
@@ -110,6 +112,15 @@ class ZeroFabricCheckpointing:
             else:
                 state[key] = remainder.pop(key)
         return {key: value for key, value in remainder.items() if not _is_marker(value)}
+
+    def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        """The whole state dict of a model set up by ``fabric.setup``, on every rank (a collective): trainable
+        parameters from the optimizer's masters in the dtype the model gave them (Note: [What an export returns] in
+        ``ds_strategy.zero.full_state_dict``). Any other module's own ``state_dict()``."""
+        engine = self._engine_of_module(_unwrap_objects(module))
+        if engine is None:
+            return super().get_module_state_dict(module)
+        return engine.full_state_dict(rank0_only=False)
 
     def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
         """A state dict read from a single file: a set-up model takes its shards of it, any other module all of it.

@@ -5,8 +5,9 @@ FSDP "sharded" checkpoints: the module and optimizer state written by every rank
 Lightning puts in a checkpoint (loops, LR schedulers, callbacks, precision plugin, hyperparameters) in rank 0's
 ``meta.pt``; see :mod:`ds_strategy.checkpoint.directory`. Nothing is gathered to save, the directory appears
 atomically, a save never replaces what is not a checkpoint of ours, and ``ckpt_path=`` may name a checkpoint saved
-at another world size or ZeRO stage, or a single Lightning file (DDP's, one device's). ``ds-strategy consolidate
---with-optimizer`` turns a directory back into a Lightning file (:func:`ds_strategy.checkpoint.consolidate`).
+at another world size or ZeRO stage, or a single Lightning file (DDP's, one device's). ``ds-strategy consolidate``
+turns a directory back into a Lightning file, weights only or (``--with-optimizer``) one a DDP fit resumes from
+(:func:`ds_strategy.checkpoint.consolidate`).
 
 Loading waits until after ``setup`` (the engine must exist to know this rank's shard) and restores model and
 optimizer inside ``load_checkpoint``, so Lightning's own model/optimizer restore steps have nothing left to do.
@@ -53,8 +54,10 @@ class ZeroCheckpointing:
         return False
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Every key of the module's ``state_dict`` as a whole tensor (parameters in fp32, gathered one unit at a
-        time), on every rank, as DDP, FSDP and DeepSpeed give it; a collective, so every rank calls it.
+        """Every key of the module's ``state_dict`` as a whole tensor, on every rank, as DDP, FSDP and DeepSpeed
+        give it; trainable parameters from the optimizer's masters in the dtype the module gave them (fp32 weights
+        of an fp32 model trained in bf16-mixed: Note: [What an export returns] in ``ds_strategy.zero.
+        full_state_dict``), gathered one flat buffer at a time. A collective, so every rank calls it.
 
         Note: [The module state Lightning saves is not gathered]
         Lightning asks for this in two places: ``trainer.save_checkpoint`` (through its checkpoint connector's

@@ -3,9 +3,10 @@
 Built from a :class:`~ds_strategy.zero.step_runner.StepContext` (flat parameters, optimizer, offload policy,
 device, rank) and nothing else of the engine. It places parameter shards (:class:`ParamOffload`) and optimizer work
 (:class:`HostOptimizer`) on the host or in NVMe files, which share one run directory, and then answers the
-engine's five calls: ``on_reduced`` (start a gradient's copy to the host), ``step`` (the host step, the user's
-``optimizer.step()`` for what stayed on the device, and the write-back), ``places`` / ``own_tensors`` /
-``describe`` (reports) and ``close`` (teardown: threads stopped, NVMe files removed).
+engine's five calls: ``on_reduced`` (start a stage-1 gradient's copy to the host), ``step`` (the host step, the
+user's ``optimizer.step()`` for what stayed on the device, and the write-back), ``places`` / ``own_tensors`` /
+``describe`` (reports) and ``close`` (teardown: threads stopped, NVMe files removed, pinned memory released); its
+``gradients`` sum stage 2/3 gradients in host buffers (:mod:`.host_gradients`).
 
 Note: [What NVMe offload keeps in memory]
 With stage 3, parameters and optimizer on NVMe, the files hold everything that grows with the model: per rank
@@ -35,10 +36,30 @@ from ..host_memory import map_large_blocks
 from ..profiler_ranges import profiler_range
 from ..zero.flat_param import FlatParam
 from ..zero.memory_report import PLACES
-from ..zero.step_runner import StepContext, step_on_device
+from ..zero.step_runner import DeviceGradients, GradientStore, StepContext, step_on_device
 from .host_optimizer import HostOptimizer
 from .nvme_swapper import RunDirectory
 from .param_offload import ParamOffload, ShardFiles
+from .pinned import PinnedHostMemory, pinned_memory_for
+from .transfers import Transfers, transfers_for
+
+
+class _ProfiledGradients:
+    """A :class:`~ds_strategy.zero.step_runner.GradientStore` whose adds (a reduced gradient on its way to the host
+    step) show in a profile as ``offload.grad_to_host``."""
+
+    def __init__(self, store: GradientStore):
+        self._store = store
+
+    def add(self, fp: FlatParam, reduced: torch.Tensor, scale: float) -> None:
+        with profiler_range("offload.grad_to_host", fp.name):
+            self._store.add(fp, reduced, scale)
+
+    def read(self, fp: FlatParam) -> torch.Tensor:
+        return self._store.read(fp)
+
+    def zero(self, fp: FlatParam) -> None:
+        self._store.zero(fp)
 
 
 class OffloadedStep:
@@ -54,10 +75,15 @@ class OffloadedStep:
             return ShardFiles(offload.nvme_path, rank)
         return None
 
-    def __init__(self, context: StepContext):
+    def __init__(
+        self, context: StepContext, transfers: Transfers | None = None, pinned: PinnedHostMemory | None = None
+    ):
+        """``transfers`` and ``pinned``: the device's copies and pinned host buffers, by default those of
+        ``context.device`` (none on a CPU device) and of ``pin_memory``; tests pass fakes."""
         offload = self.offload = context.offload
         self.flat_params = context.flat_params
-        pin = offload.pin_memory and context.device.type == "cuda"
+        transfers = transfers or transfers_for(context.device)
+        self.pinned = pinned or pinned_memory_for(context.device, offload.pin_memory)
         has_optimizer = context.optimizer is not None and offload.offload_optimizer != "none"
         nvme_bytes = ParamOffload.nvme_bytes(context.flat_params) if offload.offload_params == "nvme" else 0
         nvme_bytes += HostOptimizer.nvme_bytes(context) if has_optimizer and offload.offload_optimizer == "nvme" else 0
@@ -72,12 +98,13 @@ class OffloadedStep:
         self._closed = False
         try:
             if offload.offload_params != "none":
-                self.params = ParamOffload(context, offload.offload_params, self.directory, pin)
+                self.params = ParamOffload(context, offload.offload_params, self.directory, self.pinned, transfers)
             if has_optimizer:
-                self.host = HostOptimizer(context, self.directory, self.params, pin)
+                self.host = HostOptimizer(context, self.directory, self.params, self.pinned, transfers)
         except BaseException:
             self.close()
             raise
+        self.gradients = _ProfiledGradients(self.host.gradients if self.host is not None else DeviceGradients())
 
     def on_reduced(self, fp: FlatParam, grad: torch.Tensor) -> None:
         with profiler_range("offload.grad_to_host", fp.name):
@@ -88,6 +115,8 @@ class OffloadedStep:
         """The host (or NVMe) step of the offloaded flat parameters, the user's ``optimizer.step()`` for the rest,
         and every updated parameter written back where the forward pass reads it."""
         with profiler_range("offload.step"):
+            if self.params is not None:  # the host is about to rewrite parameter shards
+                self.params.wait_device_reads()
             stepped: set[int] = set()
             if self.host is not None:
                 grads = [self.host.host_grad(fp, grad) for fp, grad in zip(self.flat_params, grads)]
@@ -150,3 +179,5 @@ class OffloadedStep:
             self.params.close()
         if self.directory is not None:
             self.directory.close()
+        if self.pinned is not None:
+            self.pinned.release()

@@ -8,7 +8,7 @@ TRL is optional: the TRL trainers import it when first named.
 from ..optional_packages import needs
 
 # the whole adapter needs transformers, whose Trainer needs accelerate: without them, fail here saying what to install
-with needs("transformers", "accelerate", needed_by="ds_strategy.transformers"):
+with needs("transformers", "accelerate", needed_by="ds_strategy.transformers", extra="transformers"):
     from .pretrained import sharded_from_pretrained
     from .trainer import ZeroTrainer, ZeroTrainerMixin
     from .trainer_config import TrainerZeroConfig, fill_from_training_args, trainer_zero_config

@@ -20,7 +20,9 @@ from ..config import ZeroConfig
 from ..parallel.dtensor_params import local_tensor, point_param_at, spec_of
 from ..precision import GradStats, LossScaler, unscale_and_check_shards
 from ..profiler_ranges import profiler_range
+from .compile_boundary import eager_hook
 from .flat_param import FlatParam
+from .full_state_dict import compute_weights, gathered_state_dict, master_weights
 from .grad_reducer import GradReducer
 from .groups import EngineGroups
 from .hpz import WeightGather, hpz_collectives
@@ -180,11 +182,14 @@ class ZeroEngine:
             on_backward_end=self._end_of_backward if self.gatherer is not None else None,
             on_reduced=self.step_runner.on_reduced,
             quantized_reduce_scatter=qgz,
+            gradients=self.step_runner.gradients,
         )
         self.reducer.register_hooks()
-        self._hooks = [self.units[0].module.register_forward_pre_hook(lambda module, args: self.before_forward())]
+        self._hooks = [
+            self.units[0].module.register_forward_pre_hook(eager_hook(lambda module, args: self.before_forward()))
+        ]
         self._hooks += [
-            module.register_forward_pre_hook(self._gather_root_for)
+            module.register_forward_pre_hook(eager_hook(self._gather_root_for))
             for module in _modules_owning(self.module, self.units[0].partitioned)
         ]
 
@@ -507,32 +512,20 @@ class ZeroEngine:
                         fp.master.narrow(0, where - fp.master_base, length).copy_(fp.full.narrow(0, where, length))
 
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
-        """The module's whole ``state_dict`` in fp32 for parameters, gathered one unit at a time.
+        """The module's whole ``state_dict``, its trainable parameters from the optimizer's masters in the dtype the
+        model gave each (fp32 weights of an fp32 model trained in bf16-mixed, not the bf16 compute copy): what every
+        export returns (Note: [What an export returns] in :mod:`.full_state_dict`).
 
-        Never the empty views a partitioned parameter has between uses. With ``rank0_only`` other ranks take
-        part in the gathers but return an empty dict, so peak memory off rank 0 stays one unit.
+        Gathered one flat buffer at a time; never the empty views a partitioned parameter has between uses. With
+        ``rank0_only`` other ranks take part in the gathers but return an empty dict.
         """
-        self.adopt_replaced_parameters()
-        self.reshard()
-        keep = not rank0_only or (dist.get_rank() if dist.is_initialized() else 0) == 0
-        keys_of: dict[int, list[str]] = {}
-        for key, value in self.module.state_dict(keep_vars=True).items():
-            keys_of.setdefault(id(value), []).append(key)
-        result: dict[str, torch.Tensor] = {}
-        for unit in self.units:
-            with self.gathered(unit):
-                for fp in unit.flat_params:
-                    for slot, p in zip(fp.slots, fp.params):
-                        # every tensor-parallel rank takes part in gathering a DTensor parameter whole
-                        value = p.detach() if slot.tp is None else p.detach().full_tensor()
-                        for key in keys_of.pop(id(p), []) if keep else ():
-                            result[key] = value.to(torch.float32, copy=True)
-        if not keep:
-            return {}
-        for key, value in self.module.state_dict().items():
-            result.setdefault(key, value.detach().clone())
-        order = list(self.module.state_dict().keys())
-        return {key: result[key] for key in order}
+        return gathered_state_dict(self, master_weights, rank0_only)
+
+    def full_compute_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """The module's whole ``state_dict`` as the forward computes with it: under mixed precision the 16-bit
+        copies rounded from the masters (DeepSpeed's ``save_16bit_model``), half the bytes of
+        :meth:`full_state_dict`, which is what trained. Gathered one unit at a time, as :meth:`full_state_dict`."""
+        return gathered_state_dict(self, compute_weights, rank0_only)
 
     def _end_of_backward(self) -> None:
         with profiler_range("backward.end"):
@@ -598,13 +591,15 @@ class ZeroEngine:
                     sharded=self.plan.partitions_optimizer,
                     weights=self._norm_weights,
                     model_parallel=self.model_parallel,
+                    device=self.device,
                 )
             return self._grad_stats
 
     def _optimizer_grads(self) -> list[torch.Tensor]:
         """Each flat buffer's reduced gradient in its master's dtype: what clipping scales and the optimizer reads.
 
-        ``grad_shard`` itself, or at stage 0 ``grad_full``, converted to an fp32 copy under mixed precision.
+        ``grad_shard`` itself, or at stage 0 ``grad_full``, converted to an fp32 copy under mixed precision; with the
+        optimizer offloaded at stage 2/3, the fp32 host buffer the reductions were summed into.
         """
         if self._master_grads is None:
             self.reducer.wait_all()
@@ -619,7 +614,7 @@ class ZeroEngine:
         total = self.grad_norm(norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for grad in self._gradients_to_clip():
-            grad.mul_(coef.to(grad.dtype))
+            grad.mul_(coef.to(device=grad.device, dtype=grad.dtype))
         return total
 
     def clip_grad_value_(self, clip_value: float) -> None:
@@ -644,16 +639,17 @@ class ZeroEngine:
         if self.loss_scaler is not None:
             self.unscale_gradients()
         grads = [g.float() for g in self._optimizer_grads()]
+        device = self.device  # gradients an offload keeps on the host are reduced beside the device's
         if math.isinf(norm_type):
             local = (
-                torch.stack([g.abs().max() * bool(w) for g, w in zip(grads, self._norm_weights)]).max()
+                torch.stack([(g.abs().max() * bool(w)).to(device) for g, w in zip(grads, self._norm_weights)]).max()
                 if grads
-                else torch.zeros(())
+                else torch.zeros((), device=device)
             )
             op = dist.ReduceOp.MAX
         else:
-            weighted = [g.pow(norm_type).sum() * w for g, w in zip(grads, self._norm_weights)]
-            local = torch.stack(weighted).sum() if grads else torch.zeros(())
+            weighted = [(g.pow(norm_type).sum() * w).to(device) for g, w in zip(grads, self._norm_weights)]
+            local = torch.stack(weighted).sum() if grads else torch.zeros((), device=device)
             op = dist.ReduceOp.SUM
         if self.plan.partitions_optimizer:
             self.collectives.all_reduce(local, op=op).wait()

@@ -25,12 +25,15 @@ __all__ = ["FlatParam", "ParamSlot", "ShardPolicy"]
 @dataclass(frozen=True)
 class ParamSlot:
     """Where one parameter lives inside the unpadded flat layout. ``shape`` and ``numel`` are those of what the
-    buffer holds: a tensor-parallel parameter's local shard, whose global view ``tp`` describes (else None)."""
+    buffer holds: a tensor-parallel parameter's local shard, whose global view ``tp`` describes (else None).
+    ``dtype`` is the dtype the parameter had when the engine took it, which exports return it in (Note: [What an
+    export returns] in :mod:`.full_state_dict`); the buffer holds it in the compute dtype."""
 
     name: str
     shape: torch.Size
     offset: int
     numel: int
+    dtype: torch.dtype
     tp: TensorParallelSpec | None = None
 
     @property
@@ -86,7 +89,7 @@ class FlatParam:
         offset = 0
         for pname, p in params:
             local = local_tensor(p)
-            self.slots.append(ParamSlot(pname, local.shape, offset, local.numel(), spec_of(p)))
+            self.slots.append(ParamSlot(pname, local.shape, offset, local.numel(), local.dtype, spec_of(p)))
             offset += local.numel()
         self.numel = offset
         self.shard_numel = max(1, math.ceil(offset / world_size))
@@ -102,14 +105,33 @@ class FlatParam:
         self._shard_source: Callable[[], torch.Tensor] | None = None  # see relocate_shard
 
     # -- construction -----------------------------------------------------------------------------------------
-    def adopt_params(self) -> None:
-        """Copy the parameters' current values into ``full``; the parameters become its views."""
+    def adopt_params(self) -> torch.Tensor:
+        """Note: [Masters start from the model's own values]
+        Lay the parameters' current values out flat (zero padding, which stays zero for ever) and make the
+        parameters views of ``full``. Returns the buffer holding the values, for the broadcast of rank 0's and
+        :meth:`finish_sharding`: ``full`` itself, or, when the master is kept in a wider dtype than the compute
+        copy ("-mixed": an fp32 master beside bf16 or fp16 weights), a buffer in the master's dtype, from which
+        ``finish_sharding`` rounds ``full`` and cuts the master. Rounding the model's fp32 weights into the 16-bit
+        ``full`` first and widening them back would start the masters a rounding away from the weights the user
+        gave (up to half a bf16 ulp, 2**-9 relative), which DDP under autocast keeps exactly. Cost: one unit in
+        the master's dtype for the duration, and twice the broadcast bytes, at construction only. A model built on
+        the meta device is initialised in the compute dtype (its initialisers write the 16-bit ``full``), as
+        DeepSpeed's ``zero.Init`` initialises in its dtype; weights loaded afterwards (``load_pretrained``, a
+        checkpoint) are written to the masters whole."""
         self.alloc_full()
+        staged = self.master_dtype != self.compute_dtype
+        values = torch.empty(self.padded_numel, dtype=self.master_dtype, device=self.device) if staged else self.full
         with torch.no_grad():
-            self.full.zero_()  # the padding stays zero for ever
+            values.zero_()
             for slot, p in zip(self.slots, self.params):
-                self.full.narrow(0, slot.offset, slot.numel).copy_(local_tensor(p).reshape(-1))
+                values.narrow(0, slot.offset, slot.numel).copy_(local_tensor(p).reshape(-1))
         self.point_params_at_full()
+        return values
+
+    def held_values(self) -> torch.Tensor:
+        """What ``full`` holds after :meth:`adopt_meta_params` (zeros, and the values of parameters that had some),
+        as :meth:`adopt_params` returns values: ``full``, or a copy in the master's dtype under mixed precision."""
+        return self.full if self.master_dtype == self.compute_dtype else self.full.to(self.master_dtype)
 
     def adopt_meta_params(self) -> None:
         """Give parameters built on the meta device real (uninitialised) storage: views of ``full``; a parameter
@@ -131,12 +153,20 @@ class FlatParam:
                 torch.utils.swap_tensors(p, parameter_like(p, torch.empty(0, dtype=view.dtype, device=view.device)))
                 p.data = view
 
-    def finish_sharding(self) -> None:
-        """Cut this rank's shard out of ``full`` and set up the optimizer's master; free ``full`` at stage 3."""
+    def finish_sharding(self, values: torch.Tensor | None = None) -> None:
+        """Cut this rank's shard out of ``full`` and set up the optimizer's master; free ``full`` at stage 3.
+
+        ``values``: what :meth:`adopt_params` returned (holding rank 0's values by now), when it is not ``full``:
+        ``full`` is rounded from it and the master cut from it (Note: [Masters start from the model's own
+        values])."""
+        exact = values is not None and values is not self.full
+        if exact:
+            with torch.no_grad():
+                self.full.copy_(values)
         self.shard = self.full.narrow(0, self.shard_offset, self.shard_numel)
         if self.policy.params:
             self.shard = self.shard.clone() if self.shard_store is None else self.shard_store(self, self.shard)
-        self.master = self._make_master()
+        self.master = self._make_master(values if exact else None)
         if self.policy.params:
             self.point_params_at_empty()
             self.free_full()
@@ -174,11 +204,15 @@ class FlatParam:
         """The reduced gradient shard now lives in ``grad_shard`` (an NVMe file's map, on a CPU device)."""
         self.grad_shard = grad_shard
 
-    def _make_master(self) -> torch.Tensor:
+    def _make_master(self, values: torch.Tensor | None) -> torch.Tensor:
+        """The master: ``shard`` (or ``full`` at stage 0) itself when the dtypes agree, else this rank's range of
+        ``values`` (in the master's dtype) or, without them, of the compute copy widened."""
         source = self.shard if self.policy.optimizer else self.full
         if source.dtype == self.master_dtype:
             return source
-        return source.detach().to(self.master_dtype)
+        if values is None:
+            return source.detach().to(self.master_dtype)
+        return values.narrow(0, self.shard_offset, self.shard_numel).clone() if self.policy.optimizer else values
 
     # -- views ------------------------------------------------------------------------------------------------
     def param_views(self) -> list[torch.Tensor]:

@@ -7,9 +7,12 @@ Note: [One-way dependency between the engine and offload]
   parameters, the optimizer, the offload policy, the device and the rank, nothing else of the engine). The engine
   calls the runner at five points and never asks which one it has: ``on_reduced`` inside backward (a reduced
   gradient is final), ``step``, ``places`` / ``own_tensors`` / ``describe`` for reports, and ``close`` at
-  teardown. So ``ds_strategy.zero`` imports nothing from ``ds_strategy.offload``: the engine's builder passes the
-  factory as an argument (``ds_strategy.offload.step_runner_for`` chooses it); given none, the engine runs
-  :class:`DeviceStep`, and refuses a config that offloads.
+  teardown; and the runner's ``gradients`` (a :class:`GradientStore`) is where the reducer sums partitioned
+  gradients (stage 2/3) and the step reads them: on the device (:class:`DeviceGradients`), or in host buffers when
+  the optimizer step runs there (``ds_strategy.offload.host_gradients``). So ``ds_strategy.zero`` imports nothing
+  from ``ds_strategy.offload``: the engine's builder passes the factory as an argument
+  (``ds_strategy.offload.step_runner_for`` chooses it); given none, the engine runs :class:`DeviceStep`, and
+  refuses a config that offloads.
   Stage-3 NVMe parameter shards are written as units are built, before any runner exists; a factory may provide
   a :class:`ShardStore` for that (``shard_store``), which its runner then adopts through the context.
 """
@@ -43,8 +46,40 @@ class StepContext(NamedTuple):
     shard_store: ShardStore | None  # what the factory's ``shard_store`` returned, if anything
 
 
+class GradientStore(Protocol):
+    """Where a flat buffer's partitioned gradient (stage 2/3) is summed over backward passes until the step.
+
+    The reducer calls :meth:`add` with this rank's reduced slice of each backward; the engine reads the sum with
+    :meth:`read` (unscaling, clipping and the optimizer may change it in place) and clears it with :meth:`zero`."""
+
+    def add(self, fp: FlatParam, reduced: torch.Tensor, scale: float) -> None:
+        """Add ``scale * reduced`` (a device tensor the caller drops afterwards) to ``fp``'s gradient."""
+
+    def read(self, fp: FlatParam) -> torch.Tensor:
+        """``fp``'s summed gradient (zeros if nothing was added since :meth:`zero`), ready to read."""
+
+    def zero(self, fp: FlatParam) -> None:
+        """Start ``fp``'s sum afresh."""
+
+
+class DeviceGradients:
+    """The sum kept beside the shards, in ``fp.grad_shard`` (``grad_shard_dtype``), allocated at the first add."""
+
+    def add(self, fp: FlatParam, reduced: torch.Tensor, scale: float) -> None:
+        fp.reduced_grad_shard().add_(reduced, alpha=scale)
+
+    def read(self, fp: FlatParam) -> torch.Tensor:
+        return fp.reduced_grad_shard()
+
+    def zero(self, fp: FlatParam) -> None:
+        if fp.grad_shard is not None:
+            fp.grad_shard.zero_()
+
+
 class StepRunner(Protocol):
     """Runs the optimizer step over the flat parameters' masters, wherever those live."""
+
+    gradients: GradientStore  # where partitioned gradients are summed (see [One-way dependency ...])
 
     def on_reduced(self, fp: FlatParam, grad: torch.Tensor) -> None:
         """``grad``, ``fp``'s reduced gradient, is final for this step (called inside backward, synced only)."""
@@ -93,6 +128,7 @@ class DeviceStep:
 
     def __init__(self, context: StepContext):
         self.flat_params = context.flat_params
+        self.gradients = DeviceGradients()
 
     @staticmethod
     def shard_store(offload: OffloadPolicy, rank: int) -> None:
