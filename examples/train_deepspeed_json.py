@@ -4,7 +4,8 @@
     python examples/train_deepspeed_json.py --ds-config my_config.json --max-steps 200
 
 ``ZeroStrategy.from_deepspeed_config`` reads the config with DeepSpeed's meaning (every key DeepSpeed accepts has a
-rule: mapped onto a ZeroConfig, accepted with no effect, or rejected naming the key; see the README's DeepSpeed table),
+rule: mapped onto a ZeroConfig, accepted with no effect, or rejected naming the key; see
+docs/migrating-from-deepspeed.md),
 and builds the config's ``optimizer``/``scheduler`` sections when ``configure_optimizers`` returns None. The Trainer
 runs accumulation and clipping, so this script passes the config's accumulation steps and micro-batch size to it (the
 strategy checks they agree).
