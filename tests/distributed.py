@@ -52,6 +52,7 @@ _STACK_DUMP_WAIT_S = 1.0
 _JOIN_TIMEOUT_S = 120.0
 # What a forked rank would otherwise import itself; a module missing here is merely imported later, by the rank.
 _FORKSERVER_PRELOAD = [
+    "import_root",  # first: Note: [The repository root is not an import root] in import_root.py
     "torch",
     "torch.distributed",
     "ds_strategy",
@@ -70,10 +71,26 @@ def _start_context() -> multiprocessing.context.BaseContext:
     global _forkserver_environment
     environment = {key: value for key, value in os.environ.items() if key not in _PER_TEST_VARIABLES}
     if _forkserver_environment is None:
-        multiprocessing.forkserver.set_forkserver_preload(_FORKSERVER_PRELOAD)
-        atexit.register(_stop_forkserver)
+        _start_forkserver()
         _forkserver_environment = environment
     return mp.get_context("forkserver" if environment == _forkserver_environment else "spawn")
+
+
+def _start_forkserver() -> None:
+    """The server started from this process's environment, with this folder on ``PYTHONPATH`` only while it starts,
+    so that its preload list finds ``import_root`` and the tests' helper modules (the server does not take this
+    process's ``sys.path``)."""
+    multiprocessing.forkserver.set_forkserver_preload(_FORKSERVER_PRELOAD)
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent), saved]))
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
+    atexit.register(_stop_forkserver)
 
 
 def _stop_forkserver() -> None:
