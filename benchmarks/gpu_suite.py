@@ -8,9 +8,11 @@ On the device, from the repository root (no network needed, see docs/gpu.md):
     python benchmarks/gpu_suite.py --device cpu --size tiny          # the rehearsal on the host, in minutes
 
 The install is offline: no dependencies fetched, no isolated build environment (which would download setuptools),
-editable (a wheel built elsewhere once lacked ``ds_strategy.compose``). Whatever is installed, the suite imports
-``ds_strategy`` from the checkout it lives in and hands that path to the processes it starts; its first item says
-whether the package is installed and where it was imported from. torch and transformers must be there already.
+editable (a wheel built elsewhere once lacked ``ds_strategy.compose``), so the installed package is this checkout. The
+suite stops at once, naming that command, when ``ds_strategy`` is not installed, and its first item fails when the
+one installed is not this checkout's. The checkout's root is never put on ``sys.path``: its ``kernels/`` folder
+(installed as ``ds_strategy.kernels``) would hide PyPI's ``kernels``, which transformers imports since 5.25. torch
+and transformers must be there already.
 
 World size 1 (NCCL on CUDA, gloo on the host) except the two-rank part. Parts, in this order (``PARTS``), each item
 time-boxed (``--budget`` seconds in all, shared out as the parts' shares; a part's leftover goes to the next):
@@ -50,8 +52,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
+import importlib.util
 import json
-import os
 import pkgutil
 import platform
 import statistics
@@ -61,7 +63,9 @@ import time
 from pathlib import Path
 
 CHECKOUT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(CHECKOUT))  # this checkout's ds_strategy, installed or not (see the module docstring)
+INSTALL = "pip install --no-deps --no-build-isolation --no-index -e ."
+if importlib.util.find_spec("ds_strategy") is None:
+    sys.exit(f"ds_strategy is not installed; from {CHECKOUT}: {INSTALL}")
 
 import gpu_check  # noqa: E402
 import torch  # noqa: E402
@@ -81,7 +85,6 @@ from suite_training import (  # noqa: E402
 )
 
 RESULTS = Path(__file__).resolve().parent / "results"
-INSTALL = "pip install --no-deps --no-build-isolation --no-index -e ."
 # ZeRO's bf16 keeps bf16 weights, autocast fp32 ones (see test_mixed_precision); fp16 is compared with fp32; fp32
 # with fp32, where only a matmul's algorithm may differ (flat-buffer views are aligned differently): a wrong gradient
 # scale moves SGD's parameters by percents.
@@ -127,8 +130,9 @@ def import_every_module():
         "installed": installed,
         "optional_missing": ", ".join(sorted(optional)) or "none",
     }
-    note = "; ".join(broken) if broken else ("" if installed != "no" else f"not installed: {INSTALL}")
-    return not broken, figures, note
+    if Path(ds_strategy.__file__).resolve().parent != CHECKOUT / "ds_strategy":
+        broken.append(f"the installed ds_strategy is not this checkout's; from {CHECKOUT}: {INSTALL}")
+    return not broken, figures, "; ".join(broken)
 
 
 def one_step(device: torch.device, **system):
@@ -322,8 +326,7 @@ def run_correctness(runner: Runner, context: SuiteContext) -> None:
 # -- two ranks --------------------------------------------------------------------------------------------------
 def two_ranks_on_this_device(context: SuiteContext, out: Path):
     """``two_ranks.py``'s two ranks on this device; killed if the time box ends them."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(CHECKOUT), os.environ.get("PYTHONPATH", "")])}
-    status, output = two_ranks.launch(str(context.device), context.args.size, out, env)
+    status, output = two_ranks.launch(str(context.device), context.args.size, out)
     checks = json.loads(out.read_text())["checks"] if out.exists() else []
     note = "" if checks and status in (0, 1) else output[-1500:]
     return status in (0, 1) and bool(checks), {"checks": len(checks), "exit_status": status}, note

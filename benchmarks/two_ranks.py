@@ -221,7 +221,7 @@ def run_checks(rank: int, size: str, device: torch.device) -> list[dict]:
     return checks
 
 
-def launch(device: str, size: str, out: Path, env: dict | None = None) -> tuple[int, str]:
+def launch(device: str, size: str, out: Path) -> tuple[int, str]:
     """Start both ranks as processes of their own (killed, with anything they started, if this is interrupted:
     the GPU suite's time box); the worst exit status and their output."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -232,7 +232,6 @@ def launch(device: str, size: str, out: Path, env: dict | None = None) -> tuple[
         ranks = [
             subprocess.Popen(
                 [*command, "--rank", str(rank)],
-                env=env,
                 start_new_session=True,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,

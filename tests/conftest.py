@@ -16,7 +16,7 @@ The repository's root is taken off ``sys.path`` first (Note: [The repository roo
 
 import os
 
-import import_root  # noqa: F401 - first: see Note: [The repository root is not an import root]
+import import_root  # first: see Note: [The repository root is not an import root]
 import pytest
 
 pytest.register_assert_rewrite("process_guard")
@@ -27,3 +27,10 @@ pytest_plugins = ["process_guard"]
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True)
+def _root_stays_off_sys_path():
+    """Note: [The repository root is not an import root] in ``import_root.py``: a test that put it back fails."""
+    yield
+    assert not import_root.root_entries(), f"the repository root is back on sys.path: {import_root.root_entries()}"

@@ -12,7 +12,8 @@ applying the parent's ``sys.path``; it imports transformers for its ranks, so a 
 would be in every forked rank's ``sys.modules``. ``distributed.py`` starts it with this folder on ``PYTHONPATH`` and
 this module first in its preload list. Spawned ranks take the test process's ``sys.path`` before importing anything.
 A script run as ``python path/to/script.py`` has its own folder first instead, and an installed wheel has no
-top-level ``kernels`` at all.
+top-level ``kernels`` at all. A test that puts the root back (the GPU suite once did, for its own imports) would hand it
+to every later test's ranks, so ``conftest.py`` fails such a test by name.
 """
 
 import os
@@ -21,4 +22,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-sys.path[:] = [entry for entry in sys.path if Path(entry or os.curdir).resolve() != ROOT]
+
+def root_entries() -> list[str]:
+    """The entries of ``sys.path`` that are the repository's root (``""`` is the current directory)."""
+    return [entry for entry in sys.path if Path(entry or os.curdir).resolve() == ROOT]
+
+
+sys.path[:] = [entry for entry in sys.path if entry not in root_entries()]
