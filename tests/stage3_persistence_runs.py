@@ -2,11 +2,12 @@
 models nobody here wrote, against DDP on the same batches.
 
 Models: the composition matrix's Llama (tests/composition_runs.py), GPT-2 (tied head, ``Conv1D``), Mixtral (a mixture
-of experts) and a tiny T5 (encoder-decoder, a relative-attention bias in the first block of each stack, and blocks
-held in a ``ModuleList``, the container that used to become a unit). Thresholds: 0 (everything partitioned),
-``"auto"`` (10 x hidden size, what transformers' stock ZeRO-3 JSON asks for), one that splits a block into
-persistent and partitioned parameters (its largest parameter's size: every smaller one stays whole), and one above
-every parameter (everything persistent).
+of experts), a tiny T5 (encoder-decoder, a relative-attention bias in the first block of each stack, and blocks held
+in a ``ModuleList``, the container that used to become a unit) and BERT (its embeddings a unit by
+``_no_split_modules``, their word embedding tied to the MLM head outside every unit). Thresholds: 0 (everything
+partitioned), ``"auto"`` (10 x hidden size, what transformers' stock ZeRO-3 JSON asks for), one that splits a block
+into persistent and partitioned parameters (the size of the last block's largest parameter: every smaller one stays
+whole), and one above every parameter (everything persistent).
 """
 
 import composition_runs
@@ -35,21 +36,35 @@ T5 = {
 }
 
 
+BERT = {
+    "vocab_size": hf_models.VOCAB,
+    "hidden_size": 16,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "intermediate_size": 32,
+    "max_position_embeddings": hf_models.SEQ,
+    "hidden_dropout_prob": 0.0,
+    "attention_probs_dropout_prob": 0.0,
+}
+
+
 def _build(name: str) -> torch.nn.Module:
     if name == "matrix llama":
         return composition_runs.build_model(seed=0)
+    torch.manual_seed(0)
     if name == "t5":
-        torch.manual_seed(0)
         return transformers.T5ForConditionalGeneration(transformers.T5Config(**T5))
+    if name == "bert":
+        return transformers.BertForMaskedLM(transformers.BertConfig(**BERT))
     return hf_models.build(name, seed=0)
 
 
-MODELS = ("matrix llama", "gpt2", "mixtral", "t5")
+MODELS = ("matrix llama", "gpt2", "mixtral", "t5", "bert")
 
 
 def _block_splitting_threshold(model: torch.nn.Module) -> int:
-    """The size of the largest parameter of the first block: it is partitioned, the smaller ones persist."""
-    (_, block), *_ = select_unit_modules(model)
+    """The size of the largest parameter of the last block: it is partitioned, the smaller ones persist."""
+    *_, (_, block) = select_unit_modules(model)
     return max(p.numel() for p in block.parameters())
 
 

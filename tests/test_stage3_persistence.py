@@ -5,7 +5,9 @@ A unit is a module whose forward hooks gather it (Note: [A unit is a module that
 ``ds_strategy.zero.wrap_policy``). T5 keeps its blocks in a ``ModuleList``, which auto-detection once chose as the unit:
 never called, so never gathered, and its first forward read an empty shard (``size mismatch, got input (32), mat
 (32x16), vec (0)`` in block 0's ``q``) at any threshold that partitioned a block's parameters, ``"auto"`` included;
-with every parameter below the threshold nothing was partitioned and it trained.
+with every parameter below the threshold nothing was partitioned and it trained. A parameter a unit shares with a
+module outside every unit (BERT's word embedding, tied to the MLM head) belongs to the root, gathered for the whole
+step: its unit is freed after its own forward, before the head reads it.
 """
 
 import pytest
