@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import threading
 import weakref
 from typing import Any
@@ -39,6 +40,7 @@ from .pretrained import is_building_sharded, sharded_from_config, sharded_from_p
 _ORIGINAL_FROM_PRETRAINED = transformers.PreTrainedModel.from_pretrained.__func__
 _ORIGINAL_FROM_CONFIG = transformers.PreTrainedModel._from_config.__func__
 ARMING_ATTR = "_ds_strategy_sharded_build"
+logger = logging.getLogger(__name__)
 _armings: weakref.WeakSet = weakref.WeakSet()
 _whole = threading.local()
 
@@ -93,12 +95,14 @@ def building_whole():
 
 def _from_pretrained(cls, *args: Any, **kwargs: Any):
     if armed():
+        logger.info(f"Detected DeepSpeed ZeRO-3: building {cls.__name__} sharded for ds_strategy's ZeroTrainer")
         return sharded_from_pretrained(cls, *args, **kwargs)
     return _ORIGINAL_FROM_PRETRAINED(cls, *args, **kwargs)
 
 
 def _from_config(cls, config: Any, **kwargs: Any):
     if armed():
+        logger.info(f"Detected DeepSpeed ZeRO-3: building {cls.__name__} sharded for ds_strategy's ZeroTrainer")
         return sharded_from_config(cls, config, **kwargs)
     return _ORIGINAL_FROM_CONFIG(cls, config, **kwargs)
 

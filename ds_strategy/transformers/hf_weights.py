@@ -96,12 +96,13 @@ class _Resized:
 
     def read(self, reader: _HfReader, lo: int, hi: int, tp: TensorParallelSpec | None) -> torch.Tensor:
         boundary = (self.shape[0] - self.new_rows.shape[0]) * math.prod(self.shape[1:])
+        dtype = self.new_rows.dtype
         if tp is not None:  # a block of both parts: made whole (one embedding), then cut
-            whole = torch.cat([self.kept.read(reader, 0, boundary, None), self.new_rows.reshape(-1)])
+            whole = torch.cat([self.kept.read(reader, 0, boundary, None).to(dtype), self.new_rows.reshape(-1)])
             return read_elements("a resized embedding", whole.view(self.shape), lo, hi, tp)
         pieces = []
         if lo < boundary:
-            pieces.append(self.kept.read(reader, lo, min(hi, boundary), None))
+            pieces.append(self.kept.read(reader, lo, min(hi, boundary), None).to(dtype))
         if hi > boundary:
             pieces.append(self.new_rows.reshape(-1)[max(lo, boundary) - boundary : hi - boundary])
         return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
@@ -213,6 +214,7 @@ class _HfReader:
         self.source, self.files = source, files
         self.where = source.files[0].parent if source.files else "the initialised tensors"
         self._converted: tuple[_ConversionGroup, dict[str, torch.Tensor]] | None = None
+        self._stored_shapes = files.shapes()
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: recipe.shape for name, recipe in self.source.plan.items()}
@@ -228,7 +230,7 @@ class _HfReader:
         return self._converted[1]
 
     def _stored_whole(self, key: str) -> torch.Tensor:
-        shape = self.files.shapes()[key]
+        shape = self._stored_shapes[key]
         return self.files.read(key, 0, math.prod(shape)).view(shape)
 
 

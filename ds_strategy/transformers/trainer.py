@@ -118,6 +118,17 @@ class ZeroTrainerMixin:
             self._created_lr_scheduler = True
         return super().create_scheduler(num_training_steps, optimizer)
 
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """Trainer's ``train``. Refused after ``evaluate`` sharded a model built sharded without an optimizer (see
+        Note: [Frozen models beside the trained one]): its flat buffers cannot take the optimizer's groups."""
+        engine = self.zero_engine
+        if engine is not None and engine.optimizer is None:
+            raise RuntimeError(
+                "the model was built sharded (stage 3) and evaluate()/predict() sharded it for inference before "
+                "train(); train first and evaluate after, or build a new ZeroTrainer for training"
+            )
+        return super().train(*args, **kwargs)
+
     @property
     def zero_engine(self):
         """The engine sharding the trained model, once ``train`` (or ``evaluate``) prepared it; else None."""
