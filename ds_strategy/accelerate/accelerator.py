@@ -263,6 +263,11 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
         self._models.append(model)
         model._is_accelerate_prepared = True
         model.no_sync = functools.partial(self.no_sync, model)  # DDP's method; see .deepspeed_compat
+        if plan.partitions_parameters and engine.world_size > 1:
+            # transformers' generate (and Seq2SeqTrainer's predict_with_generate) keeps every rank running forwards
+            # until all have finished when a model says its parameters are sharded (FSDP2's mark; DeepSpeed ZeRO-3 it
+            # recognises by its global config): a rank done early would leave the others' gathers unanswered
+            model._is_fsdp_managed_module = True
         return model
 
     def _attach(self, engine: ZeroEngine, optimizer: Optimizer) -> ZeroAcceleratedOptimizer:
