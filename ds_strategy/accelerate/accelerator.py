@@ -159,7 +159,7 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
     @property
     def engine(self) -> ZeroEngine | None:
         """The engine of the model that trains (the first prepared with an optimizer), else of the first model."""
-        trainable = [engine for engine in self.engines if engine.optimizer is not None]
+        trainable = [engine for engine in self.engines if engine.optimizers]
         return (trainable or self.engines or [None])[0]
 
     @property
@@ -173,7 +173,8 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
         """Shard each model with a ZeRO engine of its own and hand each optimizer to its model's engine; data
         loaders and schedulers are Accelerate's as usual.
 
-        An optimizer belongs to the model whose parameters it holds, prepared in this call or an earlier one.
+        An optimizer belongs to the model whose parameters it holds, prepared in this call or an earlier one;
+        several may train one model (``prepare(model, muon, adamw)``), each over its own parameters.
         A model prepared without an optimizer (evaluation, a teacher, or an optimizer still to come) gets an
         engine without one: under stage 3 its forward gathers units as usual.
 
@@ -193,22 +194,19 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
             i: _owning_model(optimizer, [*models.values(), *earlier], staged) for i, optimizer in optimizers.items()
         }
         mine = {i: [j for j, target in owner.items() if target is model] for i, model in models.items()}
-        for i, model in models.items():  # everything is checked before anything is sharded
+        for model in models.values():  # everything is checked before anything is sharded
             if self.engine_of(model) is not None:
                 raise ValueError(f"{type(model).__name__} was already prepared; prepare each model once")
-            if len(mine[i]) > 1:
-                raise ValueError(
-                    f"{len(mine[i])} optimizers hold parameters of one {type(model).__name__}; ZeRO "
-                    f"shards one optimizer per model: put the parameters in param groups of one"
-                )
         for i, model in models.items():
-            optimizer = optimizers[mine[i][0]] if mine[i] else None
-            result[i] = self._shard(model, optimizer, placement[i])
-            if optimizer is not None:
-                result[mine[i][0]] = self._wrap(optimizer)
-        for j, optimizer in optimizers.items():
-            if not any(owner[j] is model for model in models.values()):
-                result[j] = self._attach(self.engine_of(owner[j]), optimizer)
+            result[i] = self._shard(model, [optimizers[j] for j in mine[i]], placement[i])
+            for j in mine[i]:
+                result[j] = self._wrap(optimizers[j])
+        later = [j for j in optimizers if not any(owner[j] is model for model in models.values())]
+        for earlier_model in {id(owner[j]): owner[j] for j in later}.values():
+            given = [j for j in later if owner[j] is earlier_model]
+            wrapped = self._attach(self.engine_of(earlier_model), [optimizers[j] for j in given])
+            for j, optimizer in zip(given, wrapped):
+                result[j] = optimizer
         for i in resolved.built_schedulers:
             result[i] = self._prepare_built_scheduler(args[i])
         rest = [
@@ -235,7 +233,7 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
     def _composed_of(self, model: nn.Module) -> Composed | None:
         return next((composed for composed in self.composed if composed.engine.module is model), None)
 
-    def _shard(self, model: nn.Module, optimizer: Optimizer | None, placement: bool | None) -> nn.Module:
+    def _shard(self, model: nn.Module, optimizers: list[Optimizer], placement: bool | None) -> nn.Module:
         """A new engine over the model composed by :func:`~ds_strategy.compose.compose_model` (the auto tensor-parallel
         plan for a model that arrives unsplit, Ulysses, the pipeline cut, placement, dtype, checkpointing, engine,
         pipeline runner), then the pretrained weights of a model built by ``sharded_from_pretrained`` read into it,
@@ -246,7 +244,7 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
         with _generators_from(deferred, self.device):
             composed = compose_model(
                 model,
-                optimizer,
+                optimizers,
                 self.zero_config,
                 mesh=self.parallel_mesh,
                 device=self.device,
@@ -270,29 +268,33 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
             model._is_fsdp_managed_module = True
         return model
 
-    def _attach(self, engine: ZeroEngine, optimizer: Optimizer) -> ZeroAcceleratedOptimizer:
+    def _attach(self, engine: ZeroEngine, optimizers: list[Optimizer]) -> list[ZeroAcceleratedOptimizer]:
         """Note: [An optimizer prepared after its model]
         The model's engine laid out its flat buffers without param groups. When each buffer falls inside one
-        group of the optimizer (a single group always does) and the step runs on the device, the optimizer is
-        attached to that engine. Otherwise the buffers must be laid out anew: at stage 0-2 every rank holds the
-        whole parameters, so a new engine is built over the module in place of the old one; at stage 3 the
-        parameters exist only as shards, and the model must be prepared together with its optimizer. Under
+        group of an optimizer or outside it (a single optimizer of a single group always fits), the optimizer
+        runs elementwise and its step runs on the device, the optimizer is attached to that engine. Otherwise the
+        buffers must be laid out anew (several optimizers of one model, whose groups split the buffers; a
+        whole-tensor optimizer, whose parameters go to owner ranks): at stage 0-2 every rank holds the whole
+        parameters, so a new engine is built over the module, with all of them, in place of the old one; at stage
+        3 the parameters exist only as shards, and the model must be prepared together with its optimizers. Under
         pipelining it must be too, whatever the stage (``prepare`` looks for no earlier model): whether a stage's
         buffers fit the optimizer's groups differs from stage to stage, and a new engine on some stages only would
         leave the pipeline's ranks waiting on each other.
         """
-        if engine.optimizer is None and engine.config.stage < 3 and not engine.can_attach(optimizer):
+        fits = len(optimizers) == 1 and engine.can_attach(optimizers[0])
+        if not engine.optimizers and engine.config.stage < 3 and not fits:
             engine.remove_hooks()
             rebuilt = recompose_engine(
-                engine.module, optimizer, self.zero_config, mesh=self.parallel_mesh, device=self.device, log=self.print
+                engine.module, optimizers, self.zero_config, mesh=self.parallel_mesh, device=self.device, log=self.print
             )
             self.composed[self.engines.index(engine)] = rebuilt
         else:
-            engine.attach_optimizer(optimizer)  # raises, saying why, where it cannot
-        return self._wrap(optimizer)
+            for optimizer in optimizers:
+                engine.attach_optimizer(optimizer)  # raises, saying why, where it cannot
+        return [self._wrap(optimizer) for optimizer in optimizers]
 
     def _wrap(self, optimizer: Optimizer) -> ZeroAcceleratedOptimizer:
-        engine = next(engine for engine in self.engines if engine.optimizer is optimizer)
+        engine = next(engine for engine in self.engines if engine.holds(optimizer))
         wrapped = ZeroAcceleratedOptimizer(optimizer, engine, self.zero_config.gradient_clipping)
         self._optimizers.append(wrapped)
         wrapped._is_accelerate_prepared = True
@@ -437,26 +439,35 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of the engine that shards ``parameters`` to its global norm over all ranks' shards,
         which equals the unsharded model's gradient norm (``torch.nn.utils.clip_grad_norm_`` on the module's own
-        ``.grad`` cannot: at stage 2/3 they are None)."""
-        engine = self._engine_of_parameters(parameters)
+        ``.grad`` cannot: at stage 2/3 they are None). Over the whole model, one norm, or over one optimizer's
+        parameters when ``parameters`` are exactly those of one of several optimizers training it."""
+        engine, optimizer = self._engine_of_parameters(parameters)
         if engine is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
-        return engine.clip_grad_norm_(float(max_norm), float(norm_type))
+        return engine.clip_grad_norm_(float(max_norm), float(norm_type), optimizer=optimizer)
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
-        engine = self._engine_of_parameters(parameters)
+        engine, optimizer = self._engine_of_parameters(parameters)
         if engine is None:
             return super().clip_grad_value_(parameters, clip_value)
-        engine.clip_grad_value_(float(clip_value))
+        engine.clip_grad_value_(float(clip_value), optimizer=optimizer)
 
-    def _engine_of_parameters(self, parameters: Any) -> ZeroEngine | None:
+    def _engine_of_parameters(self, parameters: Any) -> tuple[ZeroEngine | None, Optimizer | None]:
         """The one engine whose model owns ``parameters`` (a tensor or an iterable of them), or None for
-        parameters no engine shards."""
+        parameters no engine shards; and the one of its optimizers that holds exactly them, if any."""
         given = {id(p) for p in ([parameters] if isinstance(parameters, torch.Tensor) else parameters)}
         owners = [engine for engine in self.engines if any(id(p) in given for p in engine.module.parameters())]
         if len(owners) > 1:
             raise ValueError("these parameters belong to several prepared models; clip each model's separately")
-        return owners[0] if owners else None
+        if not owners:
+            return None, None
+        engine = owners[0]
+        held = {
+            optimizer: {id(p) for fp in engine.flat_params_of(optimizer) for p in fp.params}
+            for optimizer in engine.optimizers
+        }
+        exactly = [optimizer for optimizer, params in held.items() if params == given and len(held) > 1]
+        return engine, (exactly[0] if exactly else None)
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
         """The whole model's state dict on every rank, as Accelerate's DDP path returns it; see
@@ -466,10 +477,11 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
         return self.consolidated_state_dict(model, rank0_only=False)
 
     def consolidated_state_dict(self, model: nn.Module, rank0_only: bool = True) -> dict[str, torch.Tensor]:
-        """The whole state dict of a prepared model, gathered unit by unit, in the dtype each tensor had when the
-        model was prepared: DDP's rule (it trains and saves the module as given, in autocast for "bf16"/"fp16"),
-        so an fp32 model trained in bf16 saves fp32 weights, from the fp32 masters. Every rank calls it; with
-        ``rank0_only`` the others return an empty dict and hold at most one gathered unit.
+        """The whole state dict of a prepared model, gathered one flat buffer at a time, in the dtype each tensor had
+        when the model was prepared: DDP's rule (it trains and saves the module as given, in autocast for
+        "bf16"/"fp16"), so an fp32 model trained in bf16 saves fp32 weights, from the fp32 masters (``ZeroEngine.
+        full_state_dict``), never the bf16 copy the forward computes with. Every rank calls it; with ``rank0_only``
+        the others return an empty dict and hold at most one gathered buffer.
 
         Its tensors are copies: the parameters themselves are views of the engine's flat buffers, which
         safetensors would take for shared tensors and drop.
@@ -502,6 +514,9 @@ class ZeroAcceleratedOptimizer(AcceleratedOptimizer):
         self.clip_norm = clip_norm
 
     def step(self, closure=None) -> None:
+        """The engine's step of this optimizer (of several training one model, only its parameters), after the
+        config's global-norm clip over every gradient the model holds (a later optimizer's step in the same
+        iteration finds its gradients within the norm already)."""
         if closure is not None:
             raise ValueError("ZeroAccelerator's optimizer.step() takes no closure: the engine steps on its shards")
         if self.gradient_state.sync_gradients:
@@ -509,7 +524,7 @@ class ZeroAcceleratedOptimizer(AcceleratedOptimizer):
                 self._step_local_replica()
             if self.clip_norm:
                 self.engine.clip_grad_norm_(self.clip_norm)
-            self._is_overflow = not self.engine.step()  # fp16 loss scaling skipped the step: step_was_skipped
+            self._is_overflow = not self.engine.step(self.optimizer)  # fp16 skipped the step: step_was_skipped
 
     def _step_local_replica(self) -> None:
         """A step inside ``model.no_sync()``, as accelerate's ``LocalSGD`` takes it: every rank steps its own replica
@@ -527,7 +542,7 @@ class ZeroAcceleratedOptimizer(AcceleratedOptimizer):
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         if self.gradient_state.sync_gradients:
-            self.engine.zero_grad()
+            self.engine.zero_grad(self.optimizer)
 
 
 def _in_autocast(forward: Any, precision: str, device_type: str) -> Any:
@@ -554,7 +569,8 @@ def _owning_model(optimizer: Optimizer, models: list[nn.Module], staged: bool) -
         )
     raise ValueError(
         f"{type(optimizer).__name__} holds parameters of no model being prepared, or of several: "
-        f"prepare its model in the same prepare() call or an earlier one, one optimizer per model"
+        f"prepare its model in the same prepare() call or an earlier one (several optimizers may train one "
+        f"model, but each optimizer trains one model)"
     )
 
 

@@ -11,7 +11,7 @@ TRL is optional: the TRL trainers import it when first named.
 from ..optional_packages import needs
 
 # the whole adapter needs transformers, whose Trainer needs accelerate: without them, fail here saying what to install
-with needs("transformers", "accelerate", needed_by="ds_strategy.transformers"):
+with needs("transformers", "accelerate", needed_by="ds_strategy.transformers", extra="transformers"):
     from . import build_hook
     from .pretrained import sharded_from_config, sharded_from_pretrained
     from .trainer import ZeroTrainer, ZeroTrainerMixin
