@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import warnings
@@ -18,7 +19,7 @@ from accelerate.utils import DistributedType
 from torch import nn
 from torch.optim import Optimizer
 
-from ..checkpoint.pretrained import load_weights
+from ..checkpoint.pretrained import WeightSource, load_weights
 from ..compose import Composed, build_mesh, compose_model, recompose_engine
 from ..compose.pipeline_step import pipeline_step, ran_its_backward
 from ..config import ZeroConfig
@@ -27,6 +28,7 @@ from ..parallel.mesh import ACCELERATE_NAMES, ParallelMesh
 from ..precision import autocast_for
 from ..precision_flag import ACCELERATE_MIXED_PRECISION, reconcile_precision
 from ..zero.engine import ZeroEngine
+from ..zero.rng_replay import generator_state, set_generator_state
 from .checkpointing import ZeroAcceleratorCheckpointing
 from .config_source import ENV_VAR, load_config
 from .deepspeed_compat import DeepSpeedPluginView, StateWithDeepSpeedView, mark_launched_worker
@@ -40,9 +42,26 @@ _OTHER_SHARDING = {
     "fsdp_plugin": "ACCELERATE_USE_FSDP",
     "megatron_lm_plugin": "ACCELERATE_USE_MEGATRON_LM",
 }
-# A model built on meta by ds_strategy.transformers.sharded_from_pretrained carries the directory of its weights here;
-# ``prepare`` has its engine read them, sharded, right after materialising it.
-PRETRAINED_WEIGHTS_ATTR = "_ds_strategy_pretrained_weights"
+# A model built on meta for ``prepare`` to materialise sharded (by ds_strategy.transformers: sharded_from_pretrained,
+# and from_pretrained/from_config under a stage-3 configuration) carries a DeferredBuild here.
+DEFERRED_BUILD_ATTR = "_ds_strategy_deferred_build"
+
+
+@dataclasses.dataclass(frozen=True)
+class DeferredBuild:
+    """Where the values of a model built on the meta device come from when ``prepare`` materialises it.
+
+    ``generator_state``: the CPU generator's state when the model was built. Materialisation draws from it, so a
+    model built empty by ``from_config`` gets the values a normal build would have had there; afterwards every
+    generator is put back as it was before ``prepare``, since a normal build would have drawn at build time, not
+    here (on an accelerator the values are a normal build's on that device's generator, see
+    ``ds_strategy.zero.hf_init``). ``weights``: read into the shards after materialisation; for a pretrained model,
+    every value (the checkpoint's tensors and those ``from_pretrained`` initialised itself), so what
+    materialisation drew is all overwritten.
+    """
+
+    generator_state: torch.Tensor
+    weights: WeightSource | str | os.PathLike | None = None
 
 
 class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
@@ -220,27 +239,33 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
         pipeline runner), then the pretrained weights of a model built by ``sharded_from_pretrained`` read into it,
         shard by shard."""
         plan = self.zero_config.plan
-        weights = _pretrained_weights(model)
+        deferred = _deferred_build(model)
         self._given_dtypes[model] = {key: value.dtype for key, value in model.state_dict().items()}
-        composed = compose_model(
-            model,
-            optimizers,
-            self.zero_config,
-            mesh=self.parallel_mesh,
-            device=self.device,
-            log=self.print,
-            unparallelized="auto",
-            place=self.device_placement if placement is None else placement,
-        )
+        with _generators_from(deferred, self.device):
+            composed = compose_model(
+                model,
+                optimizers,
+                self.zero_config,
+                mesh=self.parallel_mesh,
+                device=self.device,
+                log=self.print,
+                unparallelized="auto",
+                place=self.device_placement if placement is None else placement,
+            )
         model, engine = composed.module, composed.engine  # the same module: Accelerate takes no parallelize_fn
-        if weights is not None:
-            load_weights(engine, weights)
+        if deferred is not None and deferred.weights is not None:
+            load_weights(engine, deferred.weights)
         if plan.autocasts:
             model.forward = _in_autocast(model.forward, self.zero_config.precision, self.device.type)
         self.composed.append(composed)
         self._models.append(model)
         model._is_accelerate_prepared = True
         model.no_sync = functools.partial(self.no_sync, model)  # DDP's method; see .deepspeed_compat
+        if plan.partitions_parameters and engine.world_size > 1:
+            # transformers' generate (and Seq2SeqTrainer's predict_with_generate) keeps every rank running forwards
+            # until all have finished when a model says its parameters are sharded (FSDP2's mark; DeepSpeed ZeRO-3 it
+            # recognises by its global config): a rank done early would leave the others' gathers unanswered
+            model._is_fsdp_managed_module = True
         return model
 
     def _attach(self, engine: ZeroEngine, optimizers: list[Optimizer]) -> list[ZeroAcceleratedOptimizer]:
@@ -549,17 +574,34 @@ def _owning_model(optimizer: Optimizer, models: list[nn.Module], staged: bool) -
     )
 
 
-def _pretrained_weights(model: nn.Module) -> str | None:
-    """The directory ``sharded_from_pretrained`` recorded on ``model``, taken off it. Recorded on a submodule, it
-    means a wrapper (PEFT's, a LightningModule) whose names the checkpoint lacks: refused, never left random."""
-    wrapped = [name for name, module in model.named_modules() if name and PRETRAINED_WEIGHTS_ATTR in module.__dict__]
+def _deferred_build(model: nn.Module) -> DeferredBuild | None:
+    """The :class:`DeferredBuild` recorded on ``model``, taken off it. Recorded on a submodule, it means a wrapper
+    (PEFT's, a LightningModule) whose names the checkpoint lacks: refused, never left random."""
+    wrapped = [name for name, module in model.named_modules() if name and DEFERRED_BUILD_ATTR in module.__dict__]
     if wrapped:
         raise ValueError(
             f"{type(model).__name__}.{wrapped[0]} was built by sharded_from_pretrained and then wrapped; its weights "
             f"are read only into the model as built: prepare that model itself (a wrapper that only adds a name "
             f"prefix can load them after prepare with accelerator.load_pretrained(path, prefix=...))"
         )
-    return model.__dict__.pop(PRETRAINED_WEIGHTS_ATTR, None)
+    return model.__dict__.pop(DEFERRED_BUILD_ATTR, None)
+
+
+@contextlib.contextmanager
+def _generators_from(deferred: DeferredBuild | None, device: torch.device):
+    """Inside, the CPU generator is where it was when ``deferred``'s model was built; on exit it and ``device``'s
+    are put back as they were (see :class:`DeferredBuild`). Nothing happens for a model built normally."""
+    if deferred is None:
+        yield
+        return
+    devices = {torch.device("cpu"), device}
+    saved = {d: generator_state(d) for d in devices}
+    set_generator_state(torch.device("cpu"), deferred.generator_state)
+    try:
+        yield
+    finally:
+        for d, state in saved.items():
+            set_generator_state(d, state)
 
 
 def _reject_other_sharding(kwargs: Mapping[str, Any]) -> None:

@@ -73,6 +73,15 @@ def _step_runner_factory(step_runner: StepRunnerFactory | None, config: ZeroConf
     return DeviceStep
 
 
+def _modules_outside(root: nn.Module, unit_names: list[str]) -> list[nn.Module]:
+    """The modules of ``root`` (every registration of a shared one) inside no unit named in ``unit_names``."""
+    return [
+        module
+        for name, module in root.named_modules(remove_duplicate=False)
+        if not any(name == unit or name.startswith(unit + ".") for unit in unit_names)
+    ]
+
+
 def _device_of(module: nn.Module) -> torch.device:
     """Where the flat buffers go: the module's device, or the CPU for a module built on the meta device."""
     for p in module.parameters():
@@ -199,12 +208,18 @@ class ZeroEngine:
 
     # -- construction -------------------------------------------------------------------------------------------
     def _build_units(self, shard_store) -> list[Unit]:
-        """Root first, then the unit modules in module order; a parameter shared by two units goes to the root."""
+        """Root first, then the unit modules in module order; a parameter shared by two units, or by a unit and a
+        module outside every unit (a tied LM head beside an embeddings unit), goes to the root: a unit is gathered
+        only for its own forward, the root for the whole step."""
         chosen = select_unit_modules(self.module, self.config.unit_modules, self.config.unit_min_params)
         owners: dict[int, list[int]] = {}
         for i, (_, module) in enumerate(chosen):
             for p in module.parameters():
                 owners.setdefault(id(p), []).append(i)
+        for module in _modules_outside(self.module, [name for name, _ in chosen]):
+            for p in module._parameters.values():
+                if p is not None:
+                    owners.setdefault(id(p), []).append(-1)
         optimizers = self.sharded_optimizers
         members: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(len(chosen) + 1)]
         for name, p in self.module.named_parameters():
