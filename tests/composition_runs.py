@@ -75,6 +75,7 @@ LAYOUTS = {
         Layout("pp", 2, pp=2),
         Layout("pp x dp", 4, pp=2),
         Layout("pp x tp", 4, tp=2, pp=2),
+        Layout("pp x ulysses sp", 4, pp=2, sp=2),
         Layout("ulysses sp", 2, sp=2),
         Layout("ulysses sp x tp", 4, tp=2, sp=2),
         Layout("megatron sp", 2, tp=2, megatron_sp=True),
@@ -125,8 +126,8 @@ BUILDS = {
 # Refused by the configuration itself, whatever the entry point: (fields, words of the error).
 REFUSED_CONFIGS = (
     (
-        {"sequence_parallel_size": 2, "pipeline_parallel_size": 2},
-        "pipeline_parallel_size=2 is not allowed with sequence_parallel_size=2",
+        {"tiled_loss": True, "pipeline_parallel_size": 2},
+        "tiled_loss=True is not allowed with pipeline_parallel_size=2",
     ),
 )
 
@@ -235,6 +236,18 @@ def _sp_loss(model, x: torch.Tensor, y: torch.Tensor, group) -> torch.Tensor:
     return sequence_parallel_loss(logits, y[:, r * length : (r + 1) * length], group)
 
 
+def _pipeline_args(layout: Layout, x: torch.Tensor, y: torch.Tensor, sp_group) -> tuple:
+    """What a pipelined step is handed: the batch and ``loss_fn``, or under Ulysses this rank's slices of both and
+    the loss over the whole sequence (each stage positions the slice's tokens itself)."""
+    if layout.sp == 1:
+        return x, y, loss_fn
+    from ds_strategy.parallel.ulysses import sequence_parallel_loss
+
+    length, r = x.shape[1] // layout.sp, dist.get_rank(sp_group)
+    piece = slice(r * length, (r + 1) * length)
+    return x[:, piece].contiguous(), y[:, piece].contiguous(), functools.partial(sequence_parallel_loss, group=sp_group)
+
+
 def _plain_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return loss_fn(model(input_ids=x).logits, y)
 
@@ -244,7 +257,7 @@ def _step_loss(layout: Layout, model, x: torch.Tensor, y: torch.Tensor, pipeline
     (the entry point's, which already ran backward) under pipelining, Ulysses over ``sp_group`` under sequence
     parallelism, else the model's own forward."""
     if layout.pp > 1:
-        return pipeline_step(x, y, loss_fn)
+        return pipeline_step(*_pipeline_args(layout, x, y, sp_group))
     if layout.sp > 1:
         return _sp_loss(model, x, y, sp_group)
     return _plain_loss(model, x, y)
@@ -306,7 +319,7 @@ def _engine_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrai
     initial = engine.full_state_dict(rank0_only=False)
     for x, y in _my_batches(layout, rank):
         if runner is not None:
-            runner.train_step(x, y, loss_fn, 1.0)
+            runner.train_step(*_pipeline_args(layout, x, y, mesh.sp_group), 1.0)
         else:
             engine.backward(_sp_loss(model, x, y, mesh.sp_group) if layout.sp > 1 else _plain_loss(model, x, y))
         engine.step()
