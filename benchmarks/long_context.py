@@ -293,9 +293,11 @@ def _gib(value: int | None) -> str:
 
 # -- the report -------------------------------------------------------------------------------------------------
 def markdown(rows: list[dict], command: str) -> str:
+    """The table, after the command(s) that measured its rows (a resumed run adds its own)."""
     base = next((row["length"] for row in rows if row["system"] == "plain" and row.get("length")), None)
+    commands = dict.fromkeys(row.get("command", command) for row in rows) or {command: None}
     lines = [
-        f"Command: `{command}`",
+        *(f"Command: `{each}`" for each in commands),
         "",
         "| system | ranks | longest sequence (tokens) | x plain | peak per rank (GiB) | step (s) | tokens/s | probes |",
         "|---|---|---|---|---|---|---|---|",
@@ -352,14 +354,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resolution", type=float, default=0.125, help="stop bisecting within this fraction")
     parser.add_argument("--name", default="long-context", help="results/<name>.{json,md,png}")
     parser.add_argument("--out-dir", default=str(RESULTS))
+    parser.add_argument("--resume", action="store_true", help="keep the rows results/<name>.json has; measure the rest")
     args = parser.parse_args(argv)
     cap = int(args.cap_gib * 2**30)
     command = "python benchmarks/long_context.py " + " ".join(argv if argv is not None else sys.argv[1:])
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    start = args.start
+    rows = json.loads((out / f"{args.name}.json").read_text())["rows"] if args.resume else []
+    start = max([args.start, *(row.get("length") or 0 for row in rows)])
     for system in args.systems.split(","):
+        if any(row["system"] == system for row in rows):
+            continue
         row = longest_sequence(
             system,
             device=args.device,
@@ -368,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
             max_length=args.max_length,
             resolution=args.resolution,
         )
-        rows.append(row)
+        rows.append({**row, "command": command})
         start = max(start, row.get("length") or start)  # each system holds at least as long as the one before
         (out / f"{args.name}.json").write_text(json.dumps({"command": command, "model": MODEL, "rows": rows}, indent=1))
         (out / f"{args.name}.md").write_text(markdown(rows, command))

@@ -8,6 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import run_ranks
 
+from ds_strategy.config import ZeroConfig
 from ds_strategy.models import GPT, GPTConfig
 from ds_strategy.parallel.ulysses import (
     attend_with_ulysses,
@@ -20,6 +21,7 @@ from ds_strategy.parallel.ulysses import (
     ulysses_attention,
     ulysses_sdpa,
 )
+from ds_strategy.sequence_tiling import apply_sequence_tiling, remove_sequence_tiling
 
 SP = 2
 RTOL = 1e-5
@@ -195,6 +197,18 @@ def _llama(rank, world_size):
             "mean_of_rank_means": naive.item() / world_size,
             "grad_errors": {name: _relative_error(grads[name], reference_grads[name]) for name in grads},
         }
+        if case == "uneven_ignored":  # a tiled loss in a user's loop: the model's summed loss, combined the same way
+            apply_sequence_tiling(model, ZeroConfig(tiled_loss=True, tile_tokens=3).activation_policy)
+            model.zero_grad()
+            summed = model(**local, labels=local["shift_labels"], num_items_in_batch=1).loss
+            tiled = sequence_parallel_loss(summed, local["shift_labels"], group)
+            tiled.backward()
+            grads = _mean_over_group_times_scale(model, world_size)
+            results["tiled_loss"] = {
+                "loss": (tiled.item(), reference_loss.item()),
+                "grad_errors": {name: _relative_error(grads[name], reference_grads[name]) for name in grads},
+            }
+            remove_sequence_tiling(model)
     return results
 
 
@@ -236,7 +250,7 @@ def llama_runs(model_runs):
     return [rank["llama"] for rank in model_runs]
 
 
-@pytest.mark.parametrize("case", ["all_labelled", "uneven_ignored", "right_padded"])
+@pytest.mark.parametrize("case", ["all_labelled", "uneven_ignored", "right_padded", "tiled_loss"])
 def test_llama_with_ulysses_attention_has_the_full_sequence_loss(llama_runs, case):
     for rank in llama_runs:
         got, expected = rank[case]["loss"]
@@ -249,7 +263,7 @@ def test_the_uneven_batch_tells_token_weighting_from_averaging_rank_means(llama_
     assert rank["mean_of_rank_means"] != pytest.approx(rank["loss"][1], rel=10 * RTOL)
 
 
-@pytest.mark.parametrize("case", ["all_labelled", "uneven_ignored", "right_padded"])
+@pytest.mark.parametrize("case", ["all_labelled", "uneven_ignored", "right_padded", "tiled_loss"])
 def test_llama_gradients_after_the_ulysses_rule_equal_the_full_sequence_gradients(llama_runs, case):
     for rank in llama_runs:
         errors = rank[case]["grad_errors"]

@@ -140,8 +140,7 @@ class ZeroTrainerMixin:
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The trainer's loss; under Ulysses over this rank's slice of the batch, combined over its group (Note:
         [The Trainer's loss over a sequence-parallel group])."""
-        mesh = getattr(self.accelerator, "parallel_mesh", None)
-        group = mesh.sp_group if mesh is not None else None
+        group = self._sequence_group()
         if group is None:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if not model.training and self.compute_metrics is not None:
@@ -153,6 +152,21 @@ class ZeroTrainerMixin:
         loss, outputs = super().compute_loss(model, local, True, num_items_in_batch)
         loss = combine_over_group(loss, local.get("shift_labels"), num_items_in_batch, group)
         return (loss, outputs) if return_outputs else loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """Trainer's; under Ulysses only with labels, whose loss ``compute_loss`` slices the batch for (without them
+        Trainer calls the model on whole sequences, which Ulysses attention would take for slices)."""
+        if self._sequence_group() is not None and inputs.get("labels") is None:
+            raise ValueError(
+                "prediction without labels under sequence parallelism: the model attends over a sequence sliced "
+                "across the group, and only the loss path slices it; give labels (or evaluate without it)"
+            )
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+
+    def _sequence_group(self):
+        """The Ulysses group of this rank, or None without sequence parallelism."""
+        mesh = getattr(self.accelerator, "parallel_mesh", None)
+        return mesh.sp_group if mesh is not None else None
 
     def get_total_train_batch_size(self, args) -> int:
         """Trainer's, counting each Ulysses group once: its ranks read one batch."""
