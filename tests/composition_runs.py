@@ -46,6 +46,7 @@ class Layout:
     pp: int = 1
     sp: int = 1
     megatron_sp: bool = False
+    long_context: bool = False  # tiled MLPs and every unit checkpointed, its input kept on the host
 
     @property
     def dp(self) -> int:
@@ -63,6 +64,8 @@ class Layout:
             fields.update(pipeline_parallel_size=self.pp)
         if self.sp > 1:
             fields.update(sequence_parallel_size=self.sp)
+        if self.long_context:
+            fields.update(tiled_mlp=True, tile_tokens=3, activation_checkpointing="full", cpu_checkpointing=True)
         return fields
 
 
@@ -77,6 +80,7 @@ LAYOUTS = {
         Layout("pp x tp", 4, tp=2, pp=2),
         Layout("pp x ulysses sp", 4, pp=2, sp=2),
         Layout("ulysses sp", 2, sp=2),
+        Layout("ulysses sp tiled", 2, sp=2, long_context=True),
         Layout("ulysses sp x tp", 4, tp=2, sp=2),
         Layout("megatron sp", 2, tp=2, megatron_sp=True),
     )
@@ -195,7 +199,9 @@ def pairwise_cells() -> list[Cell]:
 
 def build_model(seed: int = 0):
     torch.manual_seed(seed)
-    return tiny_llama(BLOCKS, HEADS)
+    model = tiny_llama(BLOCKS, HEADS)
+    model.config.use_cache = False  # training keeps no KV cache; a checkpointed layer's recomputation would extend it
+    return model
 
 
 def reference(seed: int, dtype: torch.dtype = torch.float32) -> dict:
