@@ -83,6 +83,7 @@ class Probe:
     length: int
     fits: bool
     peak_bytes: int | None = None
+    backward_peak_bytes: int | None = None  # the peak up to the optimizer step: forward and backward alone
     step_seconds: float | None = None
     loss: float | None = None
     reason: str = ""
@@ -121,14 +122,18 @@ class _CapGuard:
                 os._exit(OVER_CAP_EXIT)
             time.sleep(self.interval_s)
 
-    def stop(self) -> int:
+    def current_peak(self) -> int:
         if self.device == "cuda":
             import torch
 
             return torch.cuda.max_memory_allocated()
-        self._stop.set()
-        self._thread.join()
         return self.peak
+
+    def stop(self) -> int:
+        if self.device != "cuda":
+            self._stop.set()
+            self._thread.join()
+        return self.current_peak()
 
 
 def _llama():
@@ -166,7 +171,7 @@ def train_one_step(rank: int, world_size: int, system: str, length: int, cap_byt
         disable_tqdm=True,
         seed=0,
     )
-    timer = _StepTimer()
+    timer = _StepTimer(guard)
     kwargs = dict(model=_llama(), args=args, train_dataset=data, callbacks=[timer])
     if zero is None:
         trainer = transformers.Trainer(**kwargs)
@@ -177,13 +182,21 @@ def train_one_step(rank: int, world_size: int, system: str, length: int, cap_byt
     output = trainer.train()
     peak = guard.stop()
     dist.destroy_process_group()
-    return {"peak": peak, "seconds": timer.seconds, "loss": output.training_loss}
+    return {"peak": peak, "backward_peak": timer.backward_peak, "seconds": timer.seconds, "loss": output.training_loss}
 
 
 class _StepTimer(transformers.TrainerCallback):
-    """Seconds from the step's start to its end (forward, backward, optimizer step)."""
+    """Seconds from the step's start to its end (forward, backward, optimizer step), and the peak before the
+    optimizer step."""
 
     seconds = 0.0
+    backward_peak = None
+
+    def __init__(self, guard: _CapGuard):
+        self.guard = guard
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.backward_peak = self.guard.current_peak()
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._start = time.perf_counter()
@@ -210,8 +223,9 @@ def probe(system: str, length: int, memory_cap_bytes: int, device: str = "cpu", 
             out_of_memory = "out of memory" in outcome.error.lower()
             return Probe(length, False, reason="over the cap" if out_of_memory else outcome.error[-2000:])
     peak = max(value["peak"] for value in outcome.values)
+    backward_peak = max(value["backward_peak"] or 0 for value in outcome.values) or None
     seconds = max(value["seconds"] for value in outcome.values)
-    return Probe(length, peak <= memory_cap_bytes, peak, seconds, outcome.values[0]["loss"])
+    return Probe(length, peak <= memory_cap_bytes, peak, backward_peak, seconds, outcome.values[0]["loss"])
 
 
 def longest_sequence(
@@ -272,9 +286,23 @@ def longest_sequence(
         tokens_per_s=best.tokens_per_s if best else None,
         step_seconds=best.step_seconds if best else None,
         peak_bytes=best.peak_bytes if best else None,
+        projected_length=projected_length(probes, memory_cap_bytes),
         probes=[dataclasses.asdict(p) for p in probes],
     )
     return row
+
+
+def projected_length(probes: list[Probe], memory_cap_bytes: int) -> int | None:
+    """Where the forward-and-backward peak reaches the cap, on the line through the two longest fitting probes
+    that measured it (activation memory grows linearly with the sequence: flash attention keeps no [seq, seq]);
+    None without two such probes or growth. An extrapolation: the table marks it as one."""
+    measured = sorted({p.length: p.backward_peak_bytes for p in probes if p.fits and p.backward_peak_bytes}.items())
+    if len(measured) < 2:
+        return None
+    (short, low), (long, high) = measured[-2:]
+    if high <= low:
+        return None
+    return _rounded(long + int((memory_cap_bytes - high) * (long - short) / (high - low)))
 
 
 def _rounded(length: int) -> int:
@@ -299,19 +327,21 @@ def markdown(rows: list[dict], command: str) -> str:
     lines = [
         *(f"Command: `{each}`" for each in commands),
         "",
-        "| system | ranks | longest sequence (tokens) | x plain | peak per rank (GiB) | step (s) | tokens/s | probes |",
-        "|---|---|---|---|---|---|---|---|",
+        "| system | ranks | longest sequence (tokens) | x plain | peak per rank (GiB) | step (s) | tokens/s | probes "
+        "| projected: forward+backward at the cap (tokens) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if "skipped" in row:
-            lines.append(f"| {row['system']} | {row['ranks']} | skipped: {row['skipped']} | | | | | |")
+            lines.append(f"| {row['system']} | {row['ranks']} | skipped: {row['skipped']} | | | | | | |")
             continue
         length = f"{'>= ' if row.get('bounded') else ''}{row['length']:,}"
         times = f"{row['length'] / base:.1f}" if base and row["length"] else ""
         peak = f"{row['peak_bytes'] / 2**30:.2f}" if row.get("peak_bytes") else ""
         step = f"{row['step_seconds']:.1f}" if row.get("step_seconds") else ""
         speed = f"{row['tokens_per_s']:.0f}" if row.get("tokens_per_s") else ""
-        cells = [row["system"], row["ranks"], length, times, peak, step, speed, len(row["probes"])]
+        projected = f"~{row['projected_length']:,}" if row.get("projected_length") else ""
+        cells = [row["system"], row["ranks"], length, times, peak, step, speed, len(row["probes"]), projected]
         lines.append("| " + " | ".join(str(cell) for cell in cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -349,7 +379,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, of " + ", ".join(SYSTEMS))
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--cap-gib", type=float, default=4.0, help="per-rank memory cap")
-    parser.add_argument("--start", type=int, default=512, help="first length probed")
+    parser.add_argument(
+        "--start", type=int, default=None, help="first length probed (default: 512, then the previous row's length)"
+    )
     parser.add_argument("--max-length", type=int, default=65536, help="longest length probed")
     parser.add_argument("--resolution", type=float, default=0.125, help="stop bisecting within this fraction")
     parser.add_argument("--name", default="long-context", help="results/<name>.{json,md,png}")
@@ -361,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = json.loads((out / f"{args.name}.json").read_text())["rows"] if args.resume else []
-    start = max([args.start, *(row.get("length") or 0 for row in rows)])
+    start = args.start or max([512, *(row.get("length") or 0 for row in rows)])
     for system in args.systems.split(","):
         if any(row["system"] == system for row in rows):
             continue
@@ -374,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
             resolution=args.resolution,
         )
         rows.append({**row, "command": command})
-        start = max(start, row.get("length") or start)  # each system holds at least as long as the one before
+        if args.start is None:  # each system holds at least as long as the one before
+            start = max(start, row.get("length") or start)
         (out / f"{args.name}.json").write_text(json.dumps({"command": command, "model": MODEL, "rows": rows}, indent=1))
         (out / f"{args.name}.md").write_text(markdown(rows, command))
         note = plot(rows, cap, out / f"{args.name}.png")

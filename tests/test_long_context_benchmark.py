@@ -16,7 +16,8 @@ def _fits_up_to(limit: int, calls: list):
     def fake_probe(system, length, cap, device="cpu"):
         calls.append(length)
         fits = length <= limit
-        return long_context.Probe(length, fits, peak_bytes=length * 1000, step_seconds=length / 100 if fits else None)
+        peaks = {"peak_bytes": length * 1000, "backward_peak_bytes": 2**20 + length * 100}
+        return long_context.Probe(length, fits, **peaks, step_seconds=length / 100 if fits else None)
 
     return fake_probe
 
@@ -36,6 +37,8 @@ def test_a_fit_at_the_bound_is_reported_as_a_lower_bound(monkeypatch):
     monkeypatch.setattr(long_context, "probe", _fits_up_to(10**6, calls))
     row = long_context.longest_sequence("ulysses_sp2", start=512, max_length=3000, log=lambda _: None)
     assert row["bounded"] and row["length"] == 2944 and calls == [512, 1024, 2048, 2944]
+    # the forward-and-backward peak grows 100 bytes a token from 1 MiB: it meets a 2 MiB cap at 10,485 tokens
+    assert long_context.projected_length([long_context.Probe(**p) for p in row["probes"]], 2**21) == 10496 - 128
 
 
 def test_a_start_that_does_not_fit_halves_and_a_failure_that_is_not_memory_stops(monkeypatch):
@@ -58,5 +61,5 @@ def test_the_table_gives_each_length_as_a_multiple_of_the_plain_one():
     for row in rows:
         row["tokens_per_s"] = row["length"] / row["step_seconds"] if "step_seconds" in row else None
     table = long_context.markdown(rows, "python benchmarks/long_context.py")
-    assert "| plain | 1 | 1,024 | 1.0 | 2.00 | 10.0 | 102 | 1 |" in table
+    assert "| plain | 1 | 1,024 | 1.0 | 2.00 | 10.0 | 102 | 1 |  |" in table
     assert "| ulysses_sp2 | 2 | >= 16,384 | 16.0 |" in table
