@@ -118,7 +118,9 @@ class TiledCausalLMLoss:
         self.original = model.forward
         self.original_was_set_on_instance = "forward" in model.__dict__
         self.original_head = self.head.forward
+        self.original_head_was_set_on_instance = "forward" in self.head.__dict__
         self.original_loss = model.loss_function
+        self.original_loss_was_set_on_instance = "_loss_function" in model.__dict__  # transformers' setter
         self._armed = False
         self._deferred: torch.Tensor | None = None
         self._used = False
@@ -235,8 +237,11 @@ def remove_sequence_tiling(module: nn.Module) -> None:
         elif isinstance(patched, TiledCausalLMLoss):
             _restore_forward(sub, patched)
             del patched.head.forward
-            if sub.__dict__.get("_loss_function") == patched.loss:
-                del sub._loss_function
+            if patched.original_head_was_set_on_instance:
+                patched.head.forward = patched.original_head
+            del sub._loss_function
+            if patched.original_loss_was_set_on_instance:
+                sub.loss_function = patched.original_loss
 
 
 def _restore_forward(sub: nn.Module, patched: TiledMlp | TiledCausalLMLoss) -> None:
