@@ -347,7 +347,9 @@ def markdown(rows: list[dict], command: str) -> str:
 
 
 def plot(rows: list[dict], cap_bytes: int, path: Path) -> str:
-    """Peak memory per rank against length, one line per system, and the cap; returns a note if not drawn."""
+    """Per system: the peak per rank of each probe that fit (circles, solid), of forward and backward alone (dots,
+    dashed) and its line to the projected length (dotted), and where probes were stopped at the cap (crosses).
+    Returns a note when not drawn."""
     try:
         import matplotlib
 
@@ -355,19 +357,29 @@ def plot(rows: list[dict], cap_bytes: int, path: Path) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed (pip install -e '.[bench]'); no plot drawn"
-    fig, ax = plt.subplots(figsize=(7, 4))
+    gib = 2**30
+    fig, ax = plt.subplots(figsize=(8, 4.5))
     for row in rows:
-        measured = sorted((p["length"], p["peak_bytes"]) for p in row.get("probes", ()) if p["peak_bytes"])
-        if measured:
-            ax.plot([x for x, _ in measured], [y / 2**30 for _, y in measured], marker="o", label=row["system"])
-        if row.get("length"):
-            ax.axvline(row["length"], color=ax.lines[-1].get_color(), linestyle=":", linewidth=1)
-    ax.axhline(cap_bytes / 2**30, color="black", linestyle="--", label="cap")
+        probes = row.get("probes", ())
+        fits = sorted((p["length"], p["peak_bytes"] / gib) for p in probes if p["fits"] and p["peak_bytes"])
+        if not fits:
+            continue
+        (line,) = ax.plot(*zip(*fits), marker="o", label=f"{row['system']} ({row['ranks']} rank(s)): step peak")
+        color = line.get_color()
+        stopped = [p["length"] for p in probes if not p["fits"]]
+        if stopped:
+            ax.plot(stopped, [cap_bytes / gib] * len(stopped), "x", color=color, markersize=8)
+        back = sorted((p["length"], p["backward_peak_bytes"] / gib) for p in probes if p.get("backward_peak_bytes"))
+        if back:
+            ax.plot(*zip(*back), marker=".", linestyle="--", color=color)
+            if row.get("projected_length"):
+                ax.plot([back[-1][0], row["projected_length"]], [back[-1][1], cap_bytes / gib], ":", color=color)
+    ax.axhline(cap_bytes / gib, color="black", linestyle="--", linewidth=1, label="cap per rank")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("sequence length (tokens); dotted: the longest that fits")
+    ax.set_xlabel("sequence length (tokens)   x: stopped at the cap; dashed: forward+backward; dotted: projected")
     ax.set_ylabel("peak memory per rank (GiB)")
-    ax.set_title("One training step of a 110M Llama within a memory cap")
-    ax.legend()
+    ax.set_title("One training step of a 110M-parameter Llama (32K vocabulary) within a memory cap")
+    ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
