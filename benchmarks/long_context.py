@@ -325,7 +325,9 @@ def markdown(rows: list[dict], command: str) -> str:
     base = next((row["length"] for row in rows if row["system"] == "plain" and row.get("length")), None)
     commands = dict.fromkeys(row.get("command", command) for row in rows) or {command: None}
     lines = [
-        *(f"Command: `{each}`" for each in commands),
+        "Measured by:",
+        "",
+        *(f"- `{each}`" for each in commands),
         "",
         "| system | ranks | longest sequence (tokens) | x plain | peak per rank (GiB) | step (s) | tokens/s | probes "
         "| projected: forward+backward at the cap (tokens) |",
@@ -379,7 +381,7 @@ def plot(rows: list[dict], cap_bytes: int, path: Path) -> str:
     ax.set_xlabel("sequence length (tokens)   x: stopped at the cap; dashed: forward+backward; dotted: projected")
     ax.set_ylabel("peak memory per rank (GiB)")
     ax.set_title("One training step of a 110M-parameter Llama (32K vocabulary) within a memory cap")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="center left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
