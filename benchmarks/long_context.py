@@ -242,7 +242,8 @@ def longest_sequence(
     """The longest multiple of ``MULTIPLE`` tokens ``system`` trains one step of within ``memory_cap_bytes`` per rank
     on ``device`` ("cpu" or "cuda"), found by doubling from ``start`` and bisecting to ``resolution``; ``max_length``
     bounds the search (a fit there is reported as a lower bound, ``"bounded": True``), ``time_limit_s`` its wall time
-    (the best length so far is reported, ``"cut_short": True``). Returns the row: ``system``, ``ranks``, ``length``
+    (the best length so far is reported, ``"cut_short": True``; a probe still running at the limit is stopped and
+    reported as an error). Returns the row: ``system``, ``ranks``, ``length``
     (0 when even ``start`` does not fit), ``tokens_per_s``, ``peak_bytes``, and every ``probes`` entry."""
     ranks, _ = SYSTEMS[system]
     row: dict[str, Any] = {"system": system, "ranks": ranks, "device": device, "cap_bytes": memory_cap_bytes}
@@ -257,7 +258,8 @@ def longest_sequence(
         if deadline is not None and time.monotonic() > deadline:
             row["cut_short"] = True
             break
-        result = probe(system, length, memory_cap_bytes, device)
+        remaining = 3600.0 if deadline is None else max(1.0, deadline - time.monotonic())
+        result = probe(system, length, memory_cap_bytes, device, timeout=remaining)
         probes.append(result)
         log(f"{system} {length:>7} tokens: {'fits' if result.fits else 'no'} {_gib(result.peak_bytes)} {result.reason}")
         if result.fits:
