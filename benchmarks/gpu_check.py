@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import transformers
+from suite_harness import resolve_device
 
 from ds_strategy.checkpoint.pretrained import load_weights
 from ds_strategy.config import ZeroConfig
@@ -219,11 +220,11 @@ def table(checks: list[Check]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--device", default="cuda", help="cuda (this rank's: LOCAL_RANK), cuda:N or cpu")
     parser.add_argument("--size", default="small", choices=sorted(SIZES))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
+    device = resolve_device(args.device)  # "cuda" alone has no index, which set_device refuses
     if device.type == "cuda":
         torch.cuda.set_device(device)
     transformers.logging.set_verbosity_error()

@@ -1,38 +1,58 @@
-"""One GPU, one command: does ds_strategy run on CUDA, how fast, and how big a model fits.
+"""One GPU, one command: does ds_strategy run on CUDA, is it right, how fast, and how big a model fits.
 
-    python benchmarks/gpu_suite.py                                   # CUDA, <= 8 minutes, writes the report
+On the device, from the repository root (no network needed, see docs/gpu.md):
+
+    pip install --no-deps --no-build-isolation --no-index -e . ; python benchmarks/gpu_suite.py
+
     python benchmarks/gpu_suite.py --nvme-path /local/disk/dir       # also sizes the largest model with NVMe offload
-    python benchmarks/gpu_suite.py --device cpu --size tiny          # the same logic on the host, in under a minute
+    python benchmarks/gpu_suite.py --device cpu --size tiny          # the rehearsal on the host, in minutes
 
-World size 1: a process group of one rank (NCCL on CUDA, gloo on the host). Three parts, in this order, each
-time-boxed (``--budget`` seconds in all, shared out as ``PART_SHARES``; a part's leftover goes to the next):
+The install is offline: no dependencies fetched, no isolated build environment (which would download setuptools),
+editable (a wheel built elsewhere once lacked ``ds_strategy.compose``). Whatever is installed, the suite imports
+``ds_strategy`` from the checkout it lives in and hands that path to the processes it starts; its first item says
+whether the package is installed and where it was imported from. torch and transformers must be there already.
 
-correctness  stages 0-3 under bf16-mixed and 16-mixed, CPU offload (stage 2 optimizer; stage 3 optimizer and
-             parameters) and NVMe offload (stage 3), pinned buffers on CUDA, each against the same training in plain
-             PyTorch (bf16: autocast with fp32 weights, losses within ``BF16_RTOL``; fp16: fp32 PyTorch, within
-             ``FP16_RTOL``), on one repeated batch so that a missed or wrong optimizer step moves the losses; the
-             Triton kernels compiled (CUDA only) against their PyTorch references; and ``gpu_check.py``'s placement,
+World size 1 (NCCL on CUDA, gloo on the host) except the two-rank part. Parts, in this order (``PARTS``), each item
+time-boxed (``--budget`` seconds in all, shared out as the parts' shares; a part's leftover goes to the next):
+
+smoke        the first minute's answers: every ds_strategy module imports, one ZeRO-3 step, one offloaded step and one
+             compiled ZeRO-3 step on the device, and the report is on disk.
+correctness  stages 0-3 in fp32 with SGD (whose update scales with the gradient: a wrong gradient scale shows) and
+             AdamW, losses and every parameter within ``FP32_RTOL`` of the same training in plain PyTorch; stages 0-3
+             under bf16-mixed (AdamW, losses within ``BF16_RTOL`` of bf16 autocast with fp32 weights) and 16-mixed
+             (within ``FP16_RTOL`` of fp32 PyTorch taking exactly the steps the loss scaler took); CPU offload
+             (stage 2 optimizer; stage 3 optimizer and parameters, pinned on CUDA, in fp32 SGD and bf16) and NVMe
+             offload (stage 3); on one repeated batch, so a missed or wrong step moves the losses. Then the Triton
+             kernels compiled (CUDA only) against their PyTorch references, and ``gpu_check.py``'s placement,
              construction, loading and offload memory bounds.
-speed        a Llama-shaped model (``SPEED_SHAPES``, 0.98B parameters on CUDA), bf16, sequence 2048: ZeRO stages
-             0-3 against plain PyTorch (fp32 weights, bf16 autocast) and FSDP2 ``fully_shard`` (bf16 parameters,
-             fp32 reduction), eager and with ``torch.compile`` on each decoder layer: tokens/s, MFU and peak
-             allocated memory. MFU = model FLOPs per step / step time / the device's dense bf16 peak, with
-             (PaLM, appendix B) model FLOPs = 6 N T + 12 L H S T for T tokens per step, N the parameters that take
-             part in matmuls (all but the input embedding), L layers, H the hidden size and S the sequence length
-             (attention counted without the causal half, as PaLM and Megatron do).
-size         the largest Llama-shaped model (``SIZE_SHAPES``, 13B-like layers, the layer count searched) that the
+two_ranks    ``two_ranks.py``: two processes on this one device (gloo, as NCCL refuses two ranks on one GPU), stages
+             1-3 against DDP with communication overlapped, and a stage-3 sharded checkpoint round trip.
+speed        a Llama-shaped model (``SPEED_SHAPES`` in ``suite_training.py``, 0.98B parameters on CUDA), bf16,
+             sequence 2048: ZeRO stages 0-3 against plain PyTorch (fp32 weights, bf16 autocast) and FSDP2
+             ``fully_shard`` (bf16 parameters, fp32 reduction), eager and with ``torch.compile`` on each decoder
+             layer (a compiled row that compiled nothing fails: Note: [A compiled row that runs eager]): tokens/s,
+             MFU and peak allocated memory. MFU = model FLOPs per step / step time / the device's dense bf16 peak,
+             with (PaLM, appendix B) model FLOPs = 6 N T + 12 L H S T for T tokens per step, N the parameters that
+             take part in matmuls (all but the input embedding), L layers, H the hidden size and S the sequence
+             length (attention counted without the causal half, as PaLM and Megatron do).
+size         ``suite_size.py``: the largest Llama-shaped model (13B-like layers, the layer count searched) that the
              estimator (``ds_strategy.estimate``) says fits with stage 3 and CPU offload, then 2 steps of it; the
              same with NVMe offload when ``--nvme-path`` is given; and the offload step time as a percentage of the
              step without offload, on the speed model.
 
 Writes ``<out>.json`` and ``<out>.md`` after every item, so a run cut short still leaves what it measured. Exit
-status 1 if any item failed, raised or overran its time box; items skipped (no CUDA, no time left) do not fail it.
+status 1 if any item failed, raised or (smoke, correctness, two ranks) overran its time box; items skipped (no
+CUDA, no time left) do not fail it.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.metadata
+import json
 import os
+import pkgutil
 import platform
 import statistics
 import sys
@@ -40,74 +60,33 @@ import tempfile
 import time
 from pathlib import Path
 
-import gpu_check
-import torch
-import torch.distributed as dist
-import transformers
-from suite_harness import PART_SHARES, Budget, Item, Report, Runner, hard_stop_after
+CHECKOUT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(CHECKOUT))  # this checkout's ds_strategy, installed or not (see the module docstring)
 
-from ds_strategy.config import ZeroConfig
-from ds_strategy.estimate import ModelSize, estimate_memory
-from ds_strategy.offload import step_runner_for
-from ds_strategy.precision import autocast_for
-from ds_strategy.zero.engine import ZeroEngine
+import gpu_check  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import transformers  # noqa: E402
+import two_ranks  # noqa: E402
+from suite_harness import Budget, Part, Report, Runner, SuiteContext, hard_stop_after, resolve_device  # noqa: E402
+from suite_size import run_size  # noqa: E402
+from suite_training import (  # noqa: E402
+    CORRECT_SHAPES,
+    SPEED_SHAPES,
+    llama_config,
+    matmul_params,
+    mfu,
+    train,
+    train_flops,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results"
-BF16_RTOL, FP16_RTOL = 2e-2, 5e-3  # ZeRO's bf16 keeps bf16 weights, autocast fp32 ones: see test_mixed_precision
-LLAMA = {"num_attention_heads": 16, "num_key_value_heads": 8, "vocab_size": 32000}
-TINY = {
-    "hidden_size": 64,
-    "intermediate_size": 176,
-    "vocab_size": 512,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
-CORRECT_SHAPES = {
-    "tiny": {**TINY, "num_hidden_layers": 2},
-    "full": {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 4},
-}
-SPEED_SHAPES = {
-    "tiny": ({**TINY, "num_hidden_layers": 2}, 2, 64),
-    "full": ({"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 18}, 4, 2048),  # (shape, b, s)
-}
-SIZE_SHAPES = {  # (shape without the layer count, most layers tried, sequence)
-    "tiny": (TINY, 48, 64),
-    "full": (
-        {"hidden_size": 5120, "intermediate_size": 13824, "num_attention_heads": 40, "num_key_value_heads": 40},
-        80,
-        1024,
-    ),
-}
+INSTALL = "pip install --no-deps --no-build-isolation --no-index -e ."
+# ZeRO's bf16 keeps bf16 weights, autocast fp32 ones (see test_mixed_precision); fp16 is compared with fp32; fp32
+# with fp32, where only a matmul's algorithm may differ (flat-buffer views are aligned differently): a wrong gradient
+# scale moves SGD's parameters by percents.
+BF16_RTOL, FP16_RTOL, FP32_RTOL = 2e-2, 5e-3, 1e-4
 PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "H800": 989.4, "A100": 312.0, "A800": 312.0, "L40S": 362.1}
-# Fractions of a capacity the estimate may fill: activations and allocator rounding need the rest.
-DEVICE_FILL, HOST_FILL, DISK_FILL = 0.80, 0.60, 0.80
-
-
-# -- models and formulas ----------------------------------------------------------------------------------------
-def llama_config(shape: dict, seq: int) -> transformers.LlamaConfig:
-    return transformers.LlamaConfig(
-        **{**LLAMA, **shape}, max_position_embeddings=seq, bos_token_id=0, eos_token_id=0, tie_word_embeddings=False
-    )
-
-
-def build_llama(config: transformers.LlamaConfig, device: str | torch.device = "cpu", seed: int = 0):
-    torch.manual_seed(seed)
-    with torch.device(device):
-        return transformers.LlamaForCausalLM(config)
-
-
-def matmul_params(config: transformers.LlamaConfig, total_params: int) -> int:
-    """N of the FLOP formula: every parameter but the input embedding table, which is looked up, not multiplied."""
-    return total_params - config.vocab_size * config.hidden_size
-
-
-def train_flops(n_matmul: int, layers: int, hidden: int, seq: int, tokens: int) -> float:
-    """Model FLOPs of one training step on ``tokens`` tokens (forward and backward): 6 N T + 12 L H S T."""
-    return 6.0 * n_matmul * tokens + 12.0 * layers * hidden * seq * tokens
-
-
-def mfu(flops_per_step: float, step_s: float, peak_flops: float | None) -> float | None:
-    return None if not peak_flops else flops_per_step / step_s / peak_flops
 
 
 def peak_flops(device: torch.device, override_tflops: float | None) -> float | None:
@@ -120,133 +99,145 @@ def peak_flops(device: torch.device, override_tflops: float | None) -> float | N
     return next((tflops * 1e12 for key, tflops in PEAK_BF16_TFLOPS.items() if key in name), None)
 
 
-def activation_bytes(config: transformers.LlamaConfig, batch: int, seq: int) -> int:
-    """Activations kept for backward, bf16, no checkpointing: ~34 S B H per layer (Korthikanti et al. 2022, with
-    a fused attention kernel) and the logits in bf16 and fp32 with their gradient, 10 S B V."""
-    sbh = seq * batch * config.hidden_size
-    return 34 * sbh * config.num_hidden_layers + 10 * seq * batch * config.vocab_size
+# -- smoke ------------------------------------------------------------------------------------------------------
+def import_every_module():
+    """Every ds_strategy module imports, but for those needing an optional package that is not installed."""
+    import ds_strategy
 
-
-def largest_fitting(low: int, high: int, fits) -> int | None:
-    """The largest n in [low, high] with ``fits(n)``, for ``fits`` true up to some n and false after; None if
-    not even ``low`` fits. Binary search: log2(high - low) calls."""
-    if not fits(low):
-        return None
-    while low < high:
-        middle = (low + high + 1) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle - 1)
-    return low
-
-
-# -- one training run -------------------------------------------------------------------------------------------
-def _batch(config: transformers.LlamaConfig, batch: int, seq: int, device: torch.device) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(0)
-    return torch.randint(0, config.vocab_size, (batch, seq), generator=generator).to(device)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def train(
-    system: dict, config, device: torch.device, batch: int, seq: int, steps: int, warmup: int = 0, exact: bool = True
-) -> dict:
-    """Build ``system`` (``kind``: torch, fsdp2 or zero, with ``precision``, ``compile`` and ZeRO options) on a
-    fresh Llama, train ``warmup + steps`` steps on one batch; losses, step times and peak allocated bytes.
-    ``exact``: every system starts from the same weights, built on the host; else each is built where it is
-    fastest (ZeRO from the meta device, unit by unit on the device; the others on the device itself)."""
-    system = dict(system)
-    kind, precision, compiled = system.pop("kind"), system.pop("precision"), system.pop("compile", False)
-    model = build_llama(config, "cpu" if exact else "meta" if kind == "zero" else device)
-    if compiled:
-        for layer in model.model.layers:
-            layer.compile()
-    if kind == "zero":
-        pin = device.type == "cuda" and any(
-            system.get(k, "none") != "none" for k in ("offload_optimizer", "offload_params")
-        )
-        zero = ZeroConfig(**system, precision=precision, pin_memory=pin)
-        engine = ZeroEngine(
-            model,
-            torch.optim.AdamW(model.parameters(), lr=3e-3),
-            zero,
-            device=device,
-            step_runner=step_runner_for(zero),
-        )
-        backward, step = engine.backward, engine.step
-    else:
-        model.to(device)
-        if kind == "fsdp2":
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            for layer in model.model.layers:
-                fully_shard(layer, mp_policy=policy)
-            fully_shard(model, mp_policy=policy)
-            precision = "32-true"  # FSDP2 casts itself
-        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        scaler = torch.amp.GradScaler(device.type) if precision == "16-mixed" else None
-
-        def backward(loss):
-            (scaler.scale(loss) if scaler else loss).backward()
-
-        def step():
-            scaler.step(optimizer) if scaler else optimizer.step()
-            if scaler:
-                scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-
-    ids = _batch(config, batch, seq, device)
-    losses, times = [], []
-    for index in range(warmup + steps):
-        if index == warmup and device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        _sync(device)
-        started = time.perf_counter()
-        with autocast_for(precision, device.type):
-            loss = model(input_ids=ids, labels=ids).loss
-        backward(loss)
-        step()
-        _sync(device)
-        times.append(time.perf_counter() - started)
-        losses.append(loss.item())
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return {
-        "losses": losses,
-        "times": times[warmup:],
-        "peak": peak,
-        "params": sum(p.numel() for p in model.parameters()),
+    imported, optional, broken = 0, set(), []
+    for module in pkgutil.walk_packages(ds_strategy.__path__, "ds_strategy."):
+        try:
+            importlib.import_module(module.name)
+            imported += 1
+        except ModuleNotFoundError as error:
+            missing = error.name or "?"
+            if missing.startswith("ds_strategy"):
+                broken.append(f"{module.name}: {error}")
+            else:
+                optional.add(missing.split(".")[0])
+        except Exception as error:  # noqa: BLE001 - any other import error is a broken module
+            broken.append(f"{module.name}: {type(error).__name__}: {error}")
+    try:
+        installed = importlib.metadata.version("ds_strategy")
+    except importlib.metadata.PackageNotFoundError:
+        installed = "no"
+    figures = {
+        "modules": imported,
+        "from": str(Path(ds_strategy.__file__).parent),
+        "installed": installed,
+        "optional_missing": ", ".join(sorted(optional)) or "none",
     }
+    note = "; ".join(broken) if broken else ("" if installed != "no" else f"not installed: {INSTALL}")
+    return not broken, figures, note
 
 
-# -- parts ------------------------------------------------------------------------------------------------------
+def one_step(device: torch.device, **system):
+    """One training step of a tiny Llama under ``system`` (ZeRO stage 3, bf16, unless given)."""
+    config = llama_config(CORRECT_SHAPES["tiny"], 16)
+    system = {"kind": "zero", "stage": 3, "precision": "bf16-mixed", "param_persistence_threshold": 0, **system}
+    run = train(system, config, device, 1, 16, 1)
+    figures = {"loss": run["losses"][0], "seconds": sum(run["times"]), **run.get("pinned", {})}
+    passed = bool(torch.isfinite(torch.tensor(run["losses"])).all())
+    if "compiled_frames" in run:
+        figures.update(compiled_frames=run["compiled_frames"], graph_breaks=run["graph_breaks"])
+        if not run["compiled_frames"]:
+            return False, figures, "compiled nothing: the step ran eager"
+    return passed, figures
+
+
+def report_on_disk(report: Report):
+    written = json.loads(report.path.with_suffix(".json").read_text())
+    return len(written["items"]) == len(report.items), {"items": len(written["items"])}
+
+
+def run_smoke(runner: Runner, context: SuiteContext) -> None:
+    device = context.device
+    runner.run("import ds_strategy", import_every_module)
+    runner.run("one ZeRO-3 step", one_step, device)
+    runner.run("one offloaded step", one_step, device, offload_optimizer="cpu", offload_params="cpu")
+    runner.run("one compiled ZeRO-3 step", one_step, device, compile=True)
+    runner.run("report written", report_on_disk, runner.report)
+
+
+# -- correctness ------------------------------------------------------------------------------------------------
 def correctness_runs(nvme_dir: str) -> dict[str, dict]:
-    """name -> ZeRO system; each is compared with plain PyTorch at its precision."""
+    """name -> ZeRO system; each is compared with plain PyTorch at its precision and with its optimizer."""
+    zero = {"kind": "zero", "param_persistence_threshold": 0}
     runs = {
-        f"stage{stage} {precision}": {"stage": stage, "precision": precision, "param_persistence_threshold": 0}
-        for precision in ("bf16-mixed", "16-mixed")
+        f"stage{stage} 32-true {optimizer}": {**zero, "stage": stage, "precision": "32-true", "optimizer": optimizer}
+        for optimizer in ("sgd", "adamw")
         for stage in (0, 1, 2, 3)
     }
-    bf16 = {"precision": "bf16-mixed"}
-    runs["stage2 bf16-mixed cpu offload"] = {**bf16, "stage": 2, "offload_optimizer": "cpu"}
-    runs["stage3 bf16-mixed cpu offload"] = {**bf16, "stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"}
+    runs.update(
+        {
+            f"stage{stage} {precision}": {**zero, "stage": stage, "precision": precision, "optimizer": "adamw"}
+            for precision in ("bf16-mixed", "16-mixed")
+            for stage in (0, 1, 2, 3)
+        }
+    )
+    cpu2 = {"stage": 2, "offload_optimizer": "cpu"}
+    cpu3 = {"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"}
+    fp32_sgd, bf16 = {"precision": "32-true", "optimizer": "sgd"}, {"precision": "bf16-mixed", "optimizer": "adamw"}
+    runs["stage2 32-true sgd cpu offload"] = {**zero, **fp32_sgd, **cpu2}
+    runs["stage3 32-true sgd cpu offload"] = {**zero, **fp32_sgd, **cpu3}
+    runs["stage2 bf16-mixed cpu offload"] = {**zero, **bf16, **cpu2}
+    runs["stage3 bf16-mixed cpu offload"] = {**zero, **bf16, **cpu3}
     runs["stage3 bf16-mixed nvme offload"] = {
+        **zero,
         **bf16,
         "stage": 3,
         "offload_optimizer": "nvme",
         "offload_params": "nvme",
         "nvme_path": nvme_dir,
     }
-    return {name: {"kind": "zero", **system} for name, system in runs.items()}
+    return runs
 
 
-def compare_losses(system: dict, reference: list[float], config, device, batch, seq, steps):
-    rtol = BF16_RTOL if system["precision"] == "bf16-mixed" else FP16_RTOL
-    losses = train(system, config, device, batch, seq, steps)["losses"]
-    error = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
-    learned = losses[-1] < losses[0]
-    return error <= rtol and learned, {"max_rel_loss_error": error, "rtol": rtol, "last_loss": losses[-1]}
+REFERENCES = {  # name -> plain PyTorch system; 16-mixed rows train theirs, replaying the loss scaler's skips
+    "plain PyTorch bf16-mixed adamw": {"kind": "torch", "precision": "bf16-mixed", "optimizer": "adamw"},
+    "plain PyTorch 32-true adamw": {"kind": "torch", "precision": "32-true", "optimizer": "adamw"},
+    "plain PyTorch 32-true sgd": {"kind": "torch", "precision": "32-true", "optimizer": "sgd"},
+}
+
+
+def reference_for(system: dict) -> str | None:
+    """The name of the reference a row is compared with; None for 16-mixed (see ``compare_with_reference``)."""
+    precision = system["precision"]
+    return None if precision == "16-mixed" else f"plain PyTorch {precision} {system['optimizer']}"
+
+
+def relative_error(values: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((values - reference).norm() / reference.norm()).item()
+
+
+def compare_with_reference(system: dict, reference: dict | None, config, device, batch, seq, steps):
+    """``system`` against ``reference`` (a plain PyTorch run), or, for fp16, against fp32 PyTorch taking exactly
+    the steps ZeRO's loss scaler took: an overflow skips a step on purpose, which a reference that never skips
+    would call a wrong loss. fp32 rows compare every parameter too. A row must learn (its last loss below its
+    first, once a step was taken before it) and must have taken a step at all."""
+    precision, exact = system["precision"], system["precision"] == "32-true"
+    run = train(system, config, device, batch, seq, steps, keep_params=exact)
+    if reference is None:
+        replay = {"kind": "torch", "precision": "32-true", "optimizer": system["optimizer"]}
+        reference = train(replay, config, device, batch, seq, steps, taken=run["stepped"])
+    losses, taken = run["losses"], run["stepped"]
+    rtol = {"bf16-mixed": BF16_RTOL, "16-mixed": FP16_RTOL, "32-true": FP32_RTOL}[precision]
+    figures = {
+        "max_rel_loss_error": max(abs(a - b) / abs(b) for a, b in zip(losses, reference["losses"])),
+        "rtol": rtol,
+        "last_loss": losses[-1],
+        "skipped_steps": taken.count(False),
+        **run.get("pinned", {}),
+    }
+    passed = figures["max_rel_loss_error"] <= rtol
+    if exact:
+        figures["rel_weight_error"] = relative_error(run["weights"], reference["weights"])
+        passed &= figures["rel_weight_error"] <= rtol
+    if not any(taken):
+        return False, figures, "every step was skipped: the loss scale never settled"
+    if any(taken[:-1]):
+        passed &= losses[-1] < losses[0]
+    return passed, figures
 
 
 def triton_kernels(device: torch.device):
@@ -286,25 +277,27 @@ def memory_check(check, *args):
     return result.passed, figures, result.formula
 
 
-def run_correctness(runner: Runner, args, device: torch.device, scratch: Path) -> None:
-    runner.start_part("correctness")
+def run_correctness(runner: Runner, context: SuiteContext) -> None:
+    args, device, scratch = context.args, context.device, context.scratch
     config = llama_config(CORRECT_SHAPES[args.size], 256)
     batch, seq, steps = (1, 16, 3) if args.size == "tiny" else (2, 256, 5)
     references = {}
-    for precision in ("bf16-mixed", "32-true"):
-        item = runner.run(
-            f"plain PyTorch {precision}",
-            lambda p=precision: (
-                True,
-                {"losses": train({"kind": "torch", "precision": p}, config, device, batch, seq, steps)["losses"]},
-            ),
-        )
-        references[precision] = item.metrics.get("losses")
+    for name, system in REFERENCES.items():
+        exact = system["precision"] == "32-true"
+
+        def reference(name=name, system=system, exact=exact):
+            run = train(system, config, device, batch, seq, steps, keep_params=exact)
+            references[name] = run
+            return True, {"losses": run["losses"]}
+
+        runner.run(name, reference)
     for name, system in correctness_runs(str(scratch / "nvme")).items():
-        reference = references["bf16-mixed" if system["precision"] == "bf16-mixed" else "32-true"]
+        wanted = reference_for(system)
+        reference = references.get(wanted) if wanted else None
+        missing = wanted is not None and reference is None
         runner.run(
             name,
-            compare_losses,
+            compare_with_reference,
             system,
             reference,
             config,
@@ -312,7 +305,7 @@ def run_correctness(runner: Runner, args, device: torch.device, scratch: Path) -
             batch,
             seq,
             steps,
-            skip="" if reference else "its plain PyTorch reference did not run",
+            skip=f"its reference ({wanted}) did not run" if missing else "",
         )
     runner.run(
         "triton kernels compiled",
@@ -326,6 +319,27 @@ def run_correctness(runner: Runner, args, device: torch.device, scratch: Path) -
     runner.run("memory loading", memory_check, gpu_check.check_loading, size, device, scratch)
 
 
+# -- two ranks --------------------------------------------------------------------------------------------------
+def two_ranks_on_this_device(context: SuiteContext, out: Path):
+    """``two_ranks.py``'s two ranks on this device; killed if the time box ends them."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(CHECKOUT), os.environ.get("PYTHONPATH", "")])}
+    status, output = two_ranks.launch(str(context.device), context.args.size, out, env)
+    checks = json.loads(out.read_text())["checks"] if out.exists() else []
+    note = "" if checks and status in (0, 1) else output[-1500:]
+    return status in (0, 1) and bool(checks), {"checks": len(checks), "exit_status": status}, note
+
+
+def run_two_ranks(runner: Runner, context: SuiteContext) -> None:
+    out = context.scratch / "two_ranks.json"
+    started = runner.run("two ranks: start, train, finish", two_ranks_on_this_device, context, out)
+    checks = json.loads(out.read_text())["checks"] if out.exists() else []
+    for check in checks:
+        runner.run(check["name"], lambda check=check: (check["passed"], check["metrics"], check["note"]))
+    if started.status != "pass" and not checks:
+        runner.run("stage1-3 vs DDP, checkpoint", lambda: None, skip="the two ranks did not report")
+
+
+# -- speed ------------------------------------------------------------------------------------------------------
 def speed_systems(compile_modes: list[bool]) -> dict[str, dict]:
     eager = {"torch": {"kind": "torch"}, "fsdp2": {"kind": "fsdp2"}}  # the order they run in, most wanted first
     eager.update({f"zero{stage}": {"kind": "zero", "stage": stage} for stage in (2, 3, 0, 1)})
@@ -350,164 +364,41 @@ def measure_speed(system: dict, config, device, batch: int, seq: int, steps: int
         "params": run["params"],
         "last_loss": run["losses"][-1],
     }
-    return all(torch.isfinite(torch.tensor(run["losses"]))), figures
+    finite = all(torch.isfinite(torch.tensor(run["losses"])))
+    if "compiled_frames" in run:
+        figures.update(compiled_frames=run["compiled_frames"], graph_breaks=run["graph_breaks"])
+        if not run["compiled_frames"]:
+            return False, figures, "compiled nothing: the row ran eager"
+    return finite, figures
 
 
-def run_speed(runner: Runner, args, device: torch.device) -> dict[str, Item]:
-    runner.start_part("speed")
+def run_speed(runner: Runner, context: SuiteContext) -> None:
+    args, device = context.args, context.device
     shape, batch, seq = SPEED_SHAPES[args.size]
     config = llama_config(shape, seq)
     compile_modes = (
         [False, True] if args.compile == "on" or (args.compile == "auto" and device.type == "cuda") else [False]
     )
     peak = peak_flops(device, args.peak_tflops)
-    done = {}
     for name, system in speed_systems(compile_modes).items():
-        done[name] = runner.run(name, measure_speed, system, config, device, batch, seq, args.steps, peak)
+        context.items[name] = runner.run(name, measure_speed, system, config, device, batch, seq, args.steps, peak)
     if compile_modes == [False]:
         runner.run("+compile", lambda: None, skip="torch.compile is off (--compile auto turns it on for CUDA only)")
-    return done
-
-
-def size_fits(config, seq: int, offload: str, capacity: dict) -> tuple[bool, dict]:
-    """Whether the estimator puts stage 3 with ``offload`` of ``config`` within the capacities; its figures."""
-    zero = ZeroConfig(
-        stage=3, offload_optimizer=offload, offload_params=offload, nvme_path="/estimate" if offload == "nvme" else None
-    )
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config)
-    estimate = estimate_memory(ModelSize.of_module(model, zero), 1, 3, offload, offload, "bf16-mixed", config=zero)
-    device = estimate.device + activation_bytes(config, 1, seq)
-    figures = {
-        "params": sum(p.numel() for p in model.parameters()),
-        "device": device,
-        "host": estimate.host,
-        "nvme": estimate.nvme,
-    }
-    fits = (
-        device <= DEVICE_FILL * capacity["device"]
-        and estimate.host <= HOST_FILL * capacity["host"]
-        and estimate.nvme <= DISK_FILL * capacity["disk"]
-    )
-    return fits, figures
-
-
-def capacities(device: torch.device, nvme_dir: str | None, size: str) -> dict:
-    """Bytes of device memory, free host memory and free disk under ``nvme_dir``; with the tiny sizes, small fixed
-    figures that bind the search well below its most layers."""
-    if size == "tiny":
-        return {"device": 64 * 2**20, "host": 24 * 2**20, "disk": 24 * 2**20}
-    host = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemAvailable"))
-    device_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else host
-    disk = os.statvfs(nvme_dir).f_bavail * os.statvfs(nvme_dir).f_frsize if nvme_dir else 0
-    return {"device": device_bytes, "host": host, "disk": disk}
-
-
-def offload_system(offload: str, nvme_dir: str | None) -> dict:
-    """Stage 3, bf16, optimizer and parameters offloaded to ``offload`` (none, cpu or nvme under ``nvme_dir``)."""
-    system = {"kind": "zero", "precision": "bf16-mixed", "stage": 3}
-    return {**system, "offload_optimizer": offload, "offload_params": offload, "nvme_path": nvme_dir}
-
-
-def offload_share(offload: str, args, device: torch.device, nvme_dir: str | None, baseline: Item | None):
-    """The speed model's stage-3 step with ``offload`` against its step without (measured here if the speed
-    part did not)."""
-    shape, batch, seq = SPEED_SHAPES[args.size]
-    config = llama_config(shape, seq)
-    if baseline is not None and baseline.status == "pass":
-        without = baseline.metrics["step_ms"] / 1000
-    else:
-        without = statistics.median(
-            train(offload_system("none", None), config, device, batch, seq, 2, 1, False)["times"]
-        )
-    run = train(offload_system(offload, nvme_dir), config, device, batch, seq, 2, 1, False)
-    step_s = statistics.median(run["times"])
-    return True, {
-        "step_s": step_s,
-        "no_offload_step_s": without,
-        "percent_of_no_offload": 100 * step_s / without,
-        "params": run["params"],
-    }
-
-
-def train_largest(offload: str, args, device, nvme_dir: str | None, seconds: float, rate: Item | None):
-    """The most layers of ``SIZE_SHAPES`` that the estimator fits with ``offload``, and that ``rate`` (the offload
-    step of the speed model, in seconds per parameter) says will build and take 2 steps in the time left
-    (``4 * rate * params + 15 s`` within 80% of it); then 2 steps of that model."""
-    shape, most, seq = SIZE_SHAPES[args.size]
-    capacity = capacities(device, nvme_dir, args.size)
-    per_param = rate.metrics["step_s"] / rate.metrics["params"] if rate is not None and rate.status == "pass" else 0.0
-    budget_s = 0.8 * seconds
-
-    def fits(layers: int) -> bool:
-        fit, estimate = size_fits(llama_config({**shape, "num_hidden_layers": layers}, seq), seq, offload, capacity)
-        return fit and 4 * per_param * estimate["params"] + 15 <= budget_s
-
-    layers = largest_fitting(1, most, fits)
-    if layers is None:
-        return False, {"capacity_gib": {k: v / 2**30 for k, v in capacity.items()}}, "not even one layer fits"
-    config = llama_config({**shape, "num_hidden_layers": layers}, seq)
-    _, estimate = size_fits(config, seq, offload, capacity)
-    run = train(offload_system(offload, nvme_dir), config, device, 1, seq, 2, 0, False)
-    figures = {
-        "layers": layers,
-        "params_b": estimate["params"] / 1e9,
-        "estimate_device_gib": estimate["device"] / 2**30,
-        "estimate_host_gib": estimate["host"] / 2**30,
-        "estimate_nvme_gib": estimate["nvme"] / 2**30,
-        "step_s": statistics.median(run["times"]),
-        "peak_alloc_gib": run["peak"] / 2**30 if run["peak"] is not None else None,
-    }
-    if layers == most:
-        limit = f"the most layers tried ({most})"
-    elif not size_fits(llama_config({**shape, "num_hidden_layers": layers + 1}, seq), seq, offload, capacity)[0]:
-        limit = "memory, by the estimate"
-    else:
-        limit = f"the time left ({budget_s:.0f} s)"
-    return all(torch.isfinite(torch.tensor(run["losses"]))), figures, f"bound by {limit}"
-
-
-def run_size(runner: Runner, args, device: torch.device, scratch: Path, speed: dict[str, Item]) -> None:
-    runner.start_part("size")
-    nvme = str(args.nvme_path) if args.nvme_path else None
-    if nvme:
-        Path(nvme).mkdir(parents=True, exist_ok=True)
-    no_disk = "" if nvme else "no --nvme-path"
-    rates = {
-        "cpu": runner.run("offload cpu step vs none", offload_share, "cpu", args, device, None, speed.get("zero3"))
-    }
-    rates["nvme"] = runner.run(
-        "offload nvme step vs none", offload_share, "nvme", args, device, nvme, speed.get("zero3"), skip=no_disk
-    )
-    share = 0.6 if nvme else 1.0  # of the part's time left, for the CPU one
-    runner.run(
-        "largest model, cpu offload",
-        train_largest,
-        "cpu",
-        args,
-        device,
-        None,
-        share * runner.left(),
-        rates["cpu"],
-        share=share,
-    )
-    runner.run(
-        "largest model, nvme offload",
-        train_largest,
-        "nvme",
-        args,
-        device,
-        nvme,
-        runner.left(),
-        rates["nvme"],
-        skip=no_disk,
-    )
 
 
 # -- main -------------------------------------------------------------------------------------------------------
+PARTS = [  # run in this order; a new benchmark is one more entry (see docs/gpu.md)
+    Part("smoke", 0.12, run_smoke),  # with the default budget, ~55 s: inductor's first compilation is most of it
+    Part("correctness", 0.28, run_correctness),
+    Part("two_ranks", 0.15, run_two_ranks),
+    Part("speed", 0.27, run_speed),
+    Part("size", 0.18, run_size),
+]
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda", help="cuda (or cuda:N) or cpu")
+    parser.add_argument("--device", default="cuda", help="cuda (this rank's: LOCAL_RANK), cuda:N or cpu")
     parser.add_argument("--size", default="full", choices=("full", "tiny"), help="model sizes (tiny: seconds on a CPU)")
     parser.add_argument(
         "--budget", type=float, default=450.0, help="seconds for all parts (default leaves ~30 s of 8 min for start-up)"
@@ -521,47 +412,56 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--peak-tflops", type=float, help="the device's dense bf16 peak, if its name is not in the table"
     )
     parser.add_argument("--out", type=Path, default=RESULTS / "gpu-suite", help="output path without suffix")
-    parser.add_argument("--parts", default="correctness,speed,size", help="comma-separated subset of the parts")
+    names = [part.name for part in PARTS]
+    parser.add_argument("--parts", default=",".join(names), help="comma-separated subset of the parts")
     args = parser.parse_args(argv)
     args.steps = args.steps or (2 if args.size == "tiny" else 5)
-    unknown = set(args.parts.split(",")) - set(PART_SHARES)
+    unknown = set(args.parts.split(",")) - set(names)
     if unknown:
-        parser.error(f"--parts {args.parts!r}: unknown {sorted(unknown)}; allowed: {', '.join(PART_SHARES)}")
+        parser.error(f"--parts {args.parts!r}: unknown {sorted(unknown)}; allowed: {', '.join(names)}")
     return args
+
+
+def start(device: torch.device, size: str) -> None:
+    """This process's device and its world of one rank (NCCL on CUDA, gloo on the host)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if size == "tiny":
+        torch.set_num_threads(1)  # the tiny models gain nothing from more, and a loaded host loses
+    transformers.logging.set_verbosity_error()
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    extra = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **extra)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    budget, started = Budget(args.budget), time.monotonic()
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            print("gpu_suite: torch sees no CUDA device; on the host use --device cpu", file=sys.stderr)
-            return 2
-        torch.cuda.set_device(device)
-    if args.size == "tiny":
-        torch.set_num_threads(1)  # the tiny models gain nothing from more, and a loaded host loses
-    transformers.logging.set_verbosity_error()
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        device = resolve_device(args.device)
+    except ValueError as error:
+        print(f"gpu_suite: {error}", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    start(device, args.size)
+    chosen = [part for part in PARTS if part.name in args.parts.split(",")]
+    budget = Budget(args.budget, {part.name: part.share for part in chosen})
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "host"
     report = Report(
         args.out,
         {
-            "title": f"GPU suite on {name}, world size 1, torch {torch.__version__}",
+            "title": f"GPU suite on {name} ({device}), world size 1, torch {torch.__version__}",
             "command": "python benchmarks/gpu_suite.py " + " ".join(sys.argv[1:] if argv is None else argv),
             "budget_s": args.budget,
         },
     )
     runner = Runner(report, budget, min_item_s=15.0 if args.size == "full" else 1.0)
-    parts = args.parts.split(",")
     hard_stop = hard_stop_after(args.budget + 20, report)
     try:
         with tempfile.TemporaryDirectory(prefix="gpu_suite_") as scratch:
-            if "correctness" in parts:
-                run_correctness(runner, args, device, Path(scratch))
-            speed = run_speed(runner, args, device) if "speed" in parts else {}
-            if "size" in parts:
-                run_size(runner, args, device, Path(scratch), speed)
+            context = SuiteContext(args, device, Path(scratch))
+            for part in chosen:
+                runner.start_part(part.name)
+                part.run(runner, context)
     finally:
         hard_stop.cancel()
         report.meta["seconds"] = time.monotonic() - started

@@ -130,7 +130,7 @@ class OneTensor(nn.Module):
 
 def drop_page_cache(engine: ZeroEngine) -> None:
     """Write the NVMe files back and evict them from the page cache, so the next step reads from the disk."""
-    for files in engine.step_runner.host.files.values():
+    for files in engine.step_runner.hosts[0].files.values():
         for file in files.values():
             os.fsync(file.fd)
             os.posix_fadvise(file.fd, 0, 0, os.POSIX_FADV_DONTNEED)

@@ -1,7 +1,7 @@
 """How large a model trains here, per system, and what loading a pretrained one costs each rank.
 
     python benchmarks/scale.py --quick                        # small sizes, every row kind (~10 min on 2 cores)
-    python benchmarks/scale.py --nvme-path /work/scratch       # the README table: >= 1B rows for ours (~30 min)
+    python benchmarks/scale.py --nvme-path /work/scratch       # the docs table: >= 1B rows for ours (~30 min)
 
 Training rows. Each system (ours: stage 3 with parameters and optimizer on NVMe, and stage 3 in memory; DDP;
 FSDP2 ``fully_shard``, and with ``CPUOffloadPolicy``; DeepSpeed stage 3 on the CPU accelerator) trains a model

@@ -1,12 +1,14 @@
-"""The time boxes, item records and report files of ``gpu_suite.py``, apart from what it measures.
+"""The time boxes, item records and report files of ``gpu_suite.py``, apart from what it measures, and the device it
+runs on.
 
-A run is a list of items in parts; each item runs under a SIGALRM time box cut from its part's share of the budget
-(:class:`Budget`), is recorded as an :class:`Item` and the JSON and Markdown report is rewritten after it, so a run
-that is cut short, or killed, still leaves every figure it measured.
+A run is a list of :class:`Part` s, each a list of items; each item runs under a SIGALRM time box cut from its part's
+share of the budget (:class:`Budget`), is recorded as an :class:`Item` and the JSON and Markdown report is rewritten
+after it, so a run that is cut short, or killed, still leaves every figure it measured.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import gc
 import json
@@ -15,13 +17,56 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-PART_SHARES = {"correctness": 0.25, "speed": 0.45, "size": 0.30}
 FAILED = ("fail", "error", "timeout")  # "overran": a speed or size item out of time, which is not a failure
+OUT_OF_TIME_IS_FAILURE = ("smoke", "correctness", "two_ranks")  # parts whose items may hang rather than be slow
+
+
+@dataclass
+class SuiteContext:
+    """What every part reads: the arguments, the device, a scratch directory, and the items of earlier parts (by
+    name, for a part that builds on them)."""
+
+    args: argparse.Namespace
+    device: torch.device
+    scratch: Path
+    items: dict[str, Item] = field(default_factory=dict)
+
+
+class Part(NamedTuple):
+    """A part of the suite: ``run(runner, context)`` runs its items through ``runner`` (a :class:`Runner` already
+    started on the part) reading a :class:`SuiteContext`; ``share`` is its fraction of the budget. Adding a part (a
+    new benchmark) is one entry in ``gpu_suite.PARTS``."""
+
+    name: str
+    share: float
+    run: Callable
+
+
+# -- the device -------------------------------------------------------------------------------------------------
+def resolve_device(name: str, local_rank: int | None = None, device_count: int | None = None) -> torch.device:
+    """The device ``name`` ("cpu", "cuda" or "cuda:N") means for this process, with an index for CUDA:
+    ``torch.cuda.set_device`` refuses a device without one. "cuda" is this process's local rank modulo the
+    devices visible (``LOCAL_RANK``, 0 when unset), so ranks of one machine spread over its GPUs and share one
+    when there is one."""
+    device = torch.device(name)
+    if device.type != "cuda":
+        return device
+    count = torch.cuda.device_count() if device_count is None else device_count
+    if count == 0:
+        raise ValueError(f"device {name!r}: torch sees no CUDA device; on the host use --device cpu")
+    if device.index is not None:
+        if device.index >= count:
+            raise ValueError(f"device {name!r}: only {count} CUDA device(s) are visible (cuda:0..cuda:{count - 1})")
+        return device
+    rank = int(os.environ.get("LOCAL_RANK", "0")) if local_rank is None else local_rank
+    return torch.device("cuda", rank % count)
 
 
 # -- time boxes --------------------------------------------------------------------------------------------
@@ -30,20 +75,24 @@ class ItemTimeout(Exception):
 
 
 class Budget:
-    """Seconds for the whole run, shared between the parts in proportion to ``PART_SHARES``: a part may use its
-    share of what is left, so time one part does not use goes to the parts after it."""
+    """Seconds for the whole run, shared between the parts in proportion to ``shares`` (part name -> share, in run
+    order): a part may use its share of what is left, so time one part does not use goes to the parts after it. A
+    part without a share may use all that is left."""
 
-    def __init__(self, seconds: float, clock=time.monotonic):
+    def __init__(self, seconds: float, shares: Mapping[str, float] | None = None, clock=time.monotonic):
         self.clock = clock
+        self.shares = dict(shares or {})
         self.deadline = clock() + seconds
 
     def left(self) -> float:
         return max(self.deadline - self.clock(), 0.0)
 
     def part_seconds(self, part: str) -> float:
-        names = list(PART_SHARES)
-        later = sum(PART_SHARES[name] for name in names[names.index(part) :])
-        return self.left() * PART_SHARES[part] / later
+        if part not in self.shares:
+            return self.left()
+        names = list(self.shares)
+        later = sum(self.shares[name] for name in names[names.index(part) :])
+        return self.left() * self.shares[part] / later
 
 
 @contextlib.contextmanager
@@ -137,8 +186,9 @@ class Runner:
     def run(self, name: str, fn, *args, skip: str = "", share: float = 1.0, **kwargs) -> Item:
         """``fn(*args, **kwargs)`` returns ``(passed, metrics)`` or ``(passed, metrics, note)``; it may use ``share``
         of the time left in the part (at least ``min_item_s``), and is skipped, with ``skip`` as the reason, when that
-        is given or when less than ``min_item_s`` is left. Out of time, a correctness item is a failure ("timeout":
-        it may hang), a speed or size item is not ("overran": its part's budget was too small for it)."""
+        is given or when less than ``min_item_s`` is left. Out of time, an item of ``OUT_OF_TIME_IS_FAILURE`` is a
+        failure ("timeout": it may hang), a speed or size item is not ("overran": its part's budget was too small
+        for it)."""
         item = Item(self.part, name)
         left = self.left()
         if skip or left < self.min_item_s:
@@ -150,7 +200,8 @@ class Runner:
                     passed, item.metrics, *note = fn(*args, **kwargs)
                 item.status, item.note = ("pass" if passed else "fail"), (note[0] if note else "")
             except ItemTimeout as error:
-                item.status, item.note = ("timeout" if self.part == "correctness" else "overran"), str(error)
+                item.status = "timeout" if self.part in OUT_OF_TIME_IS_FAILURE else "overran"
+                item.note = str(error)
             except Exception as error:  # noqa: BLE001 - recorded, and the run goes on
                 item.status, item.note = "error", f"{type(error).__name__}: {error}"
             item.seconds = time.monotonic() - started

@@ -130,7 +130,8 @@ class ZeroConfig:
             that names it, instead of hanging forever when ranks issue different collectives (a rank that
             skipped a unit, or ran fewer forward calls under stage 3). Before each optimizer step the ranks
             also compare the collectives they issued (one tiny all-gather), which catches the mismatches that
-            do not hang; see ``ds_strategy.comm.sequence_check``.
+            do not hang; see ``ds_strategy.comm.sequence_check``. On NCCL a wait never blocks the host, and the
+            process group's ``timeout`` (NCCL's watchdog) bounds a collective instead.
         timeout (default 1800 s, torch's ``default_pg_timeout``; seconds or a ``datetime.timedelta``): the
             process-group timeout the Lightning and Fabric strategies pass to ``init_process_group`` when they
             create the group, as DDP's, FSDP's and DeepSpeed's ``timeout=`` does.

@@ -94,3 +94,23 @@ def release_engine(engine: ZeroEngine) -> None:
     engine.reshard()
     engine.remove_hooks()
     remove_activation_checkpointing(engine.module)
+
+
+def zero_grad_through_engine(optimizer: torch.optim.Optimizer, engine: ZeroEngine) -> None:
+    """Make ``optimizer.zero_grad()`` clear the gradients ``engine`` keeps for that optimizer's parameters.
+
+    Note: [zero_grad through the engine]
+    The engine keeps a model's reduced gradients in its own buffers, which the retargeted optimizer's ``zero_grad``
+    does not reach, and ``engine.step(optimizer)`` clears only those of the optimizer it steps. A backward may
+    reach parameters other than those the next step trains (a generator's loss through the discriminator; one of
+    several optimizers of one model stepped at a time), and, as under DDP, the user's ``opt_d.zero_grad()`` must
+    drop what it left in the discriminator's. Fabric's and Lightning's optimizer wrappers call the ``zero_grad``
+    of the optimizer's class, so the optimizer gets a subclass of its own class (as Fabric's wrapper itself does)
+    whose ``zero_grad`` is the engine's for that optimizer; everything else is the class it was.
+    """
+    base = type(optimizer)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        engine.zero_grad(optimizer)  # not ``self``: Lightning's wrapper shares this class and calls it as its own
+
+    optimizer.__class__ = type(base.__name__, (base,), {"zero_grad": zero_grad, "__module__": base.__module__})

@@ -25,11 +25,23 @@ estimate adds what the engine really allocates beyond the paper's terms, as peak
     ``memory_report()`` does.
 Activations are not model state and are not estimated.
 
+Note: [What a whole-tensor optimizer adds]
+A whole-tensor optimizer (Muon) keeps each of its parameters whole on one owner rank, balanced by size, so a rank
+owns at most Ψ_w/N + P of its Ψ_w elements, P the largest such parameter (Note: [Whole parameters on owner ranks]
+in ``ds_strategy.zero.owner_layout``). Given ``largest_whole_param`` = P, every partitioned term (optimizer state
+from stage 1, gradients from stage 2, parameters at stage 3) grows by at most P elements' bytes; the replicated
+terms do not change. With P = 0 (elementwise optimizers only) the paper's formulas stand.
+
 Note: [Offload (DeepSpeed's ZeRO-Offload and ZeRO-Infinity semantics)]
 ``offload_optimizer="cpu"`` (stage >= 1) moves the optimizer state to host memory, together with the fp32 gradient
 partition the host optimizer reads; ``"nvme"`` (stage >= 1, as the engine allows) moves the optimizer state to NVMe.
-``offload_params="cpu"|"nvme"`` (stage 3) keeps each rank's parameter partition there; the gathered working set stays on
-the device. Staging buffers of the NVMe path are not counted.
+At stage 2/3 the device then keeps no gradient: each reduced slice is summed into the host partition as it is
+reduced (Note: [Reduced gradients leave the device] in ``ds_strategy.offload.host_gradients``), so device gradients
+count 0 and only the reduction buckets remain; at stage 1 the whole gradient stays on the device, where it is
+accumulated. ``offload_params="cpu"|"nvme"`` (stage 3) keeps each rank's parameter partition there; the gathered
+working set stays on the device. Staging buffers of the NVMe path are not counted. With ``pin_memory`` the host
+buffers the device copies (parameter and gradient partitions, staging) are pinned within a budget, the rest stays
+pageable (Note: [Pinned host memory is bounded] in ``ds_strategy.offload.pinned``).
 """
 
 from __future__ import annotations
@@ -55,13 +67,16 @@ class ModelSize:
     ``params``: trainable parameters (a tied weight counts once); ``frozen``: parameters without gradients,
     kept whole on every rank and never given optimizer state. ``largest_unit``: trainable elements of the
     biggest unit stage 3 gathers at once (0 = unknown, no working set added). ``persistent``: trainable elements
-    in parameters below the persistence threshold, which stage 3 leaves whole.
+    in parameters below the persistence threshold, which stage 3 leaves whole. ``largest_whole``: elements of the
+    largest parameter a whole-tensor optimizer keeps whole on one rank (0: none; Note: [What a whole-tensor
+    optimizer adds]).
     """
 
     params: int
     frozen: int = 0
     largest_unit: int = 0
     persistent: int = 0
+    largest_whole: int = 0
 
     @classmethod
     def of_module(cls, module: nn.Module, config: ZeroConfig | None = None) -> ModelSize:
@@ -156,19 +171,27 @@ def estimate_memory(
     optimizer_states: int = 2,
     reduce_bucket_size: int | None = None,
     config: ZeroConfig | None = None,
+    largest_whole_param: int = 0,
 ) -> MemoryEstimate | dict[int, MemoryEstimate]:
     """Bytes per rank on device / host / nvme for ``stage``, or a ``{stage: estimate}`` dict when stage is None.
 
     ``model_or_param_count``: a module (its units and persistent parameters are counted, and the bucket sizes of
     ``config``, or ZeroConfig's defaults, added), a parameter count (the paper's pure formulas unless
     ``largest_layer``, ``reduce_bucket_size`` or ``config`` are given), or a :class:`ModelSize`.
-    ``optimizer_states``: moments per parameter (Adam 2, SGD with momentum 1). ``config`` supplies the bucket
+    ``optimizer_states``: moments per parameter (Adam 2, SGD with momentum 1, Muon 1). ``largest_whole_param``:
+    elements of the largest parameter a whole-tensor optimizer (Muon) trains, which a rank may hold beyond its 1/N
+    (Note: [What a whole-tensor optimizer adds]). ``config`` supplies the bucket
     sizes, ``prefetch_bucket_size``, ``max_live_parameters`` and the unit policy; ``stage`` and ``precision`` are
     the arguments' own. See the module docstring for the formulas and offload rules.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"estimate_memory world_size={world_size!r} is not allowed; expected an integer >= 1")
+    if isinstance(largest_whole_param, bool) or not isinstance(largest_whole_param, int) or largest_whole_param < 0:
+        raise ValueError(
+            f"estimate_memory largest_whole_param={largest_whole_param!r} is not allowed; expected an integer >= 0"
+        )
     size, buckets = _model_size(model_or_param_count, largest_layer, reduce_bucket_size, config)
+    size = dataclasses.replace(size, largest_whole=largest_whole_param or size.largest_whole)
     per_param = BytesPerParam.of(precision, optimizer_states)
     precision = ZeroConfig(precision=precision).precision
     if stage is None:
@@ -260,23 +283,24 @@ def _estimate(
         raise ValueError(f"estimate_memory {error}")
     psi = size.params
     out = {kind: dict.fromkeys(PLACES, 0.0) for kind in KINDS}
+    whole = min(size.largest_whole, psi)  # a whole-tensor optimizer's owner may hold this much beyond its 1/N
     # parameters: whole below stage 3; at stage 3 a 1/N partition, plus what stays or becomes whole
     frozen = per_param.params * size.frozen
     if stage < 3:
         out["params"]["device"] = per_param.params * psi + frozen
     else:
         partitioned = psi - size.persistent
-        out["params"][_place(offload_params)] += per_param.params * partitioned / n
+        out["params"][_place(offload_params)] += per_param.params * (partitioned / n + whole)
         out["params"]["device"] += per_param.params * (size.persistent + _gathered(size, partitioned, buckets)) + frozen
     # gradients: whole below stage 2, else a 1/N partition; the optimizer's host copy when it is offloaded
-    grads = per_param.grads * psi / (n if stage >= 2 else 1)
+    grads = per_param.grads * (psi / n + whole if stage >= 2 else psi)
     if offload_optimizer == "none":
         out["grads"]["device"] = grads
     else:
         out["grads"]["device"] = grads if stage < 2 else 0.0
-        out["grads"]["host"] = 4 * psi / n
+        out["grads"]["host"] = 4 * (psi / n + whole)
     # optimizer state: whole at stage 0, else a 1/N partition, wherever it is offloaded to
-    out["optimizer"][_place(offload_optimizer)] = per_param.optimizer * psi / (n if stage >= 1 else 1)
+    out["optimizer"][_place(offload_optimizer)] = per_param.optimizer * (psi / n + whole if stage >= 1 else psi)
     # gradient buckets: scratch that stage 2/3 reduce from, bounded by the bucket size and the whole gradient
     if stage >= 2 and buckets.reduce is not None:
         out["buffers"]["device"] = per_param.grads * min(psi, buckets.reduce + size.largest_unit)

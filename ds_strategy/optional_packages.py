@@ -16,16 +16,20 @@ from collections.abc import Iterator
 EXTRAS = {
     "accelerate": "accelerate",
     "hydra": "hydra",
+    "lightning": "lightning",
+    "lightning_utilities": "lightning",
     "omegaconf": "hydra",
-    "pytorch_lightning": "pytorch-lightning",
+    "pytorch_lightning": "lightning",
+    "transformers": "transformers",
     "triton": "triton",
 }
 
 
 @contextlib.contextmanager
-def needs(*packages: str, needed_by: str) -> Iterator[None]:
+def needs(*packages: str, needed_by: str, extra: str | None = None) -> Iterator[None]:
     """Imports in this block that fail because one of ``packages`` is not installed raise ModuleNotFoundError naming
-    it, ``needed_by`` and the pip command that installs it; any other import error passes unchanged (a submodule
+    it, ``needed_by`` and the pip command that installs it (``ds-strategy[extra]`` when the block names the extra
+    that brings all of them, else the missing package's own); any other import error passes unchanged (a submodule
     missing from an installed package, say of another version, is not a missing package)."""
     try:
         yield
@@ -33,7 +37,8 @@ def needs(*packages: str, needed_by: str) -> Iterator[None]:
         package = (error.name or "").partition(".")[0]
         if package not in packages or importlib.util.find_spec(package) is not None:
             raise
-        install = f"ds-strategy[{EXTRAS[package]}]" if package in EXTRAS else package
+        extra = extra or EXTRAS.get(package)
+        install = f"ds-strategy[{extra}]" if extra else package
         raise ModuleNotFoundError(
             f"{needed_by} needs the optional package {package!r}, which is not installed: pip install '{install}'",
             name=package,

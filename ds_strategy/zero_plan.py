@@ -153,7 +153,36 @@ class ZeroPlan:
         return self.grad_accum_dtype or self.compute_dtype
 
     def dtypes(self, param_dtype: torch.dtype) -> FlatDtypes:
-        """The dtypes of a flat buffer whose parameters are ``param_dtype`` (see the class docstring)."""
+        """The dtypes of a flat buffer whose parameters are ``param_dtype``.
+
+        Note: [What each precision keeps]
+        One rule for every entry point (Lightning's and Fabric's ``precision``, Accelerate's ``mixed_precision``
+        "bf16"/"fp16" = "bf16-mixed"/"16-mixed", the Hugging Face Trainer's ``bf16``/``fp16`` = the same, a DeepSpeed
+        JSON's ``bf16``/``fp16`` sections = the same). With Adam, bytes per parameter before sharding:
+
+        ================  ======================  ==================  ==================  =====================
+        precision         module's parameters     master              Adam states         bytes (params+grads+
+                          (compute weights)                                               master+states)
+        ================  ======================  ==================  ==================  =====================
+        "32-true"         as given (fp32)         the parameters      fp32                4 + 4 + 0 + 8 = 16
+        "bf16-mixed"      bf16 copies             fp32, separate      fp32                2 + 2 + 4 + 8 = 16
+        "16-mixed"        fp16 copies             fp32, separate      fp32                2 + 2 + 4 + 8 = 16
+        "bf16-true"       bf16 (module converted) the parameters      bf16                2 + 2 + 0 + 4 = 8
+        ================  ======================  ==================  ==================  =====================
+
+        Stage 1 shards master and states (2 + 2 + 12/N under "-mixed"), stage 2 also gradients, stage 3 all.
+        "-true" and "32-true" match their host frameworks: the module trains in that dtype, as under DDP.
+        "-mixed" follows DeepSpeed's bf16/fp16 mode rather than torch AMP's (fp32 weights, 16-bit only inside
+        autocast): the module's parameters are 16-bit compute copies during training, rounded from the fp32
+        masters after every step, as FSDP's ``MixedPrecisionPolicy(param_dtype=bf16)`` (what Lightning's FSDP
+        "bf16-mixed" uses) gathers them and Lightning's DeepSpeed strategy keeps them. That halves what stays whole
+        on every rank (2 bytes a parameter instead of 4 at stages 1-2: at stage 1 on N ranks 4 + 12/N instead of
+        8 + 8/N) and the bytes every stage-3 gather moves. The price is that the module's own parameters are not
+        the weights that train, so nothing that hands weights out reads them: exports read the masters (Note:
+        [What an export returns] in ``ds_strategy.zero.full_state_dict``), and the masters start from the model's
+        own values (Note: [Masters start from the model's own values] in ``ds_strategy.zero.flat_param``).
+        "32-true" over a 16-bit module keeps an fp32 master too.
+        """
         compute = param_dtype if self.keeps_module_dtype else self.compute_dtype
         master = torch.float32 if self.separate_master or self.keeps_module_dtype else compute
         return FlatDtypes(compute, master, self.grad_accum_dtype or compute)

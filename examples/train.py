@@ -9,7 +9,7 @@ The config groups (strategy, precision, model, data, trainer) are registered by 
 defaults are ``configs/train.yaml`` (installed as ``pkg://ds_strategy.configs``). A bad override such as
 ``strategy.stage=5`` or an unknown key fails before any process starts. The run prints ZeRO's memory report at
 setup and loss and tokens/s in the progress bar, and ends by writing a checkpoint and ``summary.json`` (final
-loss, tokens/s, bytes per rank) to Hydra's output directory.
+loss, tokens/s, bytes per rank) to Hydra's output directory; the checkpoint is a directory of shards.
 """
 
 from pathlib import Path
@@ -17,6 +17,7 @@ from pathlib import Path
 import hydra
 import lightning as L
 from hydra.core.hydra_config import HydraConfig
+from lightning.pytorch.loggers import CSVLogger
 from lightning_gpt import CharGPT, SummaryCallback, char_loader
 from omegaconf import DictConfig
 
@@ -39,12 +40,13 @@ def main(cfg: DictConfig) -> None:
         precision=zero.precision,
         callbacks=[callback],
         default_root_dir=out_dir,
+        logger=CSVLogger(out_dir),  # named, so Lightning does not warn that TensorBoard is missing
         **cfg.trainer,
     )
     module = CharGPT(model_config, cfg.lr, cfg.weight_decay)
     trainer.fit(module, loader)
 
-    trainer.save_checkpoint(out_dir / "checkpoint.ckpt")
+    trainer.save_checkpoint(out_dir / "checkpoint", weights_only=False)  # a sharded checkpoint is a directory
     trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
     callback.summary.finish(trainer.strategy.memory_report(), zero.stage, trainable, out_dir)
 

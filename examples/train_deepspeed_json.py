@@ -4,7 +4,8 @@
     python examples/train_deepspeed_json.py --ds-config my_config.json --max-steps 200
 
 ``ZeroStrategy.from_deepspeed_config`` reads the config with DeepSpeed's meaning (every key DeepSpeed accepts has a
-rule: mapped onto a ZeroConfig, accepted with no effect, or rejected naming the key; see the README's DeepSpeed table),
+rule: mapped onto a ZeroConfig, accepted with no effect, or rejected naming the key; see
+docs/migrating-from-deepspeed.md),
 and builds the config's ``optimizer``/``scheduler`` sections when ``configure_optimizers`` returns None. The Trainer
 runs accumulation and clipping, so this script passes the config's accumulation steps and micro-batch size to it (the
 strategy checks they agree).
@@ -14,6 +15,7 @@ import argparse
 from pathlib import Path
 
 import lightning as L
+from lightning.pytorch.loggers import CSVLogger
 from lightning_gpt import CharGPT, SummaryCallback, char_loader
 
 from ds_strategy import ZeroStrategy
@@ -42,13 +44,14 @@ def main() -> None:
         accumulate_grad_batches=zero.gradient_accumulation_steps,
         callbacks=[callback],
         default_root_dir=args.out,
+        logger=CSVLogger(args.out),  # named, so Lightning does not warn that TensorBoard is missing
         log_every_n_steps=10,
         enable_checkpointing=False,
     )
     module = CharGPT(model_config, lr=3e-3, weight_decay=0.1)
     trainer.fit(module, char_loader(model_config, 1_000_000, batch_size))
 
-    trainer.save_checkpoint(Path(args.out, "checkpoint.ckpt"))
+    trainer.save_checkpoint(Path(args.out, "checkpoint"), weights_only=False)  # a sharded checkpoint is a directory
     trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
     callback.summary.finish(trainer.strategy.memory_report(), zero.stage, trainable, args.out)
 

@@ -1,7 +1,7 @@
 """Triton kernels for ds_strategy, each beside the plain-PyTorch reference that defines it.
 
-Installed as ``ds_strategy.kernels`` (see pyproject's package-dir); import it by that name. The entry points
-below pick the Triton kernel or the reference per call (``dispatch.select_backend``); the Triton modules
+Installed as ``ds_strategy.kernels`` (setup.py's Note: [Where each package comes from]); import it by that name. The
+entry points below pick the Triton kernel or the reference per call (``dispatch.select_backend``); the Triton modules
 (``grad_stats``, ``quantize``) import ``triton`` and are loaded only when chosen.
 """
 

@@ -7,14 +7,13 @@ the results.
 """
 
 import functools
-import os
 import time
 from dataclasses import dataclass
 
 import lightning as L
 import models
 import torch
-from distributed import run_ranks
+from distributed import run_ranks, set_lightning_environment
 from lightning.pytorch.loggers.logger import Logger
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -154,7 +153,7 @@ def fit_logging(rank: int, world_size: int, log_comm_stats: bool = True, steps: 
     """A Trainer fit of the tiny GPT under stage 2 (sharded collectives); what its logger received."""
     import ds_strategy
 
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")  # processes already exist: Lightning must not launch
+    set_lightning_environment(rank)
     idx, targets = models.TinyGPT.make_batch(torch.Generator().manual_seed(rank), 4 * steps)
     logger = MetricsLogger()
     strategy = ds_strategy.ZeroStrategy(stage=2, log_comm_stats=log_comm_stats, **NATIVE)

@@ -16,7 +16,9 @@ Every Lightning cell's ``configure_model`` also creates tensors that are not par
 LightningModule, a torchmetrics ``MeanMetric`` updated with each step's loss), which must be real and hold their
 values under every stage (Lightning builds parameters only on meta): the outcome's ``extras``. ``BF16_CELLS`` run
 ``init_module()`` under "bf16-true", which creates 16-bit weights; they are outside the fp32 pairwise set and are
-checked against a bf16 reference (see ``test_composition_matrix``).
+checked against a bf16 reference (see ``test_composition_matrix``). ``EXPORT_CELLS`` train under "bf16-mixed" and
+record, besides, what the entry point's own export returns and the checkpoint it writes (Note: [What an export
+returns] in ``ds_strategy.zero.full_state_dict``).
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ import functools
 import itertools
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from distributed import set_lightning_environment
 from pipeline_runs import batches, loss_fn, tiny_llama
 
 STEPS, GLOBAL_BATCH, BLOCKS, HEADS = 3, 8, 4, 4
@@ -95,19 +99,25 @@ class Build:
     point's own way (the engine: ``torch.device("meta")``; Lightning: in ``configure_model``, on meta under stage
     3; Fabric: ``init_module(empty_init=True)`` under stage 3, where it means meta; Accelerate:
     ``init_empty_weights()``), else normally under ``torch.manual_seed(0)``. ``fields``: the ZeroConfig fields it
-    needs. ``pretrained_seed``: load, after setup, the weights a normal build under that seed saved
-    (``load_pretrained``); the initial state must then equal that build instead. ``sync_module_states`` streams
+    needs (over the layout's). ``pretrained_seed``: load, after setup, the weights a normal build under that seed
+    saved (``load_pretrained``); the initial state must then equal that build instead. ``sync_module_states`` streams
     over the data-parallel group, as DDP's does: the first data-parallel replica (every tensor-parallel rank and
     pipeline stage of it) builds the model, the other replicas build it empty. ``init_module``: the entry points
     that have one (``entries``) build under ``trainer.init_module`` / ``fabric.init_module``, with
     ``empty_init=True`` under stage 3 (sharded on meta, then initialised) and the default below it (a normal build
-    on the device; ``empty_init=True`` there means uninitialised memory, as under DDP)."""
+    on the device; ``empty_init=True`` there means uninitialised memory, as under DDP). ``user_plan``: the user's
+    own ``parallelize_module`` (:func:`user_parallelize`) splits the built model over the tensor-parallel mesh, as
+    Lightning's and Fabric's ModelParallelStrategy docs teach: in Lightning's ``configure_model`` (at stage 3 inside
+    the strategy's build context, on a model ``__init__`` built), in Fabric between the build and ``setup``; no plan
+    is configured. ``layouts``: the layouts it applies to (None: every one)."""
 
     name: str
     empty_on: Callable[[int, Layout], bool]
     fields: tuple[tuple[str, object], ...] = ()
     pretrained_seed: int | None = None
     entries: tuple[str, ...] = ("engine", "lightning", "fabric", "accelerate")
+    user_plan: bool = False
+    layouts: tuple[str, ...] | None = None
 
     @property
     def seed(self) -> int:
@@ -115,6 +125,13 @@ class Build:
         return 0 if self.pretrained_seed is None else self.pretrained_seed
 
 
+# The user's own tensor-parallel plan (issue 42): Lightning and Fabric, tensor-parallel layouts, no configured plan.
+USER_PLAN = {
+    "fields": (("tensor_parallel_plan", None),),
+    "entries": ("lightning", "fabric"),
+    "user_plan": True,
+    "layouts": ("tp", "dp x tp"),
+}
 BUILDS = {
     build.name: build
     for build in (
@@ -123,6 +140,8 @@ BUILDS = {
         Build("sync_module_states", lambda rank, layout: layout.dp_rank(rank) != 0, (("sync_module_states", True),)),
         Build("load_pretrained", lambda rank, layout: True, pretrained_seed=5),
         Build("init_module", lambda rank, layout: True, entries=("lightning", "fabric")),
+        Build("user_plan", lambda rank, layout: False, **USER_PLAN),
+        Build("user_plan_init_module", lambda rank, layout: True, **USER_PLAN),
     )
 }
 
@@ -143,10 +162,12 @@ class Cell:
     stage: int
     entry: str
     precision: str = "32-true"
+    optimizers: str = "sgd"  # or "whole+sgd": see make_optimizers
 
     @property
     def id(self) -> str:
         suffix = "" if self.precision == "32-true" else f"-{self.precision}"
+        suffix += "" if self.optimizers == "sgd" else f"-{self.optimizers}"
         return f"{self.entry}-{self.layout.replace(' ', '')}-stage{self.stage}-{self.build}{suffix}"
 
     @property
@@ -155,14 +176,24 @@ class Cell:
         return self.build, self.layout, self.stage, self.entry
 
     def applies(self) -> bool:
-        """Whether the entry point has the build path at all (only Lightning and Fabric have ``init_module``)."""
-        return self.entry in BUILDS[self.build].entries
+        """Whether the entry point has the build path at all (only Lightning and Fabric have ``init_module``), and
+        the build the layout (a user's tensor-parallel plan needs a tensor-parallel mesh)."""
+        build = BUILDS[self.build]
+        return self.entry in build.entries and (build.layouts is None or self.layout in build.layouts)
 
 
 # The reported cases (a Lightning configure_model build on meta under dp x tp and under pp x dp, stage 3): always run.
 REPORTED = (Cell("meta", "dp x tp", 3, "lightning"), Cell("meta", "pp x dp", 3, "lightning"))
 # Issue 26, item 1: Lightning's init_module(empty_init=True) at stage 3 builds on meta, here cut over tp: always run.
-REQUIRED = (*REPORTED, Cell("init_module", "tp", 3, "lightning"))
+# Issue 42: parallelize_module in configure_model on a model built in __init__, at stage 3 (it crashed), and the
+# user's parallelize_module on a model built under init_module(empty_init=True) at stage 3, Lightning and Fabric.
+REQUIRED = (
+    *REPORTED,
+    Cell("init_module", "tp", 3, "lightning"),
+    Cell("user_plan", "tp", 3, "lightning"),
+    Cell("user_plan_init_module", "tp", 3, "lightning"),
+    Cell("user_plan_init_module", "dp x tp", 3, "fabric"),
+)
 
 # init_module() under "bf16-true" (issue 26, item 10): 16-bit weights, built sharded (stage 3) and normally (stage 1).
 BF16_CELLS = (
@@ -171,6 +202,38 @@ BF16_CELLS = (
     Cell("init_module", "dp", 3, "fabric", "bf16-true"),
     Cell("init_module", "dp", 1, "fabric", "bf16-true"),
 )
+
+
+# "bf16-mixed" (issue 41): the entry point's export (``full_state_dict``, ``get_module_state_dict``,
+# ``get_state_dict``; Lightning's ``lightning_module_state_dict`` takes the same path, tested with the data-parallel
+# runs of ``test_export_masters``) under tensor and pipeline parallelism and the builds that keep the model's fp32
+# weights, against the file ``consolidate`` writes of the checkpoint the entry point saved.
+EXPORT_CELLS = (
+    Cell("sync_module_states", "dp x tp", 1, "engine", "bf16-mixed"),
+    Cell("load_pretrained", "pp x dp", 2, "accelerate", "bf16-mixed"),
+    Cell("normal", "tp", 0, "fabric", "bf16-mixed"),
+)
+
+
+def export_dir(pretrained: str, cell: Cell) -> Path:
+    """Where an export cell's entry point saves its checkpoint (beside the pretrained weights)."""
+    return Path(pretrained).parent / "exports" / cell.id
+
+
+# Several optimizers over one model, one of them whole-tensor (issue 39): a NormalizedSGD, which steps each hidden
+# matrix by its gradient over the gradient's norm (wrong on any slice of the matrix) beside SGD on the rest, given
+# separately to the engine, Fabric and Accelerate and chained (ChainedOptimizer) to Lightning's automatic
+# optimization; every entry point, every stage, over dp, pp, pp x dp and Ulysses. Outside the pairwise set.
+OPTIMIZER_CELLS = (
+    Cell("normal", "dp", 3, "engine", optimizers="whole+sgd"),
+    Cell("normal", "dp", 0, "accelerate", optimizers="whole+sgd"),
+    Cell("normal", "dp", 1, "lightning", optimizers="whole+sgd"),
+    Cell("normal", "pp", 2, "fabric", optimizers="whole+sgd"),
+    Cell("meta", "ulysses sp", 3, "accelerate", optimizers="whole+sgd"),
+    Cell("normal", "pp x dp", 3, "lightning", optimizers="whole+sgd"),
+)
+# A whole-tensor optimizer over matrices tensor parallelism splits is refused, naming a parameter: (cell, words).
+REFUSED_OPTIMIZER_CELLS = ((Cell("normal", "tp", 1, "engine", optimizers="whole+sgd"), "tensor parallelism splits"),)
 
 
 def pairwise_cells() -> list[Cell]:
@@ -204,19 +267,60 @@ def build_model(seed: int = 0):
     return model
 
 
-def reference(seed: int, dtype: torch.dtype = torch.float32) -> dict:
-    """One process, the normally built model (converted to ``dtype``), SGD at lr 1 on each whole global batch (mean
-    token loss)."""
+def user_parallelize(model, tp_mesh) -> None:
+    """What a ModelParallelStrategy user writes: torch's ``parallelize_module`` on each decoder layer."""
+    from tensor_parallel_llama import LAYER_PLAN
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    for layer in model.model.layers:
+        parallelize_module(layer, tp_mesh, LAYER_PLAN)
+
+
+class NormalizedSGD(torch.optim.Optimizer):
+    """Steps each parameter by its gradient divided by that gradient's whole norm: declared whole-tensor, since on a
+    slice of the tensor it would divide by the slice's norm."""
+
+    elementwise = False
+
+    def __init__(self, params, lr: float):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad / p.grad.norm().clamp_min(1e-12), alpha=-group["lr"])
+
+
+def make_optimizers(model: torch.nn.Module, kind: str) -> list[torch.optim.Optimizer]:
+    """``kind`` "sgd": SGD at lr 1 on every parameter; "whole+sgd": NormalizedSGD at lr 0.1 on the decoder layers'
+    matrices and SGD at lr 1 on the rest (a pipeline stage may hold no matrix: then SGD alone)."""
+    if kind == "sgd":
+        return [torch.optim.SGD(model.parameters(), lr=1.0)]
+    named = list(model.named_parameters())
+    hidden = [p for n, p in named if p.ndim == 2 and ".layers." in n]
+    optimizers = [torch.optim.SGD([p for n, p in named if not (p.ndim == 2 and ".layers." in n)], lr=1.0)]
+    return [NormalizedSGD(hidden, lr=0.1), *optimizers] if hidden else optimizers
+
+
+def reference(
+    seed: int, dtype: torch.dtype = torch.float32, autocast: torch.dtype | None = None, optimizers: str = "sgd"
+) -> dict:
+    """One process, the normally built model (converted to ``dtype``), trained by ``make_optimizers(optimizers)``
+    on each whole global batch (mean token loss), its forward in ``torch.autocast`` to ``autocast`` if given."""
     torch.set_num_threads(1)
     model = build_model(seed).to(dtype)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    stepping = make_optimizers(model, optimizers)
     losses = []
     for x, y in batches(MODEL, STEPS, GLOBAL_BATCH):
-        loss = loss_fn(model(input_ids=x).logits, y)
+        with torch.autocast("cpu", dtype=autocast) if autocast is not None else contextlib.nullcontext():
+            loss = loss_fn(model(input_ids=x).logits, y)
         loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        for optimizer in stepping:
+            optimizer.step()
+            optimizer.zero_grad()
         losses.append(loss.item())
     return {
         "initial": initial,
@@ -279,10 +383,12 @@ def _make(build: Build, rank: int, layout: Layout, empty: Callable[[], contextli
 def run_cell(rank: int, world_size: int, cell: Cell, pretrained: str) -> dict:
     """Build, set up, (load,) record the initial state, train ``STEPS`` steps, record the final state."""
     torch.set_num_threads(1)
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")  # processes already exist: no entry point may launch
+    set_lightning_environment(rank)
     build, layout = BUILDS[cell.build], LAYOUTS[cell.layout]
     fields = {"stage": cell.stage, "precision": cell.precision, **layout.fields(), **dict(build.fields)}
-    return ENTRY_RUNNERS[cell.entry](rank, build, layout, fields, pretrained)
+    export_to = export_dir(pretrained, cell) if cell in EXPORT_CELLS else None
+    optimizers = functools.partial(make_optimizers, kind=cell.optimizers)
+    return ENTRY_RUNNERS[cell.entry](rank, build, layout, fields, pretrained, export_to, optimizers)
 
 
 def _as_built(model: torch.nn.Module) -> dict:
@@ -293,13 +399,17 @@ def _as_built(model: torch.nn.Module) -> dict:
     }
 
 
-def _outcome(initial: dict, final: dict, held: set[str], built: dict, extras: dict | None = None) -> dict:
-    """The tensors this rank holds (a pipeline stage's), under the uncut model's names."""
+def _outcome(
+    initial: dict, final: dict, held: set[str], built: dict, extras: dict | None = None, export: dict | None = None
+) -> dict:
+    """The tensors this rank holds (a pipeline stage's), under the uncut model's names; ``export``: what the entry
+    point's export returned (export cells)."""
     return {
         "initial": {k: v for k, v in initial.items() if k in held},
         "final": {k: v for k, v in final.items() if k in held},
         **built,
         "extras": extras,
+        "export": export,
     }
 
 
@@ -307,36 +417,46 @@ def _unprefixed(state: dict) -> dict:
     return {k.removeprefix("model."): v for k, v in state.items()}
 
 
-def _engine_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrained: str) -> dict:
+def _engine_entry(
+    rank: int, build: Build, layout: Layout, fields: dict, pretrained: str, export_to, optimizers
+) -> dict:
+    from ds_strategy import checkpoint
     from ds_strategy.checkpoint.pretrained import load_weights
     from ds_strategy.compose import build_mesh, compose_model
     from ds_strategy.config import ZeroConfig
+    from ds_strategy.precision import autocast_for
 
     config = ZeroConfig(**fields)
     mesh = build_mesh(config, "cpu")
     assert mesh.dp_rank == layout.dp_rank(rank)
     model = _make(build, rank, layout, lambda: torch.device("meta"))
     built = _as_built(model)
-    optimizer = lambda: torch.optim.SGD(model.parameters(), lr=1.0)  # noqa: E731  over this rank's stages only
-    composed = compose_model(model, optimizer, config, mesh=mesh, device=torch.device("cpu"), log=lambda _: None)
+    build_optimizers = lambda: optimizers(model)  # noqa: E731  over this rank's stages only
+    composed = compose_model(model, build_optimizers, config, mesh=mesh, device=torch.device("cpu"), log=lambda _: None)
     engine, runner = composed.engine, composed.pipeline
     if build.pretrained_seed is not None:
         load_weights(engine, pretrained)
     initial = engine.full_state_dict(rank0_only=False)
     for x, y in _my_batches(layout, rank):
-        if runner is not None:
-            runner.train_step(*_pipeline_args(layout, x, y, mesh.sp_group), 1.0)
-        else:
-            engine.backward(_sp_loss(model, x, y, mesh.sp_group) if layout.sp > 1 else _plain_loss(model, x, y))
+        with autocast_for(config.precision, "cpu"):
+            if runner is not None:
+                runner.train_step(*_pipeline_args(layout, x, y, mesh.sp_group), 1.0)
+            else:
+                engine.backward(_sp_loss(model, x, y, mesh.sp_group) if layout.sp > 1 else _plain_loss(model, x, y))
         engine.step()
     held = set(dict(model.named_parameters())) | set(dict(model.named_buffers()))
-    return _outcome(initial, engine.full_state_dict(rank0_only=False), held, built)
+    final = engine.full_state_dict(rank0_only=False)
+    if export_to is not None:
+        checkpoint.save(export_to, model, engine)
+    return _outcome(initial, final, held, built, export=final if export_to is not None else None)
 
 
 BUFFER_VALUE = 0.5  # the plain buffer every Lightning cell's configure_model creates
 
 
-def _lightning_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrained: str) -> dict:
+def _lightning_entry(
+    rank: int, build: Build, layout: Layout, fields: dict, pretrained: str, export_to, optimizers
+) -> dict:
     import lightning as L
     import torchmetrics
     from torch.utils.data import DataLoader, TensorDataset
@@ -345,7 +465,8 @@ def _lightning_entry(rank: int, build: Build, layout: Layout, fields: dict, pret
 
     class Module(L.LightningModule):
         """Built in ``__init__`` (normally, or under ``trainer.init_module``) or in ``configure_model`` (in the
-        strategy's sharded context), which also creates a buffer and a metric, never parameters."""
+        strategy's sharded context), which also creates a buffer and a metric, never parameters, and applies the
+        user's tensor-parallel plan for the builds that have one."""
 
         def __init__(self, empty: bool):
             super().__init__()
@@ -356,6 +477,8 @@ def _lightning_entry(rank: int, build: Build, layout: Layout, fields: dict, pret
         def configure_model(self):
             if self.empty and not hasattr(self, "model"):
                 self.model = build_model(0)
+            if build.user_plan and not hasattr(self, "metric"):
+                user_parallelize(self.model, self.device_mesh["tensor_parallel"])
             if not hasattr(self, "metric"):
                 self.register_buffer("scale", torch.full((4,), BUFFER_VALUE), persistent=False)
                 self.metric = torchmetrics.MeanMetric()
@@ -378,7 +501,8 @@ def _lightning_entry(rank: int, build: Build, layout: Layout, fields: dict, pret
             self.extras["mean_loss"] = self.metric.compute().item()  # over every rank and step
 
         def configure_optimizers(self):
-            return torch.optim.SGD(self.model.parameters(), lr=1.0)
+            several = optimizers(self.model)  # chained: automatic optimization takes one optimizer
+            return several[0] if len(several) == 1 else ds_strategy.ChainedOptimizer(*several)
 
     trainer = L.Trainer(
         accelerator="cpu",
@@ -403,11 +527,17 @@ def _lightning_entry(rank: int, build: Build, layout: Layout, fields: dict, pret
     trainer.fit(module, DataLoader(data, batch_size=len(mine[0][0])))
     final = trainer.strategy.engine.full_state_dict(rank0_only=False)
     held = set(dict(module.named_parameters())) | set(dict(module.named_buffers()))
-    outcome = _outcome(module.initial, final, held, module.built, module.extras)
+    export = None
+    if export_to is not None:
+        export = _unprefixed(trainer.strategy.lightning_module_state_dict())
+        trainer.save_checkpoint(export_to)
+    outcome = _outcome(module.initial, final, held, module.built, module.extras, export)
     return {**outcome, "initial": _unprefixed(outcome["initial"]), "final": _unprefixed(outcome["final"])}
 
 
-def _fabric_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrained: str) -> dict:
+def _fabric_entry(
+    rank: int, build: Build, layout: Layout, fields: dict, pretrained: str, export_to, optimizers
+) -> dict:
     import lightning as L
 
     from ds_strategy import ZeroFabricStrategy
@@ -418,15 +548,17 @@ def _fabric_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrai
     model = _make(build, rank, layout, lambda: fabric.init_module(empty_init=True if fields["stage"] == 3 else None))
     # (the "meta" and "init_module" builds are one path here: Fabric builds on meta only through init_module)
     built = _as_built(model)
-    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    if build.user_plan:
+        user_parallelize(model, fabric.strategy.device_mesh["tensor_parallel"])
+    model, *stepping = fabric.setup(model, *optimizers(model))
     if build.pretrained_seed is not None:
         fabric.strategy.load_pretrained(pretrained)
     sp_group = fabric.strategy.device_mesh["sequence_parallel"].get_group() if layout.sp > 1 else None
     pipeline_step = functools.partial(fabric.strategy.pipeline_step, model)
-    return _train_prepared(
+    outcome = _train_prepared(
         fabric.strategy.engine,
         model,
-        optimizer,
+        stepping,
         fabric.backward,
         _my_batches(layout, rank),
         layout,
@@ -434,25 +566,32 @@ def _fabric_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrai
         pipeline_step=pipeline_step,
         sp_group=sp_group,
     )
+    if export_to is not None:
+        outcome["export"] = fabric.strategy.get_module_state_dict(model)
+        fabric.save(export_to, {"model": model, **{f"optimizer{i}": o for i, o in enumerate(stepping)}})
+    return outcome
 
 
 def _train_prepared(
-    engine, model, optimizer, backward, my_batches, layout: Layout, built: dict, *, pipeline_step, sp_group
+    engine, model, optimizers, backward, my_batches, layout: Layout, built: dict, *, pipeline_step, sp_group
 ) -> dict:
     """The steps of a Fabric or Accelerate cell once the entry point has set the model up, over this rank's
     ``my_batches``: its own ``backward`` of the loss :func:`_step_loss` computes with its ``pipeline_step`` (bound
-    to the model) and the mesh's ``sp_group`` (None without Ulysses), and the wrapped optimizer's
+    to the model) and the mesh's ``sp_group`` (None without Ulysses), and each wrapped optimizer's
     ``step``/``zero_grad``, as a user's loop under it calls them."""
     initial = engine.full_state_dict(rank0_only=False)
     for x, y in my_batches:
         backward(_step_loss(layout, model, x, y, pipeline_step, sp_group))
-        optimizer.step()
-        optimizer.zero_grad()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
     held = set(engine.module.state_dict())
     return _outcome(initial, engine.full_state_dict(rank0_only=False), held, built)
 
 
-def _accelerate_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrained: str) -> dict:
+def _accelerate_entry(
+    rank: int, build: Build, layout: Layout, fields: dict, pretrained: str, export_to, optimizers
+) -> dict:
     from accelerate import init_empty_weights
     from accelerate.state import AcceleratorState, GradientState
     from torch.utils.data import DataLoader, TensorDataset
@@ -470,15 +609,15 @@ def _accelerate_entry(rank: int, build: Build, layout: Layout, fields: dict, pre
     every = batches(MODEL, STEPS, GLOBAL_BATCH)
     rows = TensorDataset(torch.cat([x for x, _ in every]), torch.cat([y for _, y in every]))
     loader = DataLoader(rows, batch_size=GLOBAL_BATCH // layout.dp)
-    model, optimizer, loader = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=1.0), loader)
+    model, *stepping, loader = accelerator.prepare(model, *optimizers(model), loader)
     if build.pretrained_seed is not None:
         accelerator.load_pretrained(pretrained)
     sp_group = accelerator.torch_device_mesh["sp"].get_group() if layout.sp > 1 else None
     pipeline_step = functools.partial(accelerator.pipeline_step, model)
-    return _train_prepared(
+    outcome = _train_prepared(
         accelerator.engine,
         model,
-        optimizer,
+        stepping,
         accelerator.backward,
         loader,
         layout,
@@ -486,6 +625,10 @@ def _accelerate_entry(rank: int, build: Build, layout: Layout, fields: dict, pre
         pipeline_step=pipeline_step,
         sp_group=sp_group,
     )
+    if export_to is not None:
+        outcome["export"] = accelerator.get_state_dict(model)
+        accelerator.save_state(str(export_to))
+    return outcome
 
 
 ENTRY_RUNNERS = {
@@ -497,5 +640,17 @@ ENTRY_RUNNERS = {
 
 
 def run_cells(rank: int, world_size: int, cells: list[Cell], pretrained: str) -> dict:
-    """Every cell in turn in one process group (starting ranks is the slow part)."""
-    return {cell.id: run_cell(rank, world_size, cell, pretrained) for cell in cells}
+    """Every cell in turn in one process group (starting ranks is the slow part); a cell refused (one of
+    ``REFUSED_OPTIMIZER_CELLS``) gives the error it raised."""
+    refused = {cell for cell, _ in REFUSED_OPTIMIZER_CELLS}
+    outcomes = {}
+    for cell in cells:
+        if cell not in refused:
+            outcomes[cell.id] = run_cell(rank, world_size, cell, pretrained)
+            continue
+        try:
+            run_cell(rank, world_size, cell, pretrained)
+            outcomes[cell.id] = {"refused": None}
+        except ValueError as error:
+            outcomes[cell.id] = {"refused": str(error)}
+    return outcomes

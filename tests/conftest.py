@@ -6,11 +6,24 @@ be requested here, before any of them. Without a GPU that lets ``test_kernels.py
 tensors by forcing ``backend="triton"``; every other test keeps the fast reference path, because production
 dispatch never sends CPU tensors to Triton whatever the environment says. Spawned ranks inherit the variable,
 harmlessly for the same reason. With a GPU the kernels are compiled and tested on CUDA tensors instead.
+
+``process_guard`` fails a test that starts a copy of the test run or leaves a process running (Note: [A test runner
+started as a rank] there).
+
+The repository's root is taken off ``sys.path`` first (Note: [The repository root is not an import root] in
+``import_root.py``).
 """
 
 import os
 
-import torch
+import import_root  # noqa: F401 - first: see Note: [The repository root is not an import root]
+import pytest
+
+pytest.register_assert_rewrite("process_guard")
+import process_guard  # noqa: E402, F401 - before torch: a copy of the run started as a rank stops at once
+import torch  # noqa: E402
+
+pytest_plugins = ["process_guard"]
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -13,6 +13,8 @@ import re
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,6 +41,24 @@ def run(
     if check:
         assert_clean_exit(cmd, result)
     return result
+
+
+def run_lightning_fault(mode: str, out: Path) -> tuple[subprocess.CompletedProcess, float, float | None, float]:
+    """``e2e_scripts/lightning_faults.py MODE OUT``: its result, when rank 1 failed, when rank 0 first named the
+    failure (``None`` if it never did) and when the job had ended, as ``time.time()`` values."""
+    cmd = [PYTHON, str(SCRIPTS / "lightning_faults.py"), mode, str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    lines: list[tuple[float, str]] = []
+    reader = threading.Thread(target=lambda: lines.extend((time.time(), line) for line in proc.stderr))
+    reader.start()
+    stdout = proc.stdout.read()
+    proc.wait(timeout=240)
+    ended = time.time()
+    reader.join(timeout=10)
+    result = subprocess.CompletedProcess(cmd, proc.returncode, stdout, "".join(line for _, line in lines))
+    said = [at for at, line in lines if line.startswith("[ds_strategy] rank 0: ")]
+    return result, float(Path(out, "failed_at").read_text()), said[0] if said else None, ended
 
 
 EXIT_ABORT = "terminate called without an active exception"

@@ -37,6 +37,10 @@ def generate(model, **kwargs) -> torch.Tensor:
     return model.generate(prompts(), max_new_tokens=NEW_TOKENS, do_sample=False, **kwargs)
 
 
+def uneven_generate(model, rank: int) -> torch.Tensor:
+    return model.generate(prompts(), max_new_tokens=NEW_TOKENS - 3 * rank, do_sample=False, pad_token_id=0)
+
+
 def sharded_load_and_generation(rank: int, world_size: int, pretrained: str, tmp: str) -> dict:
     """DDP from ``from_pretrained``, then ZeroTrainer stage 3 from ``sharded_from_pretrained``: logs, whether the
     model was on meta until ``prepare`` and sharded after, generations, and (rank 0) the weights it saved."""
@@ -61,6 +65,8 @@ def sharded_load_and_generation(rank: int, world_size: int, pretrained: str, tmp
         "on_meta_before_prepare": on_meta,
         "sharded_after": bool(partitioned) and all(p.numel() == 0 for p in partitioned),
         "generated": generate(trainer.model, pad_token_id=0),
+        # ranks that stop at different lengths: the one done first keeps running forwards until all are (synced_gpus)
+        "generated_uneven": uneven_generate(trainer.model, rank),
     }
     with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as unwrapped:
         result["generated_trl"] = generate(unwrapped, pad_token_id=0)

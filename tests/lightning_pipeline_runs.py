@@ -7,11 +7,10 @@ same code runs at any pipeline size. Data-parallel rank r's loader holds the r-t
 so; the Trainer's own sampler is off because it shuffles training data).
 """
 
-import os
-
 import lightning as L
 import torch
 import torch.distributed as dist
+from distributed import set_lightning_environment
 from lightning.pytorch.loggers import Logger
 from pipeline_runs import MODELS, batches, full_output, loss_fn, optimizer_for, train_reference
 from torch.utils.data import DataLoader, TensorDataset
@@ -92,7 +91,7 @@ def fit(
 ) -> dict:
     """Fit ``PipelinedLM`` for ``STEPS`` optimizer steps of ``ACCUMULATE`` batches, validating before (the sanity
     check) and after; return what each rank saw and its parameters under the reference's names."""
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")  # processes already exist: Lightning must not launch
+    set_lightning_environment(rank)
     torch.set_num_threads(1)
     module = PipelinedLM()
     logger = MemoryLogger()

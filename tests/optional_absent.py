@@ -3,9 +3,10 @@
     python tests/optional_absent.py OUT.json deepspeed [hydra omegaconf ...]
 
 Run in a fresh interpreter (``tests/test_optional_packages.py`` starts one per case). It hides the named top-level
-packages, imports every public module of ``ds_strategy``, then trains a few steps through each entry point that does
-not need a hidden package, and writes ``{"hidden": [...], "imports": {module: error or null}, "entry_points": {name:
-{"error": ..., "values": [...]}}}`` to ``OUT.json``. It never raises: every failure is a result for the test to judge.
+packages, imports every public module of ``ds_strategy`` and gets the Lightning names it exports, then trains a few
+steps through each entry point that does not need a hidden package, and writes ``{"hidden": [...], "imports":
+{module: error or null}, "adapter_names": {name: error or null}, "entry_points": {name: {"error": ..., "values":
+[...]}}}`` to ``OUT.json``. It never raises: every failure is a result for the test to judge.
 
 Note: [Hiding a package as a user's machine lacks it]
 A finder that *raises* ImportError for a name would also make ``importlib.util.find_spec(name)`` raise, where a
@@ -20,6 +21,7 @@ any hidden module that got imported anyway, which the test requires to be empty.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.abc
 import importlib.metadata
@@ -124,6 +126,18 @@ def import_all() -> dict[str, str | None]:
     return results
 
 
+def adapter_names() -> dict[str, str | None]:
+    """``{name: None, or the error getting it}`` for the Lightning and Fabric names ``ds_strategy`` exports."""
+    results = {}
+    for name in ("ZeroStrategy", "ZeroPrecision", "ZeroFabricStrategy"):
+        try:
+            getattr(importlib.import_module("ds_strategy"), name)
+            results[name] = None
+        except Exception as error:  # the error is the result
+            results[name] = _error(error)
+    return results
+
+
 def _regression_batch():
     import torch
 
@@ -137,6 +151,71 @@ def _regression_model():
 
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def train_engine(scratch: Path) -> list[float]:
+    """``ZeroEngine`` alone at stage 3 (no adapter, no framework), STEPS steps on one fixed batch in a process group
+    of one; the losses."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from ds_strategy import ZeroConfig, ZeroEngine
+
+    dist.init_process_group("gloo", init_method=f"file://{scratch / 'engine_store'}", rank=0, world_size=1)
+    try:
+        model = _regression_model()
+        engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), ZeroConfig(stage=3))
+        x, y = _regression_batch()
+        losses = []
+        for _ in range(STEPS):
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            engine.step()
+            losses.append(loss.item())
+        return losses
+    finally:
+        dist.destroy_process_group()
+
+
+def train_hf_trainer(out: Path) -> list[float]:
+    """``ZeroTrainer`` (the Hugging Face Trainer on ZeRO stage 3) on a tiny ``LlamaForCausalLM`` built from a config,
+    STEPS steps on fixed token rows; the losses it logged."""
+    import torch
+    import transformers
+    from accelerate.state import AcceleratorState, GradientState
+
+    from ds_strategy.transformers import ZeroTrainer
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # as a new script finds them, whatever ran before
+    GradientState._reset_state()
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=16,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    rows = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+    dataset = [{"input_ids": row, "labels": row} for row in rows]
+    args = transformers.TrainingArguments(
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        max_steps=STEPS,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    trainer = ZeroTrainer(model=model, args=args, train_dataset=dataset, zero_config={"stage": 3})
+    trainer.train()
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
 def train_lightning(strategy: str) -> list[float]:
@@ -246,20 +325,32 @@ def train_hydra(out: Path) -> list[float]:
     return _script_losses(EXAMPLES / "train.py", overrides, out)
 
 
-def run_cli() -> list[float]:
-    """``ds-strategy --help``, then ``ds-strategy estimate`` of 1e6 parameters at stage 3 on 2 ranks; the estimate's
-    device bytes per rank."""
+def _printed_by_cli(argv: list[str]) -> str:
+    """What ``ds-strategy *argv`` prints before it exits (as ``--help`` and ``--version`` do), which must be 0."""
     from ds_strategy.cli import main
 
-    help_text, estimate = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(help_text):
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
         try:
-            main(["--help"])
+            main(argv)
         except SystemExit as exit_:
             if exit_.code != 0:
                 raise
-    if "estimate" not in help_text.getvalue():
-        raise RuntimeError(f"ds-strategy --help lists no estimate command:\n{help_text.getvalue()}")
+    return printed.getvalue()
+
+
+def run_cli() -> list[float]:
+    """``ds-strategy --help`` and ``--version``, then ``ds-strategy estimate`` of 1e6 parameters at stage 3 on 2
+    ranks; the estimate's device bytes per rank."""
+    import ds_strategy
+    from ds_strategy.cli import main
+
+    help_text, version = _printed_by_cli(["--help"]), _printed_by_cli(["--version"])
+    if "estimate" not in help_text:
+        raise RuntimeError(f"ds-strategy --help lists no estimate command:\n{help_text}")
+    if version.split() != ["ds-strategy", ds_strategy.__version__]:
+        raise RuntimeError(f"ds-strategy --version printed {version!r}, not the version {ds_strategy.__version__}")
+    estimate = io.StringIO()
     with contextlib.redirect_stdout(estimate):
         code = main(["estimate", "--params", "1e6", "--world-size", "2", "--stage", "3", "--no-offload", "--json"])
     if code != 0:
@@ -267,19 +358,28 @@ def run_cli() -> list[float]:
     return [float(json.loads(estimate.getvalue())[0]["device"])]
 
 
+# Every entry point, what runs it, and the top-level packages it needs: each runs where none of them is hidden.
+ENTRY_POINTS = {
+    "engine": (train_engine, ()),
+    "cli": (lambda scratch: run_cli(), ()),
+    "lightning_zero2": (lambda scratch: train_lightning("zero2"), ("lightning",)),
+    "lightning_zero3": (lambda scratch: train_lightning("zero3"), ("lightning",)),
+    "fabric_zero2": (lambda scratch: train_fabric(), ("lightning",)),
+    "accelerate": (lambda scratch: train_accelerate(scratch / "accelerate"), ("accelerate",)),
+    "hf_trainer": (lambda scratch: train_hf_trainer(scratch / "hf_trainer"), ("transformers", "accelerate")),
+    "hydra": (lambda scratch: train_hydra(scratch / "hydra"), ("hydra", "omegaconf", "lightning")),
+}
+
+
+def runnable(hidden: set[str]) -> list[str]:
+    """The entry points that need no hidden package."""
+    return [name for name, (_, needed) in ENTRY_POINTS.items() if not hidden.intersection(needed)]
+
+
 def entry_points(hidden: set[str], scratch: Path) -> dict:
     """Every entry point that does not need a hidden package, each STEPS steps; ``{name: {error, values}}``, the
     values being its losses (the CLI's: its estimate)."""
-    runs = {
-        "lightning_zero2": lambda: train_lightning("zero2"),
-        "lightning_zero3": lambda: train_lightning("zero3"),
-        "fabric_zero2": train_fabric,
-        "cli": run_cli,
-    }
-    if "accelerate" not in hidden:
-        runs["accelerate"] = lambda: train_accelerate(scratch / "accelerate")
-    if not hidden & {"hydra", "omegaconf"}:
-        runs["hydra"] = lambda: train_hydra(scratch / "hydra")
+    runs = {name: functools.partial(ENTRY_POINTS[name][0], scratch) for name in runnable(hidden)}
     results = {}
     for name, run in runs.items():
         try:
@@ -295,6 +395,7 @@ def main(out: str, *hidden: str) -> None:
     start = time.perf_counter()
     hide(list(hidden))
     report = {"hidden": list(hidden), "imports": import_all(), "import_seconds": time.perf_counter() - start}
+    report["adapter_names"] = adapter_names()
     with tempfile.TemporaryDirectory(prefix="ds_strategy_absent_") as scratch:
         report["entry_points"] = entry_points(set(hidden), Path(scratch))
     report["seconds"] = time.perf_counter() - start

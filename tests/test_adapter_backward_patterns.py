@@ -8,7 +8,6 @@ on a model prepared before its optimizer, and a stage-3 teacher prepared without
 equal the one-process reference to 1e-6 in relative norm (fp32).
 """
 
-import os
 import sys
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import lightning as L
 import models
 import pytest
 import torch
-from distributed import run_ranks, set_torchrun_environment
+from distributed import run_ranks, set_lightning_environment, set_torchrun_environment
 from test_lightning_strategy import ACCUMULATE, BATCH, STEPS, WORLD, MLPModule, _dataset, _reference
 from torch.utils.data import DataLoader, Subset
 from training_loops import drive_micro_batch
@@ -93,7 +92,7 @@ class PatternModule(MLPModule):
 def _lightning_runs(rank: int, world_size: int) -> dict:
     import ds_strategy
 
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")  # processes already exist: Lightning must not launch
+    set_lightning_environment(rank)
     results = {}
     for stage, reduction in CONFIGS:
         module = PatternModule()
@@ -117,7 +116,7 @@ def _lightning_runs(rank: int, world_size: int) -> dict:
 def _fabric_runs(rank: int, world_size: int) -> dict:
     from ds_strategy import ZeroFabricStrategy
 
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")
+    set_lightning_environment(rank)
     results = {}
     for stage, reduction in CONFIGS:
         fabric = L.Fabric(accelerator="cpu", devices=world_size, strategy=ZeroFabricStrategy(_config(stage, reduction)))

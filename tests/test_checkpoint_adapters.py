@@ -15,7 +15,7 @@ import models
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_ranks, set_torchrun_environment
+from distributed import run_ranks, set_lightning_environment, set_torchrun_environment
 from torch.optim.lr_scheduler import StepLR
 
 from ds_strategy.checkpoint import CheckpointError
@@ -33,7 +33,7 @@ class FabricRun:
 
         from ds_strategy import ZeroFabricStrategy
 
-        os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")  # processes already exist: Fabric must not launch
+        set_lightning_environment(rank)
         self.fabric = L.Fabric(accelerator="cpu", devices=world_size, strategy=ZeroFabricStrategy(CONFIG))
         self.fabric.launch()
         model, optimizer, self.scheduler = _model_optimizer_scheduler(seed)

@@ -10,7 +10,7 @@ import warnings
 import lightning as L
 import pytest
 import torch
-from distributed import run_ranks
+from distributed import run_ranks, set_lightning_environment
 from test_deepspeed_optimizer_sections import SCHEDULES, STEPS, NoOptimizerModule, _dataset, _formula, _lrs
 from torch.utils.data import DataLoader
 
@@ -67,7 +67,7 @@ class OwnOptimizerAndSchedulerModule(NoOptimizerModule):
 
 
 def _fit_with_both(rank: int, world_size: int) -> dict:
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")
+    set_lightning_environment(rank)
     warnings.simplefilter("ignore", DeepSpeedConfigWarning)
     trainer = L.Trainer(
         accelerator="cpu",

@@ -10,7 +10,7 @@ import lightning as L
 import models
 import pytest
 import torch
-from distributed import run_ranks
+from distributed import run_ranks, set_lightning_environment
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from ds_strategy import ZeroStrategy
@@ -215,7 +215,7 @@ def _trainer(**kwargs):
 
 
 def _fit_from_sections(rank, world_size):
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")
+    set_lightning_environment(rank)
     warnings.simplefilter("ignore", DeepSpeedConfigWarning)
     mine = Subset(_dataset(), range(rank, len(_dataset()), world_size))
     module = NoOptimizerModule()

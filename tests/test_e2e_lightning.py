@@ -1,6 +1,7 @@
 """Lightning entry points end to end: ``pytorch_lightning``'s Trainer by strategy name and the DeepSpeed-JSON
 example, each on 2 real CPU processes; bad strategy configs fail at construction. (``lightning.pytorch``'s Trainer
-by name is the README usage example, run by ``test_readme.py``; Lightning with Hydra is ``test_hydra.py``.)"""
+by name is the example of docs/getting-started.md, run by ``test_docs.py``; Lightning with Hydra is
+``test_hydra.py``.)"""
 
 import lightning as L
 import pytest

@@ -41,7 +41,7 @@ def test_a_tied_weight_the_last_stage_keeps_stays_in_the_optimizer():
     model = Tied()
     tied = model.embed.weight
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    rebind_optimizer(model, optimizer, _cut_embedding)
+    rebind_optimizer(model, [optimizer], _cut_embedding)
     held = _held(optimizer)
     assert any(p is tied for p in held)
     assert {id(p) for p in held} == {id(p) for p in model.parameters()}
@@ -55,7 +55,7 @@ def test_a_parameter_all_of_whose_names_are_cut_is_dropped():
         del module["first"]
         return module
 
-    rebind_optimizer(model, optimizer, cut)
+    rebind_optimizer(model, [optimizer], cut)
     assert {id(p) for p in _held(optimizer)} == {id(p) for p in model["second"].parameters()}
 
 
@@ -67,7 +67,7 @@ def test_a_replaced_parameter_is_followed_by_name_through_compile():
         module.weight = nn.Parameter(module.weight.detach().clone())  # as tensor parallelism registers a DTensor
         return Compiled(module)
 
-    result = rebind_optimizer(inner, optimizer, replace_and_compile)
+    result = rebind_optimizer(inner, [optimizer], replace_and_compile)
     assert {id(p) for p in _held(optimizer)} == {id(p) for p in result.parameters()}
     assert any(p is inner.weight for p in _held(optimizer))
 
@@ -78,4 +78,4 @@ def test_an_optimizer_that_has_stepped_is_refused():
     model(torch.ones(1, 2)).sum().backward()
     optimizer.step()
     with pytest.raises(ValueError, match="already stepped"):
-        rebind_optimizer(model, optimizer, lambda module: module)
+        rebind_optimizer(model, [optimizer], lambda module: module)

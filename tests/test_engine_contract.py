@@ -23,15 +23,15 @@ def _engine(optimizer_cls=torch.optim.AdamW, stage: int = 2, **optimizer_kwargs)
     return model, optimizer, ZeroEngine(model, optimizer, ZeroConfig(stage=stage))
 
 
-@pytest.mark.parametrize("stage", (1, 2, 3))
-def test_whole_tensor_optimizer_is_rejected_with_a_clear_error(stage):
+@pytest.mark.parametrize("optimizer_cls, words", [(torch.optim.LBFGS, "two-loop"), (torch.optim.SparseAdam, "sparse")])
+def test_optimizer_no_partitioning_can_run_is_refused_saying_why(optimizer_cls, words):
     torch.manual_seed(0)
     model = models.MLP()
-    with pytest.raises(ValueError, match="LBFGS needs whole parameter tensors"):
-        ZeroEngine(model, torch.optim.LBFGS(model.parameters()), ZeroConfig(stage=stage))
+    with pytest.raises(ValueError, match=f"{optimizer_cls.__name__} cannot run under ZeRO: .*{words}"):
+        ZeroEngine(model, optimizer_cls(model.parameters()), ZeroConfig(stage=1))
 
 
-def test_unknown_optimizer_class_is_assumed_elementwise_with_a_warning():
+def test_undeclared_optimizer_keeps_its_parameters_whole_with_a_warning():
     class MySGD(torch.optim.Optimizer):
         def __init__(self, params, lr):
             super().__init__(params, {"lr": lr})
@@ -41,8 +41,10 @@ def test_unknown_optimizer_class_is_assumed_elementwise_with_a_warning():
                 for p in group["params"]:
                     p.add_(p.grad, alpha=-group["lr"])
 
-    with pytest.warns(UserWarning, match="MySGD is assumed to be elementwise"):
-        _engine(MySGD, lr=0.1)
+    with pytest.warns(UserWarning, match="MySGD does not declare whether it is elementwise"):
+        model, optimizer, engine = _engine(MySGD, lr=0.1)
+    shapes = sorted(tuple(p.shape) for g in optimizer.param_groups for p in g["params"])
+    assert shapes == sorted(tuple(p.shape) for p in model.parameters())  # whole parameters, not flat shards
 
 
 def test_optimizer_keeps_its_class_hyperparameters_and_groups():

@@ -5,7 +5,7 @@ equal one process, as Lightning's pipelined runs do (``tests/test_pipeline_paral
 
 import pytest
 import torch
-from distributed import run_ranks
+from distributed import run_ranks, set_lightning_environment
 from pipeline_runs import assert_matches, batches, loss_fn, mean_over_dp, tiny_gpt, train_reference
 
 STEPS, GLOBAL_BATCH = 2, 4
@@ -18,6 +18,7 @@ def _train(rank: int, world_size: int, stage: int) -> dict:
     from ds_strategy import ZeroFabricStrategy
 
     torch.set_num_threads(1)
+    set_lightning_environment(rank)
     fabric = L.Fabric(
         accelerator="cpu", devices=world_size, strategy=ZeroFabricStrategy(stage=stage, pipeline_parallel_size=2)
     )

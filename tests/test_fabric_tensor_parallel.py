@@ -3,13 +3,11 @@
 the mesh's "tensor_parallel" dimension, ``setup_dataloaders`` splits batches over the data-parallel ranks only, and
 training matches one process. The model and data are the Lightning test's, and so is its single-process reference."""
 
-import os
-
 import hf_models
 import lightning as L
 import pytest
 import torch
-from distributed import run_ranks
+from distributed import run_ranks, set_lightning_environment
 from tensor_parallel_llama import LAYER_PLAN, LLAMA, PER_RANK, STEPS, outcome, reference_run, token_data, train_loop
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils.data import DataLoader, TensorDataset
@@ -28,7 +26,7 @@ def parallelize(model, device_mesh):
 
 def _fit(rank: int, world_size: int, stage: int, module_first: bool, **tensor_parallel) -> dict:
     """``module_first``: ModelParallelStrategy's order, ``setup_module``, then the optimizer over its parameters."""
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")  # processes already exist: Fabric must not launch
+    set_lightning_environment(rank)
     strategy = ZeroFabricStrategy(stage=stage, tensor_parallel_size=2, **tensor_parallel)
     fabric = L.Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
     fabric.launch()

@@ -8,13 +8,12 @@ The two-rank scenarios run in one set of gloo ranks (a fixture); each records it
 test below reports its own scenario.
 """
 
-import os
 import traceback
 
 import lightning as L
 import pytest
 import torch
-from distributed import run_ranks
+from distributed import run_ranks, set_lightning_environment
 from lightning.pytorch.demos.boring_classes import BoringModel
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -25,7 +24,7 @@ WORLD = 2
 
 
 def _fabric(rank: int, world_size: int, **strategy) -> L.Fabric:
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")  # processes already exist: Fabric must not launch
+    set_lightning_environment(rank)
     precision = strategy.pop("precision", "32-true")
     fabric = L.Fabric(
         accelerator="cpu", devices=world_size, strategy=ZeroFabricStrategy(**strategy), precision=precision

@@ -1,13 +1,18 @@
 """The test plumbing itself: multi-rank runner, reference GPT, corpus and edge-case models."""
 
 import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
+import distributed
 import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_ranks
 from models import EDGE_MODELS, MLP, FrozenParamModel, OddSizeModel, TinyGPT, param_groups, tiny_gpt
+from process_tree import process
 
 from ds_strategy.data import CharDataset, SyntheticTokens, stdlib_tokens
 from ds_strategy.models import GPT, gpt_config
@@ -21,16 +26,34 @@ def _all_reduce_rank(rank, world_size):
     return rank, dist.get_world_size(), t
 
 
-def _raise_on_rank_1(rank, world_size):
+def _start_a_sleeper(pid_file: str) -> None:
+    """A process that only ends when killed, started by this rank: a rank's leftover."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+    Path(pid_file).write_text(str(sleeper.pid))
+
+
+def _raise_on_rank_1(rank, world_size, pid_file):
     if rank == 1:
+        _start_a_sleeper(pid_file)
         raise ValueError("deliberate failure on rank 1")
     return rank
 
 
-def _hang_on_rank_1(rank, world_size):
+def _hang_on_rank_1(rank, world_size, pid_file):
     if rank == 1:
+        _start_a_sleeper(pid_file)
         time.sleep(3600)
     return rank
+
+
+def _leave_a_process_on_rank_1(rank, world_size, pid_file):
+    if rank == 1:
+        _start_a_sleeper(pid_file)
+    return rank
+
+
+def _is_running(pid_file: Path) -> bool:
+    return process(int(pid_file.read_text())) is not None
 
 
 def test_run_ranks_returns_each_ranks_value_after_a_real_all_reduce():
@@ -40,14 +63,23 @@ def test_run_ranks_returns_each_ranks_value_after_a_real_all_reduce():
     assert all(torch.equal(t, torch.tensor([3.0])) for _, _, t in results)
 
 
-def test_run_ranks_surfaces_a_rank_error_with_its_traceback():
+def test_run_ranks_surfaces_a_rank_error_with_its_traceback_and_kills_what_the_rank_started(tmp_path):
     with pytest.raises(AssertionError, match=r"(?s)rank 1 of 2 raised.*_raise_on_rank_1.*deliberate failure"):
-        run_ranks(_raise_on_rank_1, 2, timeout=60)
+        run_ranks(_raise_on_rank_1, 2, str(tmp_path / "pid"), timeout=60)
+    assert not _is_running(tmp_path / "pid")
 
 
-def test_run_ranks_kills_a_hung_rank_at_the_timeout_and_shows_its_stack():
+def test_run_ranks_kills_a_hung_rank_at_the_timeout_with_what_it_started_and_shows_its_stack(tmp_path):
     with pytest.raises(AssertionError, match=r"(?s)rank\(s\) \[1\] did not finish within 5 s.*_hang_on_rank_1"):
-        run_ranks(_hang_on_rank_1, 2, timeout=5)
+        run_ranks(_hang_on_rank_1, 2, str(tmp_path / "pid"), timeout=5)
+    assert not _is_running(tmp_path / "pid")
+
+
+def test_run_ranks_fails_naming_a_process_left_running_by_ranks_that_returned_and_kills_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(distributed, "EXIT_GRACE_S", 1.0)  # the sleeper would not end by itself in any grace
+    with pytest.raises(AssertionError, match=r"(?s)processes they started were still running.*time.sleep\(3600\)"):
+        run_ranks(_leave_a_process_on_rank_1, 2, str(tmp_path / "pid"), timeout=60)
+    assert not _is_running(tmp_path / "pid")
 
 
 def test_gpt_lm_head_shares_the_token_embedding_parameter():

@@ -7,7 +7,7 @@ either: it keeps fp32 weights and casts per operation, where ZeroTrainer, as Dee
 and steps fp32 masters. So the figures are DeepSpeed's own: every logged loss and the saved weights (fp32, from the
 masters, in DDP's dtype rule) stay within a few fp16 roundings of the fp32 run (measured 1.3 ``eps``), and a loss
 scale that overflows fp16 skips the step as DeepSpeed's does: no parameter moves from the fp32 masters' start (the
-fp16 model's values, as DeepSpeed copies them after ``module.half()``), the Trainer does not step its scheduler
+model's own fp32 weights, where DeepSpeed copies them after ``module.half()``), the Trainer does not step its scheduler
 (``optimizer_step_was_skipped``), and the scale waits one overflow (hysteresis 2) then halves on each.
 """
 
@@ -50,6 +50,7 @@ def test_zero_trainer_fp16_overflow_skips_the_step_and_the_scheduler(fp16_runs):
     run = fp16_runs["overflow"]  # initial_scale_power 24: every one of the 6 steps overflows
     assert run["scheduler_steps"] == 0
     assert run["loss_scale"] == 2.0 ** (24 - (runs.STEPS - 1))
-    # the fp32 masters start from the fp16 model, as DeepSpeed's do (it calls module.half() before copying them)
-    initial = hf_models.build("llama").half().float().state_dict()
+    # no step taken: the saved weights are the model's own fp32 weights, as DDP's would be (DeepSpeed rounds its
+    # masters through module.half() first; Note: [Masters start from the model's own values])
+    initial = hf_models.build("llama").state_dict()
     assert all(torch.equal(run["saved"][key], initial[key]) for key in run["saved"])

@@ -4,7 +4,8 @@ A tiny Llama is saved with ``save_pretrained`` in several safetensors shards. DD
 ``from_pretrained``; ZeroTrainer at stage 3 trains it built on meta by ``sharded_from_pretrained``, its weights read
 sharded when the Trainer's accelerator prepares it (tests/hf_trainer_sharded_runs.py). Then the stage-3 model
 generates greedily, by ``model.generate`` and inside TRL's ``unwrap_model_for_generation``, and must produce what
-the weights it saved produce in one process.
+the weights it saved produce in one process, also when the ranks ask for different lengths (the rank done first keeps
+running forwards, as transformers' ``synced_gpus`` makes it under DeepSpeed ZeRO-3, or the others' gathers would hang).
 """
 
 import math
@@ -45,8 +46,9 @@ def test_stage3_generate_equals_generation_from_the_saved_weights(sharded_run):
     one_process = transformers.AutoModelForCausalLM.from_pretrained(tmp / "final")
     want = runs.generate(one_process, pad_token_id=0)
     assert want.shape == (2, 5 + runs.NEW_TOKENS)
-    for rank in results:
+    for number, rank in enumerate(results):
         assert torch.equal(rank["generated"], want)
+        assert torch.equal(rank["generated_uneven"], runs.uneven_generate(one_process, number))
         assert torch.equal(rank["generated_trl"], want)
         assert torch.equal(rank["generated_gathered"], want)
         assert rank["layers_freed_after_generate"]

@@ -6,13 +6,11 @@ sequence-parallel rank (sp=2 x tp=2), where Ulysses splits the heads each tensor
 loss scale and the Ulysses multiplier compose, the DeepSpeed key maps, and the combinations not supported are
 refused."""
 
-import os
-
 import hf_models
 import lightning as L
 import pytest
 import torch
-from distributed import run_ranks
+from distributed import run_ranks, set_lightning_environment
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -78,7 +76,7 @@ class UlyssesLlama(L.LightningModule):
 
 def _fit(rank: int, world_size: int, stage: int, **tensor_parallel) -> dict:
     """``tensor_parallel``: the strategy's tensor-parallel fields, if any."""
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")  # processes already exist: Lightning must not launch
+    set_lightning_environment(rank)
     module = UlyssesLlama()
     trainer = L.Trainer(
         accelerator="cpu",

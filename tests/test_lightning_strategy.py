@@ -1,14 +1,12 @@
 """The Lightning adapter: Trainer(strategy="zero*") with Lightning's own accumulation and clipping trains exactly
 like one unsharded process, keeps a process group it did not create, and reports sharded memory."""
 
-import os
-
 import lightning as L
 import models
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_ranks
+from distributed import run_ranks, set_lightning_environment
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 import ds_strategy  # noqa: F401  (registers the strategy names)
@@ -49,7 +47,7 @@ class MLPModule(L.LightningModule):
 
 
 def _fit(rank: int, world_size: int, strategy: str) -> dict:
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")  # processes already exist: Lightning must not launch
+    set_lightning_environment(rank)
     if strategy == "zero3-partition-all":  # every tensor partitioned, built on the meta device by configure_model
         strategy = ds_strategy.ZeroStrategy(stage=3, param_persistence_threshold=0)
     module = MLPModule()

@@ -2,14 +2,12 @@
 Face Llama over ``self.device_mesh["tensor_parallel"]`` with a plan written as for Lightning's ModelParallelStrategy,
 the Trainer's sampler splits batches over the data-parallel ranks only, and training matches one process."""
 
-import os
-
 import hf_models
 import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_ranks
+from distributed import run_ranks, set_lightning_environment
 from tensor_parallel_llama import LAYER_PLAN, LLAMA, PER_RANK, STEPS, reference_run, token_data
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
@@ -52,7 +50,7 @@ class LlamaModule(L.LightningModule):
 
 def _fit(rank: int, world_size: int, stage: int, tp: int, **tensor_parallel) -> dict:
     """``tensor_parallel``: the strategy's plan fields; none means configure_model applies LAYER_PLAN."""
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")  # processes already exist: Lightning must not launch
+    set_lightning_environment(rank)
     module = LlamaModule(own_plan=not tensor_parallel)
     trainer = L.Trainer(
         accelerator="cpu",

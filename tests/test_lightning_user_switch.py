@@ -12,7 +12,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from distributed import run_ranks
+from distributed import run_ranks, set_lightning_environment
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 import ds_strategy
@@ -21,7 +21,7 @@ from ds_strategy.checkpoint import CheckpointError
 
 def _trainer(world_size: int, strategy="zero3", **kwargs) -> L.Trainer:
     """A quiet CPU Trainer over the ranks ``run_ranks`` already started (Lightning must not launch any)."""
-    os.environ.update(LOCAL_RANK=str(torch.distributed.get_rank()), NODE_RANK="0")
+    set_lightning_environment(torch.distributed.get_rank())
     settings = dict(max_steps=2, limit_val_batches=1, limit_test_batches=1, num_sanity_val_steps=0)
     settings.update(kwargs)
     return L.Trainer(

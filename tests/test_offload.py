@@ -99,11 +99,11 @@ def train(model, engine: ZeroEngine, steps: int, first_step: int = 0, after_firs
 
 def nvme_observation(engine: ZeroEngine) -> dict:
     """The rank's NVMe directory, its files' sizes, and how many optimizer shard elements were offloaded there."""
-    directory, host = engine.step_runner.directory.path, engine.step_runner.host
+    directory, hosts = engine.step_runner.directory.path, engine.step_runner.hosts
     return {
         "directory": directory,
         "files": {name: os.path.getsize(directory / name) for name in os.listdir(directory) if name != "owner.lock"},
-        "shard": sum(fp.master.numel() for fp in host.flat_params) if host is not None else 0,
+        "shard": sum(fp.master.numel() for host in hosts for fp in host.flat_params),
     }
 
 

@@ -10,7 +10,7 @@ import hf_models
 import lightning as L
 import pytest
 import torch
-from distributed import run_ranks
+from distributed import run_ranks, set_lightning_environment
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -148,7 +148,7 @@ def _accelerate(rank: int, world_size: int, pretrained: str) -> dict:
 
 
 def _adapters(rank: int, world_size: int, pretrained: str) -> dict:
-    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")  # processes already exist: none may launch
+    set_lightning_environment(rank)
     return {
         "lightning": _lightning(rank, world_size),
         "fabric": _fabric(rank, world_size, pretrained),

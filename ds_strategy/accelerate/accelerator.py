@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import warnings
@@ -18,7 +19,7 @@ from accelerate.utils import DistributedType
 from torch import nn
 from torch.optim import Optimizer
 
-from ..checkpoint.pretrained import load_weights
+from ..checkpoint.pretrained import WeightSource, load_weights
 from ..compose import Composed, build_mesh, compose_model, recompose_engine
 from ..compose.pipeline_step import pipeline_step, ran_its_backward
 from ..config import ZeroConfig
@@ -27,6 +28,7 @@ from ..parallel.mesh import ACCELERATE_NAMES, ParallelMesh
 from ..precision import autocast_for
 from ..precision_flag import ACCELERATE_MIXED_PRECISION, reconcile_precision
 from ..zero.engine import ZeroEngine
+from ..zero.rng_replay import generator_state, set_generator_state
 from .checkpointing import ZeroAcceleratorCheckpointing
 from .config_source import ENV_VAR, load_config
 from .deepspeed_compat import DeepSpeedPluginView, StateWithDeepSpeedView, mark_launched_worker
@@ -40,9 +42,26 @@ _OTHER_SHARDING = {
     "fsdp_plugin": "ACCELERATE_USE_FSDP",
     "megatron_lm_plugin": "ACCELERATE_USE_MEGATRON_LM",
 }
-# A model built on meta by ds_strategy.transformers.sharded_from_pretrained carries the directory of its weights here;
-# ``prepare`` has its engine read them, sharded, right after materialising it.
-PRETRAINED_WEIGHTS_ATTR = "_ds_strategy_pretrained_weights"
+# A model built on meta for ``prepare`` to materialise sharded (by ds_strategy.transformers: sharded_from_pretrained,
+# and from_pretrained/from_config under a stage-3 configuration) carries a DeferredBuild here.
+DEFERRED_BUILD_ATTR = "_ds_strategy_deferred_build"
+
+
+@dataclasses.dataclass(frozen=True)
+class DeferredBuild:
+    """Where the values of a model built on the meta device come from when ``prepare`` materialises it.
+
+    ``generator_state``: the CPU generator's state when the model was built. Materialisation draws from it, so a
+    model built empty by ``from_config`` gets the values a normal build would have had there; afterwards every
+    generator is put back as it was before ``prepare``, since a normal build would have drawn at build time, not
+    here (on an accelerator the values are a normal build's on that device's generator, see
+    ``ds_strategy.zero.hf_init``). ``weights``: read into the shards after materialisation; for a pretrained model,
+    every value (the checkpoint's tensors and those ``from_pretrained`` initialised itself), so what
+    materialisation drew is all overwritten.
+    """
+
+    generator_state: torch.Tensor
+    weights: WeightSource | str | os.PathLike | None = None
 
 
 class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
@@ -140,7 +159,7 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
     @property
     def engine(self) -> ZeroEngine | None:
         """The engine of the model that trains (the first prepared with an optimizer), else of the first model."""
-        trainable = [engine for engine in self.engines if engine.optimizer is not None]
+        trainable = [engine for engine in self.engines if engine.optimizers]
         return (trainable or self.engines or [None])[0]
 
     @property
@@ -154,7 +173,8 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
         """Shard each model with a ZeRO engine of its own and hand each optimizer to its model's engine; data
         loaders and schedulers are Accelerate's as usual.
 
-        An optimizer belongs to the model whose parameters it holds, prepared in this call or an earlier one.
+        An optimizer belongs to the model whose parameters it holds, prepared in this call or an earlier one;
+        several may train one model (``prepare(model, muon, adamw)``), each over its own parameters.
         A model prepared without an optimizer (evaluation, a teacher, or an optimizer still to come) gets an
         engine without one: under stage 3 its forward gathers units as usual.
 
@@ -174,22 +194,19 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
             i: _owning_model(optimizer, [*models.values(), *earlier], staged) for i, optimizer in optimizers.items()
         }
         mine = {i: [j for j, target in owner.items() if target is model] for i, model in models.items()}
-        for i, model in models.items():  # everything is checked before anything is sharded
+        for model in models.values():  # everything is checked before anything is sharded
             if self.engine_of(model) is not None:
                 raise ValueError(f"{type(model).__name__} was already prepared; prepare each model once")
-            if len(mine[i]) > 1:
-                raise ValueError(
-                    f"{len(mine[i])} optimizers hold parameters of one {type(model).__name__}; ZeRO "
-                    f"shards one optimizer per model: put the parameters in param groups of one"
-                )
         for i, model in models.items():
-            optimizer = optimizers[mine[i][0]] if mine[i] else None
-            result[i] = self._shard(model, optimizer, placement[i])
-            if optimizer is not None:
-                result[mine[i][0]] = self._wrap(optimizer)
-        for j, optimizer in optimizers.items():
-            if not any(owner[j] is model for model in models.values()):
-                result[j] = self._attach(self.engine_of(owner[j]), optimizer)
+            result[i] = self._shard(model, [optimizers[j] for j in mine[i]], placement[i])
+            for j in mine[i]:
+                result[j] = self._wrap(optimizers[j])
+        later = [j for j in optimizers if not any(owner[j] is model for model in models.values())]
+        for earlier_model in {id(owner[j]): owner[j] for j in later}.values():
+            given = [j for j in later if owner[j] is earlier_model]
+            wrapped = self._attach(self.engine_of(earlier_model), [optimizers[j] for j in given])
+            for j, optimizer in zip(given, wrapped):
+                result[j] = optimizer
         for i in resolved.built_schedulers:
             result[i] = self._prepare_built_scheduler(args[i])
         rest = [
@@ -216,58 +233,68 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
     def _composed_of(self, model: nn.Module) -> Composed | None:
         return next((composed for composed in self.composed if composed.engine.module is model), None)
 
-    def _shard(self, model: nn.Module, optimizer: Optimizer | None, placement: bool | None) -> nn.Module:
+    def _shard(self, model: nn.Module, optimizers: list[Optimizer], placement: bool | None) -> nn.Module:
         """A new engine over the model composed by :func:`~ds_strategy.compose.compose_model` (the auto tensor-parallel
         plan for a model that arrives unsplit, Ulysses, the pipeline cut, placement, dtype, checkpointing, engine,
         pipeline runner), then the pretrained weights of a model built by ``sharded_from_pretrained`` read into it,
         shard by shard."""
         plan = self.zero_config.plan
-        weights = _pretrained_weights(model)
+        deferred = _deferred_build(model)
         self._given_dtypes[model] = {key: value.dtype for key, value in model.state_dict().items()}
-        composed = compose_model(
-            model,
-            optimizer,
-            self.zero_config,
-            mesh=self.parallel_mesh,
-            device=self.device,
-            log=self.print,
-            unparallelized="auto",
-            place=self.device_placement if placement is None else placement,
-        )
+        with _generators_from(deferred, self.device):
+            composed = compose_model(
+                model,
+                optimizers,
+                self.zero_config,
+                mesh=self.parallel_mesh,
+                device=self.device,
+                log=self.print,
+                unparallelized="auto",
+                place=self.device_placement if placement is None else placement,
+            )
         model, engine = composed.module, composed.engine  # the same module: Accelerate takes no parallelize_fn
-        if weights is not None:
-            load_weights(engine, weights)
+        if deferred is not None and deferred.weights is not None:
+            load_weights(engine, deferred.weights)
         if plan.autocasts:
             model.forward = _in_autocast(model.forward, self.zero_config.precision, self.device.type)
         self.composed.append(composed)
         self._models.append(model)
         model._is_accelerate_prepared = True
         model.no_sync = functools.partial(self.no_sync, model)  # DDP's method; see .deepspeed_compat
+        if plan.partitions_parameters and engine.world_size > 1:
+            # transformers' generate (and Seq2SeqTrainer's predict_with_generate) keeps every rank running forwards
+            # until all have finished when a model says its parameters are sharded (FSDP2's mark; DeepSpeed ZeRO-3 it
+            # recognises by its global config): a rank done early would leave the others' gathers unanswered
+            model._is_fsdp_managed_module = True
         return model
 
-    def _attach(self, engine: ZeroEngine, optimizer: Optimizer) -> ZeroAcceleratedOptimizer:
+    def _attach(self, engine: ZeroEngine, optimizers: list[Optimizer]) -> list[ZeroAcceleratedOptimizer]:
         """Note: [An optimizer prepared after its model]
         The model's engine laid out its flat buffers without param groups. When each buffer falls inside one
-        group of the optimizer (a single group always does) and the step runs on the device, the optimizer is
-        attached to that engine. Otherwise the buffers must be laid out anew: at stage 0-2 every rank holds the
-        whole parameters, so a new engine is built over the module in place of the old one; at stage 3 the
-        parameters exist only as shards, and the model must be prepared together with its optimizer. Under
+        group of an optimizer or outside it (a single optimizer of a single group always fits), the optimizer
+        runs elementwise and its step runs on the device, the optimizer is attached to that engine. Otherwise the
+        buffers must be laid out anew (several optimizers of one model, whose groups split the buffers; a
+        whole-tensor optimizer, whose parameters go to owner ranks): at stage 0-2 every rank holds the whole
+        parameters, so a new engine is built over the module, with all of them, in place of the old one; at stage
+        3 the parameters exist only as shards, and the model must be prepared together with its optimizers. Under
         pipelining it must be too, whatever the stage (``prepare`` looks for no earlier model): whether a stage's
         buffers fit the optimizer's groups differs from stage to stage, and a new engine on some stages only would
         leave the pipeline's ranks waiting on each other.
         """
-        if engine.optimizer is None and engine.config.stage < 3 and not engine.can_attach(optimizer):
+        fits = len(optimizers) == 1 and engine.can_attach(optimizers[0])
+        if not engine.optimizers and engine.config.stage < 3 and not fits:
             engine.remove_hooks()
             rebuilt = recompose_engine(
-                engine.module, optimizer, self.zero_config, mesh=self.parallel_mesh, device=self.device, log=self.print
+                engine.module, optimizers, self.zero_config, mesh=self.parallel_mesh, device=self.device, log=self.print
             )
             self.composed[self.engines.index(engine)] = rebuilt
         else:
-            engine.attach_optimizer(optimizer)  # raises, saying why, where it cannot
-        return self._wrap(optimizer)
+            for optimizer in optimizers:
+                engine.attach_optimizer(optimizer)  # raises, saying why, where it cannot
+        return [self._wrap(optimizer) for optimizer in optimizers]
 
     def _wrap(self, optimizer: Optimizer) -> ZeroAcceleratedOptimizer:
-        engine = next(engine for engine in self.engines if engine.optimizer is optimizer)
+        engine = next(engine for engine in self.engines if engine.holds(optimizer))
         wrapped = ZeroAcceleratedOptimizer(optimizer, engine, self.zero_config.gradient_clipping)
         self._optimizers.append(wrapped)
         wrapped._is_accelerate_prepared = True
@@ -412,26 +439,35 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of the engine that shards ``parameters`` to its global norm over all ranks' shards,
         which equals the unsharded model's gradient norm (``torch.nn.utils.clip_grad_norm_`` on the module's own
-        ``.grad`` cannot: at stage 2/3 they are None)."""
-        engine = self._engine_of_parameters(parameters)
+        ``.grad`` cannot: at stage 2/3 they are None). Over the whole model, one norm, or over one optimizer's
+        parameters when ``parameters`` are exactly those of one of several optimizers training it."""
+        engine, optimizer = self._engine_of_parameters(parameters)
         if engine is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
-        return engine.clip_grad_norm_(float(max_norm), float(norm_type))
+        return engine.clip_grad_norm_(float(max_norm), float(norm_type), optimizer=optimizer)
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
-        engine = self._engine_of_parameters(parameters)
+        engine, optimizer = self._engine_of_parameters(parameters)
         if engine is None:
             return super().clip_grad_value_(parameters, clip_value)
-        engine.clip_grad_value_(float(clip_value))
+        engine.clip_grad_value_(float(clip_value), optimizer=optimizer)
 
-    def _engine_of_parameters(self, parameters: Any) -> ZeroEngine | None:
+    def _engine_of_parameters(self, parameters: Any) -> tuple[ZeroEngine | None, Optimizer | None]:
         """The one engine whose model owns ``parameters`` (a tensor or an iterable of them), or None for
-        parameters no engine shards."""
+        parameters no engine shards; and the one of its optimizers that holds exactly them, if any."""
         given = {id(p) for p in ([parameters] if isinstance(parameters, torch.Tensor) else parameters)}
         owners = [engine for engine in self.engines if any(id(p) in given for p in engine.module.parameters())]
         if len(owners) > 1:
             raise ValueError("these parameters belong to several prepared models; clip each model's separately")
-        return owners[0] if owners else None
+        if not owners:
+            return None, None
+        engine = owners[0]
+        held = {
+            optimizer: {id(p) for fp in engine.flat_params_of(optimizer) for p in fp.params}
+            for optimizer in engine.optimizers
+        }
+        exactly = [optimizer for optimizer, params in held.items() if params == given and len(held) > 1]
+        return engine, (exactly[0] if exactly else None)
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
         """The whole model's state dict on every rank, as Accelerate's DDP path returns it; see
@@ -441,10 +477,11 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
         return self.consolidated_state_dict(model, rank0_only=False)
 
     def consolidated_state_dict(self, model: nn.Module, rank0_only: bool = True) -> dict[str, torch.Tensor]:
-        """The whole state dict of a prepared model, gathered unit by unit, in the dtype each tensor had when the
-        model was prepared: DDP's rule (it trains and saves the module as given, in autocast for "bf16"/"fp16"),
-        so an fp32 model trained in bf16 saves fp32 weights, from the fp32 masters. Every rank calls it; with
-        ``rank0_only`` the others return an empty dict and hold at most one gathered unit.
+        """The whole state dict of a prepared model, gathered one flat buffer at a time, in the dtype each tensor had
+        when the model was prepared: DDP's rule (it trains and saves the module as given, in autocast for
+        "bf16"/"fp16"), so an fp32 model trained in bf16 saves fp32 weights, from the fp32 masters (``ZeroEngine.
+        full_state_dict``), never the bf16 copy the forward computes with. Every rank calls it; with ``rank0_only``
+        the others return an empty dict and hold at most one gathered buffer.
 
         Its tensors are copies: the parameters themselves are views of the engine's flat buffers, which
         safetensors would take for shared tensors and drop.
@@ -477,6 +514,9 @@ class ZeroAcceleratedOptimizer(AcceleratedOptimizer):
         self.clip_norm = clip_norm
 
     def step(self, closure=None) -> None:
+        """The engine's step of this optimizer (of several training one model, only its parameters), after the
+        config's global-norm clip over every gradient the model holds (a later optimizer's step in the same
+        iteration finds its gradients within the norm already)."""
         if closure is not None:
             raise ValueError("ZeroAccelerator's optimizer.step() takes no closure: the engine steps on its shards")
         if self.gradient_state.sync_gradients:
@@ -484,7 +524,7 @@ class ZeroAcceleratedOptimizer(AcceleratedOptimizer):
                 self._step_local_replica()
             if self.clip_norm:
                 self.engine.clip_grad_norm_(self.clip_norm)
-            self._is_overflow = not self.engine.step()  # fp16 loss scaling skipped the step: step_was_skipped
+            self._is_overflow = not self.engine.step(self.optimizer)  # fp16 skipped the step: step_was_skipped
 
     def _step_local_replica(self) -> None:
         """A step inside ``model.no_sync()``, as accelerate's ``LocalSGD`` takes it: every rank steps its own replica
@@ -502,7 +542,7 @@ class ZeroAcceleratedOptimizer(AcceleratedOptimizer):
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         if self.gradient_state.sync_gradients:
-            self.engine.zero_grad()
+            self.engine.zero_grad(self.optimizer)
 
 
 def _in_autocast(forward: Any, precision: str, device_type: str) -> Any:
@@ -529,21 +569,39 @@ def _owning_model(optimizer: Optimizer, models: list[nn.Module], staged: bool) -
         )
     raise ValueError(
         f"{type(optimizer).__name__} holds parameters of no model being prepared, or of several: "
-        f"prepare its model in the same prepare() call or an earlier one, one optimizer per model"
+        f"prepare its model in the same prepare() call or an earlier one (several optimizers may train one "
+        f"model, but each optimizer trains one model)"
     )
 
 
-def _pretrained_weights(model: nn.Module) -> str | None:
-    """The directory ``sharded_from_pretrained`` recorded on ``model``, taken off it. Recorded on a submodule, it
-    means a wrapper (PEFT's, a LightningModule) whose names the checkpoint lacks: refused, never left random."""
-    wrapped = [name for name, module in model.named_modules() if name and PRETRAINED_WEIGHTS_ATTR in module.__dict__]
+def _deferred_build(model: nn.Module) -> DeferredBuild | None:
+    """The :class:`DeferredBuild` recorded on ``model``, taken off it. Recorded on a submodule, it means a wrapper
+    (PEFT's, a LightningModule) whose names the checkpoint lacks: refused, never left random."""
+    wrapped = [name for name, module in model.named_modules() if name and DEFERRED_BUILD_ATTR in module.__dict__]
     if wrapped:
         raise ValueError(
             f"{type(model).__name__}.{wrapped[0]} was built by sharded_from_pretrained and then wrapped; its weights "
             f"are read only into the model as built: prepare that model itself (a wrapper that only adds a name "
             f"prefix can load them after prepare with accelerator.load_pretrained(path, prefix=...))"
         )
-    return model.__dict__.pop(PRETRAINED_WEIGHTS_ATTR, None)
+    return model.__dict__.pop(DEFERRED_BUILD_ATTR, None)
+
+
+@contextlib.contextmanager
+def _generators_from(deferred: DeferredBuild | None, device: torch.device):
+    """Inside, the CPU generator is where it was when ``deferred``'s model was built; on exit it and ``device``'s
+    are put back as they were (see :class:`DeferredBuild`). Nothing happens for a model built normally."""
+    if deferred is None:
+        yield
+        return
+    devices = {torch.device("cpu"), device}
+    saved = {d: generator_state(d) for d in devices}
+    set_generator_state(torch.device("cpu"), deferred.generator_state)
+    try:
+        yield
+    finally:
+        for d, state in saved.items():
+            set_generator_state(d, state)
 
 
 def _reject_other_sharding(kwargs: Mapping[str, Any]) -> None:

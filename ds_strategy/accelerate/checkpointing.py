@@ -47,7 +47,7 @@ class ZeroAcceleratorCheckpointing:
             yield
             return
         modules = {id(engine.module) for engine in self.engines}
-        held = {id(engine.optimizer) for engine in self.engines if engine.optimizer is not None}
+        held = {id(optimizer) for engine in self.engines for optimizer in engine.optimizers}
         models, optimizers = self._models, self._optimizers
         self._models = [model for model in models if id(model) not in modules]
         self._optimizers = [optimizer for optimizer in optimizers if id(optimizer.optimizer) not in held]

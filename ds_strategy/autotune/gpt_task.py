@@ -6,12 +6,16 @@ are module-level functions (``functools.partial`` of them is fine) because trial
 
 from __future__ import annotations
 
-import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
 from ..data import CharDataset, stdlib_tokens
 from ..models import GPT, gpt_config
+from ..optional_packages import needs
+
+# the autotuner's trials are Lightning runs: without Lightning, fail here saying what to install
+with needs("lightning", needed_by="ds_strategy.autotune"):
+    import lightning as L
 
 
 class GPTTask(L.LightningModule):

@@ -11,11 +11,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import lightning as L
 import torch
 
 from ..config import ZeroConfig
+from ..optional_packages import needs
 from ..zero.memory_report import PLACES
+
+# the autotuner's trials are Lightning runs: without Lightning, fail here saying what to install
+with needs("lightning", needed_by="ds_strategy.autotune"):
+    import lightning as L
 
 
 @dataclasses.dataclass(frozen=True)

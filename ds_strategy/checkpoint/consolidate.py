@@ -42,19 +42,23 @@ def consolidate(
     """Write the checkpoint at ``path`` as one state dict to ``out`` (``.pt``/``.ckpt``, or ``.safetensors``);
     returns ``out``.
 
-    ``dtype`` casts floating-point weights (default: as stored, fp32 for trainable parameters, which are saved from
-    the fp32 master copy). ``weights_only=False`` (not to ``.safetensors``) writes ``{"state_dict": ...,
-    "optimizer": ...}`` with the optimizer in ``torch.optim`` layout keyed by parameter name: ``{"state": {name:
-    {key: tensor}}, "param_groups": [{..., "params": [names]}]}``, state tensors shaped like their parameter and not
-    cast.
+    Trainable parameters are the masters the checkpoint stores (fp32 under mixed precision), written in the dtype
+    the model gave each (recorded in the manifest; as stored for a checkpoint saved before that record): what the
+    engine's ``full_state_dict`` returns (Note: [What an export returns] in ``ds_strategy.zero.full_state_dict``).
+    ``dtype`` casts every floating-point weight instead (``torch.float32``: the masters unrounded whatever the
+    model's dtype). ``weights_only=False`` (not to ``.safetensors``) writes ``{"state_dict": ..., "optimizer":
+    ...}`` with the optimizer in ``torch.optim`` layout keyed by parameter name: ``{"state": {name: {key:
+    tensor}}, "param_groups": [{..., "params": [names]}]}``, state tensors shaped like their parameter and not cast.
     ``exclude_frozen_parameters`` leaves out parameters with ``requires_grad=False``.
 
-    A checkpoint the Lightning Trainer wrote (``ZeroStrategy``) consolidates with ``weights_only=False`` into what
-    Lightning itself writes, so ``LightningModule.load_from_checkpoint`` and a DDP or single-device
-    ``fit(ckpt_path=...)`` take it: every entry Lightning saved (its version, epoch, global step, loops, callbacks,
-    LR schedulers, hyper-parameters), ``state_dict``, and ``optimizer_states`` as ``[optimizer.state_dict()]``
-    keyed by position in the user's optimizer; the by-name ``optimizer`` entry is kept beside them (the same
-    tensors, stored once).
+    A checkpoint the Lightning Trainer wrote (``ZeroStrategy``) consolidates into what Lightning itself writes, so
+    ``LightningModule.load_from_checkpoint`` takes it: every entry Lightning saved (its version, epoch, global
+    step, loops, hyper-parameters, what ``on_save_checkpoint`` added) and ``state_dict``; with ``weights_only``
+    without the callbacks', optimizers' and LR schedulers' states, as ``trainer.save_checkpoint(weights_only=True)``
+    leaves them out. With ``weights_only=False`` those stay and ``optimizer_states`` is ``[optimizer.state_dict()]``
+    keyed by position in the user's optimizer, so a DDP or single-device ``fit(ckpt_path=...)`` resumes from it; the
+    by-name ``optimizer`` entry is kept beside them (the same tensors, stored once). To ``.safetensors`` the weights
+    alone are written.
     """
     out = Path(out)
     if out.suffix not in SUFFIXES:
@@ -74,19 +78,28 @@ def consolidate(
     except Exception as error:
         raise CheckpointError(f"{where / METADATA} cannot be read: {error}") from error
     weights = _read_weights(reader, metadata, manifest, dtype, exclude_frozen_parameters)
-    if weights_only:
-        torch_payload: dict[str, Any] = weights
-    else:
-        torch_payload = {"state_dict": weights, "optimizer": _read_optimizer(reader, metadata, manifest, where)}
-        extra = read_meta(where, manifest)["extra"]
-        if LIGHTNING_VERSION in extra:
-            torch_payload = _lightning_checkpoint(extra, torch_payload)
     out.parent.mkdir(parents=True, exist_ok=True)
-    if out.suffix != ".safetensors":
-        torch.save(torch_payload, out)
-    else:
+    if out.suffix == ".safetensors":
         _save_safetensors(weights, manifest, out)
+    else:
+        torch.save(_torch_payload(reader, metadata, manifest, where, weights, weights_only), out)
     return out
+
+
+def _torch_payload(
+    reader, metadata: Metadata, manifest: Manifest, where: Path, weights: dict[str, torch.Tensor], weights_only: bool
+) -> dict[str, Any]:
+    """What a ``.pt``/``.ckpt`` file holds: the weights, with the optimizer unless ``weights_only``, in Lightning's
+    layout for a checkpoint the Lightning Trainer wrote (see :func:`consolidate`)."""
+    meta = read_meta(where, manifest)
+    extra = meta["extra"]
+    if weights_only:
+        return _lightning_weights_checkpoint(extra, weights) if LIGHTNING_VERSION in extra else weights
+    consolidated = {"state_dict": weights, "optimizer": _read_optimizer(reader, metadata, manifest, where)}
+    if LIGHTNING_VERSION not in extra:
+        return consolidated
+    counts = meta.get("optimizer_param_groups") or [len(consolidated["optimizer"]["param_groups"])]
+    return _lightning_checkpoint(extra, consolidated, counts)
 
 
 class _MetadataOnceReader(ChecksummedReader):
@@ -130,7 +143,8 @@ def _read_weights(
         if exclude_frozen and entry.kind is Kind.FROZEN:
             continue
         tensor = _read(reader, metadata, model_key(name)).view(entry.shape)
-        weights[name] = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+        wanted = dtype if dtype is not None else getattr(torch, entry.dtype) if entry.dtype is not None else None
+        weights[name] = tensor.to(wanted) if wanted is not None and tensor.is_floating_point() else tensor
     return weights
 
 
@@ -152,23 +166,35 @@ def _read_optimizer(reader, metadata: Metadata, manifest: Manifest, where: Path)
     return {"state": state, "param_groups": groups}
 
 
-def _lightning_checkpoint(extra: dict[str, Any], consolidated: dict[str, Any]) -> dict[str, Any]:
+def _lightning_checkpoint(extra: dict[str, Any], consolidated: dict[str, Any], counts: list[int]) -> dict[str, Any]:
     """Lightning's single-file layout: its saved entries, ``state_dict``, and the named optimizer state keyed by
     position as ``torch.optim.Optimizer.state_dict()`` is (in the user's order where the adapter recorded it, else
-    in ``state_dict`` order, which is that of ``configure_optimizers`` over ``self.parameters()``)."""
+    in ``state_dict`` order, which is that of ``configure_optimizers`` over ``self.parameters()``), one state dict
+    per optimizer (``counts``: how many of the param groups, in order, each optimizer has)."""
     named = consolidated["optimizer"]
     order = extra.get(OPTIMIZER_ORDER) or [group["params"] for group in named["param_groups"]]
-    state, groups, position = {}, [], 0
-    for group, names in zip(named["param_groups"], order):
-        positions = []
-        for name in names:
-            if name in named["state"]:
-                state[position] = named["state"][name]
-            positions.append(position)
-            position += 1
-        groups.append({**{key: value for key, value in group.items() if key != "params"}, "params": positions})
+    optimizer_states, first = [], 0
+    for count in counts:
+        state, groups, position = {}, [], 0
+        for group, names in zip(named["param_groups"][first : first + count], order[first : first + count]):
+            positions = []
+            for name in names:
+                if name in named["state"]:
+                    state[position] = named["state"][name]
+                positions.append(position)
+                position += 1
+            groups.append({**{key: value for key, value in group.items() if key != "params"}, "params": positions})
+        optimizer_states.append({"state": state, "param_groups": groups})
+        first += count
     lightning = {key: value for key, value in extra.items() if key != OPTIMIZER_ORDER}
-    return {**lightning, **consolidated, "optimizer_states": [{"state": state, "param_groups": groups}]}
+    return {**lightning, **consolidated, "optimizer_states": optimizer_states}
+
+
+def _lightning_weights_checkpoint(extra: dict[str, Any], weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Lightning's single-file layout of a weights-only save: its saved entries but the callbacks', optimizers'
+    and LR schedulers' states, and ``state_dict``."""
+    left_out = {OPTIMIZER_ORDER, "callbacks", "optimizer_states", "lr_schedulers"}
+    return {**{key: value for key, value in extra.items() if key not in left_out}, "state_dict": weights}
 
 
 def _save_safetensors(weights: dict[str, torch.Tensor], manifest: Manifest, out: Path) -> None:

@@ -44,7 +44,9 @@ def export_pretrained(
     max_shard_size: str | int = "5GB",
 ) -> dict[str, Any]:
     """Write the checkpoint at ``path`` to the directory ``out`` as ``save_pretrained`` would; returns what was done:
-    ``{"prefix": ..., "left_out": [names outside it], "model": class name}``. See the module docstring."""
+    ``{"prefix": ..., "left_out": [names outside it], "model": class name}``. See the module docstring. The weights
+    are the masters, each in the dtype the model gave it unless ``dtype`` says otherwise, as :func:`.consolidate`
+    writes them."""
 
     model_config = _read_config(Path(path), config)
     where, manifest = open_checkpoint(path)

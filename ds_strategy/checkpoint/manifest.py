@@ -54,17 +54,21 @@ class StateKind(str, enum.Enum):
 
     ELEMENTWISE = "elementwise"  # shaped like the parameter (Adam's exp_avg): stored as pieces, like the parameter
     SCALAR = "scalar"  # one value per parameter (Adam's step): written once, by the rank holding its first element
+    WHOLE = "whole"  # another shape (Adafactor's row statistics), of a whole-tensor optimizer: written like a scalar
 
 
 @dataclass(frozen=True)
 class Entry:
     """One ``state_dict`` name: its kind, shape, the entry it aliases, and (trainable parameters saved by a ZeRO
-    engine) the optimizer param group holding it."""
+    engine) the optimizer param group holding it and the dtype the model gave it (``"float32"``; stored values are
+    the masters', fp32 under mixed precision: Note: [What an export returns] in ``ds_strategy.zero.full_state_dict``).
+    ``dtype`` came later than version 1 without a new version: a manifest without it consolidates as stored."""
 
     kind: Kind
     shape: tuple[int, ...] = ()
     alias_of: str | None = None
     group: int | None = None
+    dtype: str | None = None
 
     @property
     def numel(self) -> int:
@@ -135,6 +139,7 @@ class Manifest:
                     shape=tuple(e.get("shape", ())),
                     alias_of=e.get("alias_of"),
                     group=e.get("group"),
+                    dtype=e.get("dtype"),
                 )
                 for name, e in raw["entries"].items()
             }

@@ -38,12 +38,21 @@ def described(
 ) -> tuple[dict[str, Entry], dict[str, dict[str, StateKind]] | None]:
     """The whole model's entries and, ``with_optimizer``, each trainable parameter's optimizer state keys (see
     Note: [Pipeline stages in one checkpoint]). Every flat parameter's first element lives on data-parallel rank 0
-    of its stage, whose optimizer therefore describes that stage's parameters."""
+    of its stage, whose optimizer therefore describes that stage's parameters; a whole-tensor optimizer's
+    parameters are described by the ranks owning them (Note: [Whole parameters on owner ranks]), so with those
+    every rank's descriptions are gathered (a collective over the engine's group, or the world under pipelining)."""
     entries = describe(module, engine)
     kinds = describe_optimizer(engine) if with_optimizer else None
-    if engine is None or engine.pp_collectives is None:
+    if engine is None:
         return entries, kinds
-    mine = (entries, kinds if writes_replicated(engine) else None)
+    owned = with_optimizer and any(fp.regions is not None for fp in engine.flat_params)
+    if engine.pp_collectives is None:
+        if not owned:
+            return entries, kinds
+        group = waiting_as_long_as_the_group(engine.process_group)
+        gathered = all_gather_object(kinds, group, label="checkpoint.owned_optimizer_state")
+        return entries, _merged_kinds(gathered, _in_model_order(tuple(entries)))
+    mine = (entries, kinds if owned or writes_replicated(engine) else None)
     gathered = all_gather_object(mine, waiting_as_long_as_the_group(), label="checkpoint.pipeline_manifest")
     order = _in_model_order(engine.whole_model_names)
     merged_kinds = _merged_kinds([k for _, k in gathered], order) if with_optimizer else None

@@ -21,6 +21,10 @@ Under tensor parallelism a flat buffer holds each DTensor parameter's local piec
 rows of that block, and only its columns. Under pipeline parallelism the model holds this rank's stages only: the
 names of the other stages' tensors (the uncut model's names, ``engine.whole_model_names``) are expected in the
 source and never read, and a tied copy (an LM head whose embedding lives on another stage) reads its owner's name.
+
+Any other source of named tensors can be read the same way by implementing :class:`WeightSource`: the Hugging Face
+adapter's (``ds_strategy.transformers.hf_weights``) applies transformers' weight conversions (fused MoE experts)
+and holds the weights ``from_pretrained`` initialised itself (a new head, added tokens' rows).
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
@@ -44,65 +49,101 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 
-class WeightFiles:
-    """The tensors of a pretrained checkpoint by name, opened lazily; reads row ranges of one tensor at a time."""
+class WeightReader(Protocol):
+    """Named tensors, read a few rows at a time: what :func:`load_weights` fills a model from."""
 
-    def __init__(self, path: str | os.PathLike | Mapping[str, torch.Tensor], stack: ExitStack):
+    where: object  # named in error messages
+
+    def shapes(self) -> Mapping[str, tuple[int, ...]]:
+        """Every tensor's name and shape, known without reading a value."""
+
+    def read(self, name: str, lo: int, hi: int, tp: TensorParallelSpec | None = None) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of tensor ``name`` flattened, or of this rank's tensor-parallel block of it when
+        ``tp`` is given."""
+
+
+class WeightSource(Protocol):
+    """Something :func:`load_weights` can open as a :class:`WeightReader` (files stay open until the load ends)."""
+
+    def open(self, stack: ExitStack) -> WeightReader: ...
+
+
+class WeightFiles:
+    """The tensors of a pretrained checkpoint by name, opened lazily; reads row ranges of one tensor at a time.
+
+    ``path``: a directory (``save_pretrained``'s), one file, a list of files (the shards of one checkpoint), or a
+    state dict already in memory."""
+
+    def __init__(self, path: str | os.PathLike | Sequence[str | os.PathLike] | Mapping[str, torch.Tensor], stack):
         if isinstance(path, Mapping):  # a state dict already read (an entry of a single-file checkpoint)
             self._tensors, self._handles, self.where = dict(path), {}, "the given state dict"
             return
-        path = Path(path)
-        if path.is_dir() and (path / INDEX_FILE).is_file():
-            weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
-            files = {name: path / file for name, file in weight_map.items()}
-        elif path.is_dir() and (path / SINGLE_FILE).is_file():
-            files = None
-            path = path / SINGLE_FILE
-        elif path.is_file() and path.suffix in (".safetensors", ".pt", ".bin"):
-            files = None
-        else:
-            raise FileNotFoundError(
-                f"load_weights({str(path)!r}): expected a directory holding {INDEX_FILE} or "
-                f"{SINGLE_FILE}, or a .safetensors or .pt file"
-            )
+        files, self.where = _checkpoint_files(path)
         self._tensors: dict[str, object] = {}  # name -> a safetensors slice or a memory-mapped tensor
         self._handles: dict[str, object] = {}
-        if files is None and path.suffix != ".safetensors":
-            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-            self._tensors = dict(state.get("state_dict", state))
-        else:
-            handles = {}
-            for file in sorted(set(files.values())) if files else [path]:
-                handles[file] = stack.enter_context(safe_open(str(file), framework="pt"))
-            for file, handle in handles.items():
-                names = handle.keys()  # a safetensors handle, not a dict
-                for name in names:
-                    if files is None or files.get(name) == file:
-                        self._tensors[name] = handle.get_slice(name)
-                        self._handles[name] = handle
-        self.where = path
+        for file, names in files.items():
+            if file.suffix != ".safetensors":
+                state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+                self._tensors.update(state.get("state_dict", state))
+                continue
+            handle = stack.enter_context(safe_open(str(file), framework="pt"))
+            for name in handle.keys():  # a safetensors handle, not a dict
+                if names is None or name in names:
+                    self._tensors[name] = handle.get_slice(name)
+                    self._handles[name] = handle
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        return {
-            name: tuple(t.shape) if isinstance(t, torch.Tensor) else tuple(t.get_shape())
-            for name, t in self._tensors.items()
-        }
+        return {name: _shape(t) for name, t in self._tensors.items()}
 
     def read(self, name: str, lo: int, hi: int, tp: TensorParallelSpec | None = None) -> torch.Tensor:
         """Elements ``[lo, hi)`` of tensor ``name`` flattened, or of this rank's tensor-parallel block of it
         when ``tp`` is given, reading only the rows (of the block) that cover them."""
         source = self._tensors[name]
-        shape = tuple(source.shape) if isinstance(source, torch.Tensor) else tuple(source.get_shape())
-        if not shape:
+        if not _shape(source):
             whole = source if isinstance(source, torch.Tensor) else self._handles[name].get_tensor(name)
             return whole.reshape(1)[lo:hi]
-        shape, offset = _local_block(name, tp) if tp is not None else (shape, (0,) * len(shape))
-        row = math.prod(shape[1:])
-        first, last = lo // row, -(-hi // row)
-        rows = source[
-            (slice(offset[0] + first, offset[0] + last), *(slice(o, o + n) for o, n in zip(offset[1:], shape[1:])))
-        ]
-        return rows.reshape(-1)[lo - first * row : hi - first * row]
+        return read_elements(name, source, lo, hi, tp)
+
+
+def read_elements(name: str, source, lo: int, hi: int, tp: TensorParallelSpec | None = None) -> torch.Tensor:
+    """Elements ``[lo, hi)`` of ``source`` (a tensor, or a safetensors slice: anything indexed by row ranges)
+    flattened, or of this rank's tensor-parallel block of it, reading only the rows that cover them."""
+    shape = _shape(source)
+    if not shape:
+        return source.reshape(1)[lo:hi]
+    shape, offset = _local_block(name, tp) if tp is not None else (shape, (0,) * len(shape))
+    row = math.prod(shape[1:])
+    first, last = lo // row, -(-hi // row)
+    rows = source[
+        (slice(offset[0] + first, offset[0] + last), *(slice(o, o + n) for o, n in zip(offset[1:], shape[1:])))
+    ]
+    return rows.reshape(-1)[lo - first * row : hi - first * row]
+
+
+def _shape(source) -> tuple[int, ...]:
+    return tuple(source.shape) if isinstance(source, torch.Tensor) else tuple(source.get_shape())
+
+
+def _checkpoint_files(path) -> tuple[dict[Path, set[str] | None], object]:
+    """{file: the names to read from it (None: all)} for ``path``, and how to name it in errors."""
+    if not isinstance(path, (str, os.PathLike)):  # the files of one checkpoint, as transformers resolved them
+        files = [Path(f) for f in path]
+        return {file: None for file in files}, str(files[0].parent) if files else "no files"
+    path = Path(path)
+    if path.is_dir() and (path / INDEX_FILE).is_file():
+        weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+        files: dict[Path, set[str] | None] = {}
+        for name, file in weight_map.items():
+            files.setdefault(path / file, set()).add(name)
+        return dict(sorted(files.items())), path
+    if path.is_dir() and (path / SINGLE_FILE).is_file():
+        return {path / SINGLE_FILE: None}, path / SINGLE_FILE
+    if path.is_file() and path.suffix in (".safetensors", ".pt", ".bin"):
+        return {path: None}, path
+    raise FileNotFoundError(
+        f"load_weights({str(path)!r}): expected a directory holding {INDEX_FILE} or {SINGLE_FILE}, or a "
+        f".safetensors or .pt file"
+    )
 
 
 def _local_block(name: str, tp: TensorParallelSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -117,11 +158,16 @@ def _local_block(name: str, tp: TensorParallelSpec) -> tuple[tuple[int, ...], tu
     return tuple(shape), tuple(offset)
 
 
-def load_weights(engine: ZeroEngine, path: str | os.PathLike | Mapping[str, torch.Tensor], prefix: str = "") -> None:
-    """Fill ``engine``'s model with the weights at ``path``, or in a state dict (see the module docstring); every
-    rank calls it."""
+def load_weights(
+    engine: ZeroEngine,
+    path: str | os.PathLike | Sequence[str | os.PathLike] | Mapping[str, torch.Tensor] | WeightSource,
+    prefix: str = "",
+) -> None:
+    """Fill ``engine``'s model with the weights at ``path``, in a state dict, or of a :class:`WeightSource` (see the
+    module docstring); every rank calls it."""
     with ExitStack() as stack:
-        files = WeightFiles(path, stack)
+        named = isinstance(path, (str, os.PathLike, Mapping, list, tuple))
+        files = WeightFiles(path, stack) if named else path.open(stack)
         groups = _check_fits(engine, files, prefix)
         engine.reshard()
         with torch.no_grad():
@@ -140,7 +186,7 @@ def load_weights(engine: ZeroEngine, path: str | os.PathLike | Mapping[str, torc
         engine.refresh_from_masters()
 
 
-def _check_fits(engine: ZeroEngine, files: WeightFiles, prefix: str) -> list[tuple[torch.Tensor, str]]:
+def _check_fits(engine: ZeroEngine, files: WeightReader, prefix: str) -> list[tuple[torch.Tensor, str]]:
     """(model tensor, name to read it from) for every tensor under ``prefix``; raises, naming every missing,
     unexpected and mis-shaped tensor, before anything is read."""
     slot_shape = {

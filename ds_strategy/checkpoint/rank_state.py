@@ -6,6 +6,12 @@ For every flat parameter a rank writes the pieces of each named parameter inside
 layout, so every element is written exactly once whatever the stage (at stage 0 each rank holds everything but
 still writes only its shard range). Rank 0 also writes the replicated tensors: frozen parameters and buffers.
 
+Several optimizers store their states side by side: each parameter belongs to one, and states are keyed by the
+parameter's name. A whole-tensor optimizer (Muon) keeps a state per whole parameter, on its owner rank (Note:
+[Whole parameters on owner ranks]); a state shaped like the parameter is stored as pieces like any other (so it
+reshards to another world size or stage), and one of another shape (Adafactor's row and column statistics) whole,
+by the rank holding the parameter's first element, which is read back whole by the rank owning it then.
+
 Under tensor parallelism a piece is stored in global coordinates (Note: [Tensor-parallel pieces in global
 coordinates]), and of a parameter every tensor-parallel rank holds whole, only tensor-parallel rank 0 writes it.
 Under pipeline parallelism each stage's data- and tensor-parallel rank 0 writes its replicated tensors, and a tied
@@ -65,6 +71,11 @@ def stored_names(engine: ZeroEngine) -> dict[tuple[int, str], str]:
     return {(id(fp), slot.name): first[id(p)] for fp in engine.flat_params for p, slot in zip(fp.params, fp.slots)}
 
 
+def global_group(engine: ZeroEngine, fp: FlatParam) -> int:
+    """``fp``'s param group as a checkpoint counts them: every optimizer's groups listed one after another."""
+    return engine.sharded_optimizers.global_group(fp.optimizer_index, fp.group_index)
+
+
 def describe(module: nn.Module, engine: ZeroEngine | None = None) -> dict[str, Entry]:
     """Every ``state_dict`` entry of ``module`` as a manifest :class:`Entry`, in ``state_dict`` order; a tied copy
     that another pipeline stage owns is an alias of the owner's name."""
@@ -82,7 +93,8 @@ def describe(module: nn.Module, engine: ZeroEngine | None = None) -> dict[str, E
             entries[name] = Entry(Kind.ALIAS, alias_of=tied[name])
         elif id(tensor) in flat:
             fp, slot = flat[id(tensor)]
-            entries[name] = Entry(Kind.PARAMETER, global_shape(slot), group=fp.group_index)
+            dtype = str(slot.dtype).removeprefix("torch.")
+            entries[name] = Entry(Kind.PARAMETER, global_shape(slot), group=global_group(engine, fp), dtype=dtype)
         elif id(tensor) in parameters:
             entries[name] = Entry(Kind.PARAMETER if tensor.requires_grad else Kind.FROZEN, tuple(tensor.shape))
         else:
@@ -91,30 +103,49 @@ def describe(module: nn.Module, engine: ZeroEngine | None = None) -> dict[str, E
 
 
 def describe_optimizer(engine: ZeroEngine) -> dict[str, dict[str, StateKind]]:
-    """Each trainable parameter's optimizer state keys (of tied copies: the owner's). Every flat parameter's first
-    element lives on rank 0, so rank 0's optimizer holds state for every flat parameter and can describe them all
-    (every stage's rank 0 under pipeline parallelism: Note: [Pipeline stages in one checkpoint])."""
+    """Each trainable parameter's optimizer state keys that this rank can see (of tied copies: the owner's). Every
+    flat parameter's first element lives on rank 0, so rank 0's optimizer holds state for every flat parameter of
+    an elementwise optimizer and can describe them all (every stage's rank 0 under pipeline parallelism: Note:
+    [Pipeline stages in one checkpoint]); a whole-tensor optimizer's parameters are described by their owners,
+    whose descriptions are gathered (:func:`.pipeline_manifest.described`)."""
     names = stored_names(engine)
     described = {}
     for fp in engine.flat_params:
         if fp.tied_copy:
             continue
-        state = engine.optimizer.state.get(fp.master, {})
-        kinds = {key: _state_kind(key, value, fp) for key, value in state.items()}
-        for slot in fp.slots:
-            described[names[id(fp), slot.name]] = kinds
+        for slot, state, like in slot_states(engine, fp):
+            kinds = {key: state_kind(key, value, like, fp) for key, value in state.items()}
+            if kinds or not fp.whole:
+                described[names[id(fp), slot.name]] = kinds
     return described
 
 
-def _state_kind(key: str, value: Any, fp: FlatParam) -> StateKind:
-    if torch.is_tensor(value) and value.shape == fp.master.shape:
+def slot_states(engine: ZeroEngine, fp: FlatParam) -> list[tuple[ParamSlot, dict, torch.Tensor]]:
+    """(slot, its optimizer state, the tensor its states are laid out like) for each parameter of ``fp`` whose state
+    this rank holds: every slot with the flat master's state, or for a whole-tensor optimizer each parameter it
+    steps here with the state of its own view."""
+    optimizer = engine.optimizers[fp.optimizer_index]
+    if not fp.whole:
+        state = optimizer.state.get(fp.master, {})
+        return [(slot, state, fp.master) for slot in fp.slots]
+    held = [slot for slot, _, _ in fp.master_slots()]
+    return [(slot, optimizer.state.get(view, {}), view) for slot, view in zip(held, fp.optimizer_params())]
+
+
+def state_kind(key: str, value: Any, like: torch.Tensor, fp: FlatParam) -> StateKind:
+    """How a state is stored: pieces when laid out like ``like`` (the flat master, or a whole parameter's view),
+    one value when scalar, whole when a whole-tensor optimizer keeps it in another shape."""
+    if torch.is_tensor(value) and value.shape == like.shape:
         return StateKind.ELEMENTWISE
     if not torch.is_tensor(value) or value.dim() == 0:
         return StateKind.SCALAR
+    if fp.whole:
+        return StateKind.WHOLE
     raise NotImplementedError(
         f"optimizer state {key!r} of {fp.name} has shape {tuple(value.shape)}, neither the "
         f"flat shard's {tuple(fp.master.shape)} nor a scalar; it cannot be checkpointed by "
-        f"parameter name"
+        f"parameter name (an optimizer keeping such states must keep its parameters whole: declare it "
+        f"elementwise = False)"
     )
 
 
@@ -158,20 +189,41 @@ def optimizer_state(engine: ZeroEngine) -> dict[str, Any]:
     for fp in engine.flat_params:
         if fp.tied_copy:
             continue
-        fp_state = engine.optimizer.state.get(fp.master, {})
+        held = {slot.name: (slot_state, like) for slot, slot_state, like in slot_states(engine, fp)}
         for slot, start, length in fp.shard_slots():
             if not writes_slot(engine, slot):
                 continue
+            slot_state, like = held[slot.name]
             entries = {}
-            for key, value in fp_state.items():
-                if _state_kind(key, value, fp) is StateKind.ELEMENTWISE:
-                    entries[key] = piece_of(value, fp, slot, start, length)
+            for key, value in slot_state.items():
+                if state_kind(key, value, like, fp) is StateKind.ELEMENTWISE:
+                    entries[key] = _state_piece(value, like, fp, slot, start, length)
                 elif start == 0 and _tensor_parallel_rank(engine) == 0:
                     entries[key] = value
             state[names[id(fp), slot.name]] = entries
-    groups = [{k: v for k, v in group.items() if k != "params"} for group in engine.optimizer.param_groups]
+    groups = [
+        {k: v for k, v in group.items() if k != "params"}
+        for optimizer in engine.optimizers
+        for group in optimizer.param_groups
+    ]
     scaler = engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None
-    return {"state": state, "param_groups": groups, "loss_scaler": scaler}
+    return {
+        "state": state,
+        "param_groups": groups,
+        "optimizer_param_groups": [len(optimizer.param_groups) for optimizer in engine.optimizers],
+        "loss_scaler": scaler,
+    }
+
+
+def _state_piece(
+    value: torch.Tensor, like: torch.Tensor, fp: FlatParam, slot: ParamSlot, start: int, length: int
+) -> FlatPiece | ScatteredPiece:
+    """The piece ``[start, start + length)`` of ``slot``'s state ``value``, laid out like ``like``: the flat
+    master (cut like the parameter's piece), or the whole parameter's view (whole-tensor parameters are never split
+    by tensor parallelism, so their local flattening is the global one)."""
+    if like is fp.master:
+        return piece_of(value, fp, slot, start, length)
+    return FlatPiece(value.reshape(-1).narrow(0, start, length), start, slot.numel)
 
 
 def writes_replicated(engine: ZeroEngine | None) -> bool:

@@ -30,15 +30,16 @@ from .errors import CheckpointError
 from .flat_piece import FlatPiece
 from .manifest import Manifest, StateKind, model_key, optimizer_key
 from .pipeline_manifest import model_entries
-from .rank_state import piece_of, replicated_tensors, stored_names
+from .rank_state import global_group, piece_of, replicated_tensors, stored_names
 
 
 @dataclass
 class StagedOptimizerState:
-    """One flat parameter's new optimizer state: elementwise tensors being filled by their pieces, and scalars
-    given as the ``targets`` key DCP reads them into."""
+    """The new optimizer state of one tensor an optimizer steps (``param``: a flat master, or a whole parameter's
+    view of it): elementwise tensors being filled by their pieces, and scalars (and a whole-tensor optimizer's
+    states of other shapes) given as the ``targets`` key DCP reads each into."""
 
-    fp: FlatParam
+    param: torch.Tensor
     elementwise: dict[str, torch.Tensor] = field(default_factory=dict)
     scalars: dict[str, str] = field(default_factory=dict)
 
@@ -86,13 +87,47 @@ def plan_restore(
             if source is not None:
                 restore.targets[model_key(source)] = piece_of(staged, fp, slot, start, length)
         restore.masters.append((fp, staged))
-    if load_optimizer and engine.optimizer is not None and manifest.optimizer_state is not None:
-        _check_param_groups(engine, manifest, meta["param_groups"], where)
+    if load_optimizer and engine.optimizers and manifest.optimizer_state is not None:
+        _check_param_groups(engine, manifest, meta, where)
         restore.param_groups = meta["param_groups"]
         restore.loss_scaler = meta["loss_scaler"]
         for fp in engine.flat_params:
-            restore.optimizer_states.append(_plan_optimizer_state(fp, names, manifest, metadata, restore, where))
+            if fp.whole:
+                restore.optimizer_states += _plan_whole_states(fp, names, manifest, metadata, restore)
+            else:
+                restore.optimizer_states.append(_plan_optimizer_state(fp, names, manifest, metadata, restore, where))
     return restore
+
+
+def _read_whole(dcp_key: str, metadata: Metadata, restore: Restore) -> None:
+    """A target DCP reads a scalar (or a state of its own shape) into whole."""
+    stored = metadata.state_dict_metadata.get(dcp_key)
+    restore.targets[dcp_key] = (
+        torch.empty(stored.size, dtype=stored.properties.dtype) if isinstance(stored, TensorStorageMetadata) else None
+    )
+
+
+def _plan_whole_states(
+    fp: FlatParam, names: dict[tuple[int, str], str], manifest: Manifest, metadata: Metadata, restore: Restore
+) -> list[StagedOptimizerState]:
+    """Targets for the states of each whole parameter this rank steps in ``fp`` (a whole-tensor optimizer's): its
+    own state, read whole, whichever rank owned the parameter when the checkpoint was written."""
+    staged = []
+    for (slot, _, _), view in zip(fp.master_slots(), fp.optimizer_params()):
+        source = manifest.source_of(names[id(fp), slot.name])
+        state = StagedOptimizerState(view)
+        for key, kind in manifest.optimizer_state.get(source, {}).items():
+            dcp_key = optimizer_key(source, key)
+            if kind is StateKind.ELEMENTWISE:
+                stored = metadata.state_dict_metadata.get(dcp_key)
+                dtype = stored.properties.dtype if isinstance(stored, TensorStorageMetadata) else view.dtype
+                value = state.elementwise[key] = torch.zeros_like(view, dtype=dtype)
+                restore.targets[dcp_key] = FlatPiece(value.reshape(-1), 0, slot.numel)
+            else:
+                _read_whole(dcp_key, metadata, restore)
+                state.scalars[key] = dcp_key
+        staged.append(state)
+    return staged
 
 
 def _plan_optimizer_state(
@@ -106,16 +141,11 @@ def _plan_optimizer_state(
     """Targets for ``fp``'s optimizer state. Scalars are read from the first parameter of ``fp`` (every parameter
     of a flat buffer steps together), which need not lie in this rank's shard."""
     sources = [manifest.source_of(names[id(fp), slot.name]) for slot in fp.slots]
-    staged_state = StagedOptimizerState(fp)
+    staged_state = StagedOptimizerState(fp.master)
     for key, kind in manifest.optimizer_state.get(sources[0], {}).items():
-        if kind is StateKind.SCALAR:
+        if kind is not StateKind.ELEMENTWISE:
             dcp_key = optimizer_key(sources[0], key)
-            stored = metadata.state_dict_metadata.get(dcp_key)
-            restore.targets[dcp_key] = (
-                torch.empty(stored.size, dtype=stored.properties.dtype)
-                if isinstance(stored, TensorStorageMetadata)
-                else None
-            )
+            _read_whole(dcp_key, metadata, restore)
             staged_state.scalars[key] = dcp_key
             continue
         stored = metadata.state_dict_metadata.get(optimizer_key(sources[0], key))
@@ -133,22 +163,24 @@ def _plan_optimizer_state(
     return staged_state
 
 
-def _check_param_groups(
-    engine: ZeroEngine, manifest: Manifest, param_groups: list[dict[str, Any]] | None, where: Path
-) -> None:
-    groups = engine.optimizer.param_groups
-    if param_groups is None or len(param_groups) != len(groups):
-        saved = "no" if param_groups is None else len(param_groups)
+def _check_param_groups(engine: ZeroEngine, manifest: Manifest, meta: dict[str, Any], where: Path) -> None:
+    """The checkpoint's optimizers must have the groups the engine's have, each parameter in the same one."""
+    param_groups = meta["param_groups"]
+    counts = [len(optimizer.param_groups) for optimizer in engine.optimizers]
+    saved_counts = meta.get("optimizer_param_groups") or ([len(param_groups)] if param_groups is not None else None)
+    if param_groups is None or saved_counts != counts:
+        saved = "no" if param_groups is None else "+".join(map(str, saved_counts))
         raise CheckpointError(
-            f"{where}: the checkpoint has {saved} optimizer param groups, the optimizer has {len(groups)}"
+            f"{where}: the checkpoint has {saved} optimizer param groups, the optimizers have "
+            f"{'+'.join(map(str, counts))} (one number per optimizer)"
         )
     names = stored_names(engine)
     moved = [
-        f"{names[id(fp), slot.name]} (group {manifest.entries[source].group} then, {fp.group_index} now)"
+        f"{names[id(fp), slot.name]} (group {manifest.entries[source].group} then, {global_group(engine, fp)} now)"
         for fp in engine.flat_params
         for slot in fp.slots
         if (source := manifest.source_of(names[id(fp), slot.name])) is not None
-        and manifest.entries[source].group not in (None, fp.group_index)
+        and manifest.entries[source].group not in (None, global_group(engine, fp))
     ]
     if moved:
         raise CheckpointError(
@@ -166,23 +198,28 @@ def apply_restore(restore: Restore, engine: ZeroEngine | None) -> None:
         for fp, staged in restore.masters:
             fp.master.copy_(staged)
         if restore.param_groups is not None:
-            _load_optimizer(engine.optimizer, restore)
+            first = 0
+            for optimizer in engine.optimizers:
+                count = len(optimizer.param_groups)
+                _load_optimizer(optimizer, restore, restore.param_groups[first : first + count])
+                first += count
         if restore.loss_scaler is not None and engine.loss_scaler is not None:
             engine.loss_scaler.load_state_dict(restore.loss_scaler)
         engine.refresh_from_masters()
 
 
-def _load_optimizer(optimizer: torch.optim.Optimizer, restore: Restore) -> None:
+def _load_optimizer(optimizer: torch.optim.Optimizer, restore: Restore, param_groups: list[dict[str, Any]]) -> None:
     """Through ``optimizer.load_state_dict``, which applies the optimizer's own dtype and device rules (e.g.
-    where a fused optimizer keeps ``step``) and replaces every state and hyperparameter."""
+    where a fused optimizer keeps ``step``) and replaces every state and hyperparameter (``param_groups``: this
+    optimizer's saved groups)."""
     index = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
     state = {}
     for staged in restore.optimizer_states:
         values = {**staged.elementwise, **{key: restore.targets[dcp_key] for key, dcp_key in staged.scalars.items()}}
-        if values:
-            state[index[id(staged.fp.master)]] = values
+        if values and id(staged.param) in index:
+            state[index[id(staged.param)]] = values
     groups = [
         {**saved, "params": [index[id(p)] for p in group["params"]]}
-        for group, saved in zip(optimizer.param_groups, restore.param_groups)
+        for group, saved in zip(optimizer.param_groups, param_groups)
     ]
     optimizer.load_state_dict({"state": state, "param_groups": groups})

@@ -45,7 +45,7 @@ def save(
     checkpoint directory ``path``, atomically. Every rank calls it."""
     if engine is not None:
         engine.adopt_replaced_parameters()  # Note: [Parameters replaced behind the engine's back]
-    with_optimizer = with_optimizer and engine is not None and engine.optimizer is not None
+    with_optimizer = with_optimizer and engine is not None and bool(engine.optimizers)
     optimizer = optimizer_state(engine) if with_optimizer else None
     write(
         path,
@@ -108,6 +108,7 @@ def write(
     checksums = _gathered(writer.checksums, process_group)
     meta = {
         "param_groups": optimizer["param_groups"] if optimizer else None,
+        "optimizer_param_groups": optimizer.get("optimizer_param_groups") if optimizer else None,
         "loss_scaler": optimizer["loss_scaler"] if optimizer else None,
         "extra": extra or {},
     }

@@ -11,6 +11,8 @@ import importlib
 import pkgutil
 import sys
 
+from .._version import __version__
+
 
 def _subcommands() -> dict[str, object]:
     found = {}
@@ -24,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="ds-strategy", description="ZeRO for PyTorch Lightning, Fabric and Accelerate"
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     commands = _subcommands()
     for name, module in sorted(commands.items()):

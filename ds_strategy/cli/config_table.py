@@ -1,11 +1,11 @@
-"""``ds-strategy config-table``: the README's strategy-name, ZeroConfig and DeepSpeed-key tables, generated so they
-cannot drift.
+"""``ds-strategy config-table``: the documentation's strategy-name, ZeroConfig and DeepSpeed-key tables, generated so
+they cannot drift.
 
 The strategy table comes from ``PRESETS`` (the names every adapter registers) and the config table from
-ZeroConfig's fields and the ``name (default ...): meaning`` entries of its docstring. ``tests/test_readme.py``
-checks that the README holds exactly this output; ``ds-strategy config-table --update README.md`` rewrites the
-README's marked blocks after a field, preset or DeepSpeed rule changes (the DeepSpeed table comes from
-``ds_strategy.deepspeed.compat_table``).
+ZeroConfig's fields and the ``name (default ...): meaning`` entries of its docstring; the DeepSpeed table comes from
+``ds_strategy.deepspeed.compat_table``. In a page each table sits between ``<!-- begin: NAME table -->`` and
+``<!-- end: NAME table -->``; ``ds-strategy config-table --update docs`` rewrites those blocks after a field, preset or
+DeepSpeed rule changes, and ``tests/test_docs.py`` checks that the pages hold exactly this output.
 """
 
 from __future__ import annotations
@@ -14,38 +14,55 @@ import argparse
 import dataclasses
 import inspect
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
-HELP = "print the README's markdown tables of strategy names, ZeroConfig fields and DeepSpeed keys"
+HELP = "print the documentation's markdown tables of strategy names, ZeroConfig fields and DeepSpeed keys"
 
 _ENTRY = re.compile(r"^    (\w+) \(default (.*?)\): (.*)$")
-_BLOCKS = (
-    "strategies",
-    "config",
-    "deepspeed",
-)  # README markers: <!-- begin: NAME table --> ... <!-- end: NAME table -->
+_BLOCKS = ("strategies table", "config table", "deepspeed table")  # the markers' names, in the order printed
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--update", metavar="README", help="rewrite the marked tables in this file instead of printing")
+    parser.add_argument(
+        "--update",
+        nargs="+",
+        metavar="PATH",
+        help="rewrite the marked tables in these Markdown files (or the .md files under these folders) instead of "
+        "printing",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    tables = markdown_tables()
     if not args.update:
-        print(tables)
+        print(markdown_tables())
         return 0
-    path = Path(args.update)
-    text = path.read_text(encoding="utf-8")
-    for name, table in zip(_BLOCKS, tables.split("\n\n")):
-        begin, end = f"<!-- begin: {name} table -->\n", f"\n<!-- end: {name} table -->"
-        if begin not in text or end not in text:
-            print(f"ds-strategy config-table: {path} has no {begin.strip()} ... {end.strip()} block")
-            return 2
-        head, rest = text.split(begin, 1)
-        text = head + begin + table + end + rest.split(end, 1)[1]
-    path.write_text(text, encoding="utf-8")
-    return 0
+    missing = update_blocks([Path(path) for path in args.update], blocks())
+    for name in missing:
+        print(f"ds-strategy config-table: no <!-- begin: {name} --> ... <!-- end: {name} --> block in {args.update}")
+    return 2 if missing else 0
+
+
+def blocks() -> dict[str, str]:
+    """Each table by the name of the block that holds it."""
+    return dict(zip(_BLOCKS, markdown_tables().split("\n\n")))
+
+
+def update_blocks(paths: list[Path], tables: Mapping[str, str]) -> list[str]:
+    """Rewrite every marked block of ``tables`` found in the Markdown files of ``paths`` (files, or folders searched
+    for ``*.md``); return the names of the blocks found nowhere."""
+    found = set()
+    files = [file for path in paths for file in (sorted(path.rglob("*.md")) if path.is_dir() else [path])]
+    for file in files:
+        text = original = file.read_text(encoding="utf-8")
+        for name, table in tables.items():
+            block = re.compile(rf"<!-- begin: {re.escape(name)} -->\n(?:.*?\n)?<!-- end: {re.escape(name)} -->", re.S)
+            marked = f"<!-- begin: {name} -->\n{table}\n<!-- end: {name} -->"
+            text, count = block.subn(lambda _: marked, text)
+            found.update([name] if count else [])
+        if text != original:
+            file.write_text(text, encoding="utf-8")
+    return [name for name in tables if name not in found]
 
 
 def documented_fields() -> dict[str, tuple[str, str]]:

@@ -23,13 +23,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=sorted(DTYPES),
         default=None,
-        help="cast floating-point weights (default: as stored, fp32 for trained parameters)",
+        help="cast floating-point weights (default: each in the dtype the model gave it, from the fp32 masters; "
+        "fp32 writes the masters unrounded whatever the model's dtype)",
     )
     parser.add_argument(
         "--with-optimizer",
         action="store_true",
-        help="also write the optimizer state, keyed by parameter name (.pt/.ckpt only); a checkpoint of the "
-        "Lightning Trainer becomes a Lightning checkpoint (load_from_checkpoint, a DDP resume)",
+        help="also write the optimizer state, keyed by parameter name (.pt/.ckpt only); a Lightning Trainer's "
+        "checkpoint, always written as a Lightning file that load_from_checkpoint loads, then also resumes under DDP",
     )
     parser.add_argument("--exclude-frozen", action="store_true", help="leave out parameters with requires_grad=False")
     parser.add_argument(

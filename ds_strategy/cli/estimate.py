@@ -29,7 +29,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="only this stage (default: all)")
     parser.add_argument("--largest-layer", type=float, help="elements of the largest stage-3 unit (working set)")
     parser.add_argument("--reduce-bucket-size", type=float, help="gradient bucket elements (adds bucket buffers)")
-    parser.add_argument("--optimizer-states", type=int, default=2, help="moments per parameter (Adam 2, SGD 1)")
+    parser.add_argument("--optimizer-states", type=int, default=2, help="moments per parameter (Adam 2, SGD 1, Muon 1)")
+    parser.add_argument(
+        "--largest-whole-param",
+        type=float,
+        default=0,
+        help="elements of the largest parameter a whole-tensor optimizer (Muon) keeps whole on one rank",
+    )
     parser.add_argument("--no-offload", action="store_true", help="leave out the offload rows")
     parser.add_argument(
         "--unit", choices=tuple(_UNITS), default="GB", help="byte unit (default GB = 1e9, as the paper)"
@@ -54,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
                     args.precision,
                     largest_layer=None if args.largest_layer is None else int(args.largest_layer),
                     optimizer_states=args.optimizer_states,
+                    largest_whole_param=int(args.largest_whole_param),
                     reduce_bucket_size=None if args.reduce_bucket_size is None else int(args.reduce_bucket_size),
                 )
             )
@@ -93,9 +100,15 @@ def _gpt(preset: str):
 def _heading(args: argparse.Namespace, size: ModelSize | None) -> str:
     count = args.params if size is None else size.params
     what = f"GPT '{args.model}', {count / 1e6:,.1f}M trainable parameters" if size else f"{count / 1e9:g}B parameters"
+    whole = (
+        f", a whole-tensor optimizer's largest parameter ({args.largest_whole_param:,.0f} elements) on top of each "
+        f"partitioned 1/N"
+        if args.largest_whole_param
+        else ""
+    )
     return (
         f"ZeRO model-state bytes per rank: {what} on {args.world_size} ranks, {args.precision}, "
-        f"{args.optimizer_states} optimizer states per parameter ({args.unit} = {_UNITS[args.unit]:g} bytes)\n"
+        f"{args.optimizer_states} optimizer states per parameter{whole} ({args.unit} = {_UNITS[args.unit]:g} bytes)\n"
     )
 
 

@@ -18,13 +18,46 @@ Note: [Observers]
 (``event == "launch"``, in the order this rank issues collectives) and of every completed wait (``"done"``). The
 per-step sequence check (:mod:`.sequence_check`) and tests that record the order of events use them; with no
 observer the cost is one empty loop per collective.
+
+Note: [What a wait guarantees on each backend]
+``PendingCollective.wait`` means "what follows on this rank may read the result", and how that is met depends on
+who runs the collective (:func:`wait_mode`, from the group's backend and the tensors' device):
+  * gloo (CPU tensors, or CUDA tensors staged through pinned host copies): gloo's worker threads run it, so the host
+    blocks until it is done (for CUDA tensors gloo then orders the current stream after its copy back). The wait is
+    cut into slices of ``rank_failure.POLL_S`` that read the job's failure record, so a failed peer is named within
+    a second, and ``collective_timeout`` is enforced here (Note: [A slice that runs out is not a timeout]).
+  * NCCL (CUDA tensors): the collective runs on NCCL's stream, and the wait only makes the current stream wait for
+    it (``work.wait()`` with no timeout) and returns at once: the host never spins, keeps issuing the compute that
+    overlaps the communication, and everything issued after the wait on the current stream sees the result. A
+    timeout passed to NCCL's ``wait`` would instead busy-wait the host until completion, serialising every gather
+    and reduction with compute. A hung NCCL collective is ended by NCCL's watchdog after the process group's own
+    timeout (``init_process_group(timeout=...)``, ``ZeroConfig.timeout`` for the Lightning and Fabric strategies),
+    not ``collective_timeout``, and with ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` 3 (torch's default) or 1 the watchdog
+    takes the process down; a dead peer is NCCL's to report. ``wait_seconds`` then counts the host's time to
+    order the streams, not the device's waiting, which the profiler shows. Host code that reads a result must
+    synchronise (``.item()``, ``.cpu()`` do), and a host buffer a device copy reads must not be rewritten before
+    that copy's event has passed (Note: [Host buffers a device copy reads] in ``ds_strategy.offload.transfers``).
+  * any other backend: one blocking wait bounded by ``collective_timeout``.
+
+Note: [Algorithms per backend]
+The sharded collectives are chosen for the backend that runs them. On gloo an all-reduce of a buffer measured faster
+than its reduce-scatter (gloo's own reduce-scatter is an all-reduce of a clone), and N concurrent broadcasts faster
+than its all-gather, so with ``use_all_reduce`` (``ZeroPlan.gradient_collective``: "auto" picks it on gloo) a
+reduce-scatter runs as an all-reduce and an all-gather as broadcasts. NCCL is fastest at its native
+reduce-scatter and all-gather: "auto" picks reduce-scatter there, and an all-gather is never built from broadcasts
+on NCCL, even when ``gradient_reduction="all_reduce"`` is asked for (:func:`gathers_with_broadcasts`). Collectives
+are per flat buffer (a unit's parameters of one param group), never per tensor, so there is nothing to coalesce
+on the engine's path; the per-tensor collectives left are the model's own (tensor-parallel sums, Ulysses
+all-to-alls), one per activation by nature.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -34,12 +67,54 @@ from ..profiler_ranges import profiler_range
 from . import rank_failure
 from .process_exit import destroy_process_groups_at_exit, leave_process_groups_at_exit
 
+Regions = tuple[tuple[int, int], ...]  # (offset, length) of each rank's slice of a buffer, in rank order
 KINDS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast")
 # torch 2.13 deprecates all_gather_into_tensor and reduce_scatter_tensor (a warning per run) for these; older
 # releases have only the old names. Looked up by name on each call, so that a wrapper installed on torch.distributed
 # (the benchmarks' byte counter) sees the call.
 _ALL_GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 _REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+
+# How PendingCollective.wait waits (Note: [What a wait guarantees on each backend]).
+SLICED, STREAM_ORDERED, BLOCKING = "sliced", "stream-ordered", "blocking"
+
+
+def backend_for(backend: str, device_type: str) -> str:
+    """The backend that runs a collective over ``device_type`` tensors on a group whose ``dist.get_backend`` is
+    ``backend``: that name itself, or its entry for the device in a multi-device string ("cpu:gloo,cuda:nccl")."""
+    if ":" not in backend:
+        return backend
+    by_device = dict(part.split(":", 1) for part in backend.split(","))
+    return by_device.get(device_type, next(iter(by_device.values())))
+
+
+def wait_mode(backend: str, device_type: str) -> str:
+    """SLICED (gloo: the host blocks, in slices that read the failure record), STREAM_ORDERED (NCCL on CUDA
+    tensors: the current stream waits, the host does not) or BLOCKING (anything else: one host wait)."""
+    runs_it = backend_for(backend, device_type)
+    if runs_it == "gloo":
+        return SLICED
+    if runs_it == "nccl" and device_type == "cuda":
+        return STREAM_ORDERED
+    return BLOCKING
+
+
+def gathers_with_broadcasts(backend: str, device_type: str, use_all_reduce: bool) -> bool:
+    """Whether an all-gather runs as N broadcasts: only with ``use_all_reduce`` on gloo, where that measured faster;
+    NCCL's own all-gather is its fastest (Note: [Algorithms per backend])."""
+    return use_all_reduce and backend_for(backend, device_type) == "gloo"
+
+
+def _warn_if_nccl_cannot_time_out() -> None:
+    """On NCCL only the watchdog ends a hung collective; with error handling off it hangs for ever."""
+    if os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3") in ("0", "2"):
+        warnings.warn(
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING is "
+            f"{os.environ['TORCH_NCCL_ASYNC_ERROR_HANDLING']}: a hung NCCL collective will not end the job; "
+            "leave it unset (3) or set 1 so that NCCL's watchdog tears the process down after the process group's "
+            "timeout",
+            stacklevel=3,
+        )
 
 
 @dataclass
@@ -150,9 +225,11 @@ class PendingCollective:
         rank: int = 0,
         timeout: float = 600.0,
         failures: rank_failure.FailureBoard | None = None,
+        mode: str = BLOCKING,
     ):
         self._work = work
         self._failures = failures
+        self._mode = mode
         self._stats = stats
         self._on_done = on_done
         self._describe = (kind, label, rank, timeout)
@@ -161,8 +238,9 @@ class PendingCollective:
         return self._work is None or self._work.is_completed()
 
     def _wait_for_work(self) -> None:
-        """Wait up to the collective timeout; given the job's failure board (gloo), in slices of
-        ``rank_failure.POLL_S``, reading the failure record between slices (see [How a failed rank ends the job]).
+        """Order the current stream after the collective (NCCL), or wait up to the collective timeout: given the
+        job's failure board (gloo), in slices of ``rank_failure.POLL_S``, reading the failure record between slices
+        (see [How a failed rank ends the job] and [What a wait guarantees on each backend]).
 
         Note: [A slice that runs out is not a timeout]
         A slice's ``wait(timeout)`` raises "Operation timed out!" when the work was not done at that instant; the
@@ -173,7 +251,10 @@ class PendingCollective:
         timeout only once the monotonic clock is past the deadline (``_DeadlinePassed``), whatever the slices said.
         """
         timeout, failures = self._describe[3], self._failures
-        if failures is None:  # NCCL, or one rank: one wait (a timed-out NCCL wait aborts its communicator)
+        if self._mode == STREAM_ORDERED:  # NCCL: no timeout, or the host would spin until it completes
+            self._work.wait()
+            return
+        if self._mode != SLICED or failures is None:
             self._work.wait(datetime.timedelta(seconds=timeout))
             return
         deadline = time.monotonic() + timeout
@@ -220,9 +301,10 @@ class PendingCollective:
 class Collectives:
     """Collectives over one process group, with accounting.
 
-    ``use_all_reduce`` replaces reduce-scatter and all-gather by all-reduce (each rank then keeps its slice, or
-    contributes its slice into a zeroed buffer). On gloo this measured faster for the same buffer: 84 ms for an
-    all-reduce of 108 MB against 140 ms for a reduce-scatter and 160 ms for an all-gather (2 ranks, this CPU).
+    ``use_all_reduce`` replaces reduce-scatter by all-reduce (each rank then keeps its slice) and, on gloo,
+    all-gather by broadcasts. On gloo this measured faster for the same buffer: 84 ms for an all-reduce of 108 MB
+    against 140 ms for a reduce-scatter and 160 ms for an all-gather (2 ranks, this CPU). How each backend's waits
+    behave: Note: [What a wait guarantees on each backend].
     """
 
     def __init__(self, group=None, use_all_reduce: bool = False, timeout: float = 600.0):
@@ -233,27 +315,34 @@ class Collectives:
         self.use_all_reduce = use_all_reduce
         self.stats = CommStats()
         self.observers: list = []
-        # gloo waits are sliced to read the failure record; NCCL's would abort their communicator on a timeout.
-        # The board is looked up once here (which registers this rank's process), not on every wait.
+        # gloo waits are sliced to read the failure record; NCCL's order streams (Note: [What a wait guarantees on
+        # each backend]). The board is looked up once here (which registers this rank's process), not per wait.
         self._failures = None
+        self.backend = dist.get_backend(group) if dist.is_initialized() else "gloo"
         if dist.is_initialized():
             destroy_process_groups_at_exit(self.release_group)  # [Why every process group is destroyed at exit]
             failures = rank_failure.board()  # [How a failed rank ends the job]
-            self._failures = failures if dist.get_backend(group) == "gloo" else None
+            self._failures = failures if "gloo" in self.backend else None
+            if "nccl" in self.backend:
+                _warn_if_nccl_cannot_time_out()
 
     def release_group(self) -> None:
         """Let go of the process group as the process exits, so that destroying it joins its threads."""
         self.group = None
 
-    def _launch(self, kind: str, nbytes: int, fn, on_done=None, label: str = "") -> PendingCollective:
-        """Launch ``fn`` asynchronously; without a process group a one-rank collective is run in process."""
+    def _launch(
+        self, kind: str, nbytes: int, fn, device: torch.device, on_done=None, label: str = ""
+    ) -> PendingCollective:
+        """Launch ``fn`` over tensors on ``device`` asynchronously; without a process group a one-rank collective
+        is run in process."""
         self.stats.record(kind, nbytes)
         for observe in self.observers:
             observe("launch", kind, label, nbytes)
         with profiler_range(f"comm.{kind}", label):
             work = fn() if dist.is_initialized() else None
+        mode = wait_mode(self.backend, device.type)
         pending = PendingCollective(
-            work, self.stats.kinds[kind], on_done, kind, label, self.rank, self.timeout, self._failures
+            work, self.stats.kinds[kind], on_done, kind, label, self.rank, self.timeout, self._failures, mode
         )
         if self.observers:
             observers = list(self.observers)
@@ -264,61 +353,96 @@ class Collectives:
         """Sum (or ``op``) ``tensor`` in place across ranks."""
         nbytes = 2 * tensor.numel() * tensor.element_size()
         return self._launch(
-            "all_reduce", nbytes, lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True), label=label
+            "all_reduce",
+            nbytes,
+            lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True),
+            tensor.device,
+            label=label,
         )
 
-    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor, label: str = "") -> PendingCollective:
+    def reduce_scatter(
+        self, output: torch.Tensor, full: torch.Tensor, label: str = "", regions: Regions | None = None
+    ) -> PendingCollective:
         """Sum ``full`` across ranks and leave this rank's ``1/N`` slice of the sum in ``output``.
 
-        With ``use_all_reduce`` ``full`` itself is summed in place (so it must be a scratch buffer) and the slice
-        copied out when the collective is waited on.
+        ``regions``: each rank's (offset, length) in ``full`` when they differ (Note: [Whole parameters on owner
+        ranks] in ``ds_strategy.zero.owner_layout``); each non-empty region is then reduced to its rank, one reduce
+        each, booked as one reduce-scatter. With ``use_all_reduce`` ``full`` itself is summed in place instead and
+        this rank's slice copied out when the collective is waited on. Either way ``full`` must be a scratch
+        buffer: its contents afterwards are unspecified but for this rank's slice.
         """
         nbytes = full.numel() * full.element_size()
+        offset, length = regions[self.rank] if regions is not None else (self.rank * output.numel(), output.numel())
+        mine = full.narrow(0, offset, length)
+        copy_out = lambda: output.copy_(mine) if output.data_ptr() != mine.data_ptr() else None  # noqa: E731
         if not self.use_all_reduce and dist.is_initialized():
-            return self._launch(
-                "reduce_scatter",
-                nbytes,
-                lambda: getattr(dist, _REDUCE_SCATTER)(output, full, group=self.group, async_op=True),
-                label=label,
-            )
-        mine = full.narrow(0, self.rank * output.numel(), output.numel())
+            if regions is None:
+                return self._launch(
+                    "reduce_scatter",
+                    nbytes,
+                    lambda: getattr(dist, _REDUCE_SCATTER)(output, full, group=self.group, async_op=True),
+                    full.device,
+                    label=label,
+                )
+
+            def reduce_each():
+                return _AllOf(
+                    [
+                        dist.reduce(full.narrow(0, at, n), self._global_rank(r), group=self.group, async_op=True)
+                        for r, (at, n) in enumerate(regions)
+                        if n
+                    ]
+                )
+
+            return self._launch("reduce_scatter", nbytes, reduce_each, full.device, on_done=copy_out, label=label)
         return self._launch(
             "all_reduce",
             2 * nbytes,
             lambda: dist.all_reduce(full, group=self.group, async_op=True),
-            on_done=lambda: output.copy_(mine) if output.data_ptr() != mine.data_ptr() else None,
+            full.device,
+            on_done=copy_out,
             label=label,
         )
 
-    def all_gather(self, full: torch.Tensor, shard: torch.Tensor, label: str = "") -> PendingCollective:
+    def all_gather(
+        self, full: torch.Tensor, shard: torch.Tensor, label: str = "", regions: Regions | None = None
+    ) -> PendingCollective:
         """Fill ``full`` with every rank's ``shard`` in rank order; ``shard`` may be this rank's slice of ``full``.
 
-        With ``use_all_reduce`` each rank broadcasts its slice instead (N concurrent broadcasts of Ψ/N): on gloo
-        that measured 3-4x faster than its all-gather for the same buffer (112 ms against 491 ms for 108 MB on
-        2 ranks of this loaded machine), and it moves the same Ψ bytes; the bytes are booked as broadcasts.
+        ``regions``: each rank's (offset, length) in ``full`` when they differ (Note: [Whole parameters on owner
+        ranks] in ``ds_strategy.zero.owner_layout``): each rank broadcasts its region, empty ones skipped, on every
+        backend (an all-gather needs equal slices).
+        With ``use_all_reduce`` on gloo each rank broadcasts its slice instead (N concurrent broadcasts of Ψ/N):
+        that measured 3-4x faster than gloo's all-gather for the same buffer (112 ms against 491 ms for 108 MB on
+        2 ranks of this loaded machine), and it moves the same Ψ bytes; the bytes are booked as broadcasts. Never
+        on NCCL (Note: [Algorithms per backend]).
         """
         nbytes = full.numel() * full.element_size()
-        if not self.use_all_reduce and dist.is_initialized():
+        broadcasts = regions is not None or gathers_with_broadcasts(self.backend, full.device.type, self.use_all_reduce)
+        if not broadcasts and dist.is_initialized():
             return self._launch(
                 "all_gather",
                 nbytes,
                 lambda: getattr(dist, _ALL_GATHER)(full, shard, group=self.group, async_op=True),
+                full.device,
                 label=label,
             )
         n = shard.numel()
-        mine = full.narrow(0, self.rank * n, n)
+        regions = regions if regions is not None else tuple((r * n, n) for r in range(self.world_size))
+        mine = full.narrow(0, *regions[self.rank])
         if mine.data_ptr() != shard.data_ptr():
             mine.copy_(shard)
 
         def launch():
             return _AllOf(
                 [
-                    dist.broadcast(full.narrow(0, r * n, n), self._global_rank(r), group=self.group, async_op=True)
-                    for r in range(self.world_size)
+                    dist.broadcast(full.narrow(0, at, size), self._global_rank(r), group=self.group, async_op=True)
+                    for r, (at, size) in enumerate(regions)
+                    if size
                 ]
             )
 
-        return self._launch("broadcast", nbytes, launch, label=label)
+        return self._launch("broadcast", nbytes, launch, full.device, label=label)
 
     def _global_rank(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
@@ -329,6 +453,7 @@ class Collectives:
             "broadcast",
             nbytes,
             lambda: dist.broadcast(tensor, self._global_rank(src), group=self.group, async_op=True),
+            tensor.device,
             label=label,
         )
 
@@ -341,5 +466,6 @@ class Collectives:
             "all_to_all",
             nbytes,
             lambda: dist.all_to_all_single(output, input, group=self.group, async_op=True),
+            input.device,
             label=label,
         )

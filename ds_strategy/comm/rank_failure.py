@@ -19,10 +19,11 @@ A rank leaves a job in the middle of a step in one of three ways; each is turned
 A wait that times out with no record and no dead rank is a mismatch (``CollectiveMismatchError``), never a peer
 failure, and one that saw a record or a dead rank is never called a mismatch. Costs: one store write per rank at
 start, at most one store read per ``POLL_S`` per process while a wait is blocked longer than that
-(``FailureBoard.recorded_failure``), nothing while collectives complete in time. The slices apply to gloo only: a
-timed-out wait on NCCL aborts its communicator, and NCCL's own watchdog (``TORCH_NCCL_ASYNC_ERROR_HANDLING``) ends a
-job whose peer died. Collectives not issued through ``Collectives`` (Lightning's barriers, DCP during a save) are
-not sliced: on gloo they fail on a closed connection, not on a record.
+(``FailureBoard.recorded_failure``), nothing while collectives complete in time. The slices apply to gloo only: an
+NCCL wait orders streams and never blocks the host, and NCCL's own watchdog (``TORCH_NCCL_ASYNC_ERROR_HANDLING``) ends
+a job whose peer died or whose collective outlived the process group's timeout (Note: [What a wait guarantees on each
+backend] in :mod:`.collectives`). Collectives not issued through ``Collectives`` (Lightning's barriers, DCP during a
+save) are not sliced: on gloo they fail on a closed connection, not on a record.
 
 The bound, then: a surviving rank leaves its engine collective within ``POLL_S`` (1 s) of a failure record and at
 once on a dead peer, whatever ``collective_timeout`` is, and prints the diagnosis to stderr as it raises (Lightning's

@@ -19,14 +19,15 @@ from torch.optim import Optimizer
 
 
 def rebind_optimizer(
-    module: nn.Module, optimizer: Optimizer | None, change: Callable[[nn.Module], nn.Module]
+    module: nn.Module, optimizers: list[Optimizer], change: Callable[[nn.Module], nn.Module]
 ) -> nn.Module:
-    """``change(module)``, the model it returns, with ``optimizer``'s param groups holding that model's parameters:
-    each parameter still in it, or else the one now under any of its names (see Note: [An optimizer built before
-    composition]); a parameter none of whose names is left was cut away and is dropped."""
-    if optimizer is None:
+    """``change(module)``, the model it returns, with every one of ``optimizers``' param groups holding that model's
+    parameters: each parameter still in it, or else the one now under any of its names (see Note: [An optimizer
+    built before composition]); a parameter none of whose names is left was cut away and is dropped."""
+    if not optimizers:
         return change(module)
-    if any(optimizer.state.get(p) for group in optimizer.param_groups for p in group["params"]):
+    groups = [group for optimizer in optimizers for group in optimizer.param_groups]
+    if any(o.state.get(p) for o in optimizers for group in o.param_groups for p in group["params"]):
         raise ValueError(
             "the optimizer has already stepped (it holds state); setup may replace the parameters it updates "
             "(tensor parallelism, the pipeline cut), so build it fresh before setup (see Note: [An optimizer built "
@@ -38,7 +39,7 @@ def rebind_optimizer(
     changed = change(module)
     now = {_plain(name): p for name, p in changed.named_parameters(remove_duplicate=False)}
     kept = {id(p) for p in now.values()}
-    for group in optimizer.param_groups:
+    for group in groups:
         rebound = []
         for p in group["params"]:
             names = names_of.get(id(p))

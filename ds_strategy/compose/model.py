@@ -33,7 +33,7 @@ Note: [The order of composition]
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -52,6 +52,7 @@ from ..parallel.ulysses import attend_with_ulysses, gradient_divide_factor
 from ..sequence_tiling import apply_sequence_tiling
 from ..zero.engine import ZeroEngine
 from ..zero.groups import EngineGroups
+from ..zero.sharded_optimizers import as_optimizer_list
 from ..zero.tied_copies import mark_tied_copy
 from ..zero.wrap_policy import select_unit_modules
 from .early_optimizer import rebind_optimizer
@@ -87,7 +88,7 @@ def build_mesh(config: ZeroConfig, device_type: str, names: dict[str, str] | Non
 
 def compose_model(
     module: nn.Module,
-    optimizer: Optimizer | Callable[[], Optimizer | None] | None,
+    optimizer: Optimizer | Sequence[Optimizer] | Callable[[], Optimizer | Sequence[Optimizer] | None] | None,
     config: ZeroConfig,
     *,
     mesh: ParallelMesh | None,
@@ -99,8 +100,9 @@ def compose_model(
 ) -> Composed:
     """Compose ``module`` in the order of Note: [The order of composition].
 
-    ``optimizer``: built over ``module``'s parameters before this call, or a function that builds it once the model
-    is cut and placed (step 5), or None (an engine without one: evaluation, a frozen teacher). ``mesh``: the mesh
+    ``optimizer``: built over ``module``'s parameters before this call (or several, each over its own parameters:
+    Muon and AdamW), or a function that builds it (or them) once the model is cut and placed (step 5), or None (an
+    engine without one: evaluation, a frozen teacher). ``mesh``: the mesh
     from :func:`build_mesh`, or None without model parallelism. ``parallelize_fn``: the user's tensor-parallel
     function, already bound to the mesh. ``unparallelized``: what tensor parallelism does with a model that arrives
     with no DTensor parameters and no configured plan: "require" raises (Fabric), "replicate" runs it whole on every
@@ -109,7 +111,7 @@ def compose_model(
     the engine either way. ``log``: the framework's rank-zero logger, for the engine's summary.
     """
     mesh = _model_parallel(mesh, config)
-    early = optimizer if isinstance(optimizer, Optimizer) else None
+    early = [] if optimizer is None or callable(optimizer) else as_optimizer_list(optimizer)
     stage_plan: StagePlan | None = None
 
     def parallelize(model: nn.Module) -> nn.Module:  # steps 1-3, which replace or delete parameters
@@ -125,14 +127,14 @@ def compose_model(
 
     module = rebind_optimizer(module, early, parallelize)
     _place(_uncompiled(module), config, device, place)
-    if callable(optimizer):  # an Optimizer is not callable: this is the adapter's builder (step 5)
+    if callable(optimizer):  # an Optimizer (or a list) is not callable: this is the adapter's builder (step 5)
         optimizer = optimizer()
     return _engine_and_runner(module, optimizer, config, mesh, device, log, stage_plan)
 
 
 def recompose_engine(
     module: nn.Module,
-    optimizer: Optimizer | None,
+    optimizer: Optimizer | Sequence[Optimizer] | None,
     config: ZeroConfig,
     *,
     mesh: ParallelMesh | None,
@@ -149,7 +151,7 @@ def recompose_engine(
 
 def _engine_and_runner(
     module: nn.Module,
-    optimizer: Optimizer | None,
+    optimizer: Optimizer | Sequence[Optimizer] | None,
     config: ZeroConfig,
     mesh: ParallelMesh | None,
     device: torch.device,

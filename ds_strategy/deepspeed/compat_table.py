@@ -1,8 +1,9 @@
-"""The README's DeepSpeed compatibility table, generated from the key tables so that it cannot drift.
+"""The DeepSpeed compatibility table of docs/migrating-from-deepspeed.md, generated from the key tables so that it
+cannot drift.
 
 One row per key DeepSpeed accepts (``key_tables``): its dotted path, DeepSpeed's default, and what ds_strategy does
-with it. ``ds-strategy config-table`` prints it after the ZeroConfig table, and ``--update README.md`` rewrites its
-marked block.
+with it. ``ds-strategy config-table`` prints it after the ZeroConfig table, and ``--update docs`` rewrites its marked
+block.
 """
 
 from __future__ import annotations

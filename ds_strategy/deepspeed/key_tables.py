@@ -95,7 +95,9 @@ _STAGE3_ALIASED: dict[str, Any] = {  # DeepSpeed accepts each both with and with
     "max_live_parameters": field("max_live_parameters", 1_000_000_000),
     "max_reuse_distance": no_op(1_000_000_000, "gathered units are freed after use, whatever the reuse distance"),
     "gather_16bit_weights_on_model_save": honoured(
-        "honoured: full weights are always gathered on export (`ds-strategy consolidate`)", False
+        "honoured: exports always gather full weights, from the fp32 masters in the model's dtype; the 16-bit "
+        "copy is `ZeroEngine.full_compute_state_dict`",
+        False,
     ),
     "module_granularity_threshold": no_op(0, "units are the repeated block type (see `ZeroConfig.unit_modules`)"),
     "use_all_reduce_for_fetch_params": no_op(False, _SPEED_ONLY),

@@ -30,7 +30,7 @@ Translate = Callable[[str, Any], dict[str, Any]]  # (dotted key, value) -> ZeroC
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-    """What one DeepSpeed key does here; ``note`` says it in words for errors, warnings and the README table."""
+    """What one DeepSpeed key does here; ``note`` says it in words for errors, warnings and the documented table."""
 
     kind: Kind
     note: str

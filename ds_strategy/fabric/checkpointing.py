@@ -8,6 +8,7 @@ are recorded in ``extra`` too, with a marker for a value, so ``fabric.load`` che
 the saved ones as Fabric does for a plain file. ``fabric.load`` may run at another world size, ZeRO stage,
 precision or offload setting; see :mod:`ds_strategy.checkpoint.directory` for the layout and atomicity. One
 checkpoint holds one sharded model (with several set up, save each to its own path), as with DeepSpeed and FSDP.
+``fabric.strategy.get_module_state_dict(model)`` gathers the whole state dict, from the fp32 masters.
 
 A single file (``torch.save``d, as DDP or one device write it) loads too, as DeepSpeed's ``load_full_weights``
 and FSDP load it: every rank reads the file, a model set up by ``fabric.setup`` takes its shards of the weights
@@ -24,6 +25,7 @@ from typing import Any
 
 from lightning.fabric.strategies.strategy import _apply_filter, _validate_keys_for_strict_loading
 from lightning.fabric.utilities.types import _Stateful
+from lightning.fabric.wrappers import _unwrap_objects
 from torch import nn
 from torch.optim import Optimizer
 
@@ -50,8 +52,8 @@ class ZeroFabricCheckpointing:
                 "ZeroFabricStrategy.save_checkpoint(..., storage_options=...) is not supported: it writes "
                 "sharded checkpoint directories itself, not through a CheckpointIO plugin"
             )
-        engine, module_key, optimizer_key = self._engine_keys(state, "save")
-        filtered = sorted({module_key, optimizer_key} & set(filter or {}))
+        engine, module_key, optimizer_keys = self._engine_keys(state, "save")
+        filtered = sorted({module_key, *optimizer_keys} & set(filter or {}))
         if filtered:
             raise NotImplementedError(
                 f"fabric.save(filter=...) for {filtered}: the sharded model and optimizer are "
@@ -59,7 +61,7 @@ class ZeroFabricCheckpointing:
             )
         extra: dict[str, Any] = {}
         for key, obj in state.items():
-            if key in (module_key, optimizer_key):
+            if key in (module_key, *optimizer_keys):
                 extra[key] = IN_SHARDS
             else:
                 _apply_filter(key, filter or {}, obj.state_dict() if isinstance(obj, _Stateful) else obj, extra)
@@ -68,7 +70,7 @@ class ZeroFabricCheckpointing:
             engine.module,
             engine,
             extra=extra,
-            with_optimizer=optimizer_key is not None,
+            with_optimizer=bool(optimizer_keys),
         )
 
     def load_checkpoint(
@@ -97,19 +99,28 @@ class ZeroFabricCheckpointing:
                 f"set up by fabric.setup, with its optimizer if it should be restored too, e.g. "
                 f"fabric.load(path, {{'model': model, 'optimizer': optimizer}})"
             )
-        engine, module_key, optimizer_key = self._engine_keys(state, "load")
+        engine, module_key, optimizer_keys = self._engine_keys(state, "load")
         saved = _saved_entries(path)
         _validate_keys_for_strict_loading(state.keys(), saved.keys(), strict=strict)
-        load_optimizer = optimizer_key is not None and _is_marker(saved.get(optimizer_key))
+        load_optimizer = bool(optimizer_keys) and all(_is_marker(saved.get(key)) for key in optimizer_keys)
         remainder = checkpoint.load(path, engine.module, engine, load_optimizer=load_optimizer, strict=strict)
         for key, obj in state.items():
-            if key in (module_key, optimizer_key) or key not in remainder:
+            if key in (module_key, *optimizer_keys) or key not in remainder:
                 continue
             if isinstance(obj, _Stateful):
                 obj.load_state_dict(remainder.pop(key))
             else:
                 state[key] = remainder.pop(key)
         return {key: value for key, value in remainder.items() if not _is_marker(value)}
+
+    def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        """The whole state dict of a model set up by ``fabric.setup``, on every rank (a collective): trainable
+        parameters from the optimizer's masters in the dtype the model gave them (Note: [What an export returns] in
+        ``ds_strategy.zero.full_state_dict``). Any other module's own ``state_dict()``."""
+        engine = self._engine_of_module(_unwrap_objects(module))
+        if engine is None:
+            return super().get_module_state_dict(module)
+        return engine.full_state_dict(rank0_only=False)
 
     def load_module_state_dict(self, module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
         """A state dict read from a single file: a set-up model takes its shards of it, any other module all of it.
@@ -125,7 +136,7 @@ class ZeroFabricCheckpointing:
 
     def _refuse_optimizer_from_file(self, path: str, state: Any) -> None:
         """A set-up optimizer in ``state`` cannot take the unsharded optimizer state a single file holds."""
-        held = {id(engine.optimizer) for engine in self.engines if engine.optimizer is not None}
+        held = {id(optimizer) for engine in self.engines for optimizer in engine.optimizers}
         keys = [key for key, obj in (state or {}).items() if id(obj) in held] if isinstance(state, dict) else []
         if keys:
             raise ValueError(
@@ -135,8 +146,9 @@ class ZeroFabricCheckpointing:
                 f"directory written by ZeroFabricStrategy"
             )
 
-    def _engine_keys(self, state: dict[str, Any], verb: str) -> tuple[ZeroEngine, str, str | None]:
-        """The engine of the one set-up model in ``state``, its key, and its optimizer's key (optional)."""
+    def _engine_keys(self, state: dict[str, Any], verb: str) -> tuple[ZeroEngine, str, list[str]]:
+        """The engine of the one set-up model in ``state``, its key, and its optimizers' keys: all of them, or
+        (saving or loading the weights alone) none."""
         if not self.engines:
             raise RuntimeError(
                 f"fabric.{verb}: call fabric.setup(model, optimizer) first; the checkpoint is written "
@@ -151,8 +163,14 @@ class ZeroFabricCheckpointing:
                 f"save each sharded model, with its optimizer, to its own path"
             )
         module_key, engine = modules[0]
-        optimizers = [key for key, obj in state.items() if obj is engine.optimizer and obj is not None]
-        return engine, module_key, optimizers[0] if optimizers else None
+        optimizer_keys = [key for key, obj in state.items() if engine.holds(obj)]
+        if optimizer_keys and len(optimizer_keys) != len(engine.optimizers):
+            raise ValueError(
+                f"fabric.{verb}(path, state): the state holds {len(optimizer_keys)} of the {len(engine.optimizers)} "
+                f"optimizers training the model ({optimizer_keys}); their states are saved together, so pass all "
+                f"of them, or none for the weights alone"
+            )
+        return engine, module_key, optimizer_keys
 
 
 def _saved_entries(path: str) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from ..compose import Composed, build_mesh, compose_model
 from ..compose.pipeline_step import pipeline_step, ran_its_backward
 from ..config import ZeroConfig
 from ..deepspeed_config import config_from_deepspeed
-from ..engine_owner import EngineOwnerMixin, backward_through_loss_scale, release_engine
+from ..engine_owner import EngineOwnerMixin, backward_through_loss_scale, release_engine, zero_grad_through_engine
 from ..parallel.mesh import LIGHTNING_NAMES, ParallelMesh
 from ..precision import autocast_for
 from ..precision.init_dtype import init_dtype_context
@@ -164,9 +164,8 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
     def setup_module_and_optimizers(
         self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any = None
     ) -> tuple[nn.Module, list[Optimizer], Any]:
-        if len(optimizers) != 1:
-            raise ValueError(f"ZeroFabricStrategy supports exactly one optimizer per model, got {len(optimizers)}")
-        return self._shard(module, optimizers[0]), optimizers, scheduler
+        """``fabric.setup(model, opt_a, opt_b, ...)``: one engine, each optimizer over its own parameters' shards."""
+        return self._shard(module, optimizers), optimizers, scheduler
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """The model alone (an optimizer may follow through ``fabric.setup_optimizers``)."""
@@ -182,10 +181,10 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
                 f"set up before it (fabric.setup_module(model) first), but holds parameters of {len(owners)}"
             )
         owners[0].attach_optimizer(optimizer)
-        _zero_grad_through_engine(optimizer, owners[0])
+        zero_grad_through_engine(optimizer, owners[0])
         return optimizer
 
-    def _shard(self, module: nn.Module, optimizer: Optimizer | None) -> nn.Module:
+    def _shard(self, module: nn.Module, optimizers: list[Optimizer] | None) -> nn.Module:
         """A new engine over the model composed by :func:`~ds_strategy.compose.compose_model` (tensor parallelism
         by ``parallelize_fn`` or the configured plan, Ulysses, the pipeline cut, placement, dtype, checkpointing,
         engine, pipeline runner).
@@ -201,7 +200,7 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
             parallelize_fn = lambda model: self.parallelize_fn(model, mesh)  # noqa: E731
         composed = compose_model(
             module,
-            optimizer,
+            optimizers,
             self.config,
             mesh=self.parallel_mesh,
             device=self.root_device,
@@ -209,8 +208,8 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
             parallelize_fn=parallelize_fn,
         )
         self.composed.append(composed)
-        if optimizer is not None:
-            _zero_grad_through_engine(optimizer, composed.engine)
+        for optimizer in optimizers or ():
+            zero_grad_through_engine(optimizer, composed.engine)
         return composed.module
 
     @property
@@ -309,7 +308,10 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
         backward_through_loss_scale(self.engines, tensor, refusal, *args, **kwargs)
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> None:
-        engine = next((engine for engine in self.engines if engine.optimizer is optimizer), None)
+        """The engine's step of ``optimizer`` (of several training one model, only its parameters), after the
+        config's global-norm clip, if any: over every gradient the model holds, one norm (a later optimizer's step
+        in the same iteration finds its gradients within the norm already, and leaves them)."""
+        engine = next((engine for engine in self.engines if engine.holds(optimizer)), None)
         if engine is None:
             raise ValueError(
                 f"optimizer.step(): this {type(optimizer).__name__} trains no model set up by fabric.setup; set it "
@@ -317,7 +319,7 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
             )
         if self.config.gradient_clipping:
             engine.clip_grad_norm_(self.config.gradient_clipping)
-        engine.step()
+        engine.step(optimizer)
 
     def clip_gradients_norm(
         self,
@@ -327,12 +329,13 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
         norm_type: float | int = 2.0,
         error_if_nonfinite: bool = True,
     ) -> torch.Tensor:
-        """Clip to the global norm over every rank's shards, which equals the unsharded model's gradient norm.
+        """Clip to the global norm over every rank's shards, which equals the unsharded model's gradient norm: of
+        ``optimizer``'s parameters, as Fabric clips them (one optimizer of several training a model clips its own).
 
         A non-finite norm under fp16 loss scaling is an overflow the engine's step will skip, not an error.
         """
         engine = self.engine_of(module, "fabric.clip_gradients")
-        total = engine.clip_grad_norm_(float(max_norm), float(norm_type))
+        total = engine.clip_grad_norm_(float(max_norm), float(norm_type), optimizer=_held(engine, optimizer))
         overflow_expected = engine.loss_scaler is not None
         if error_if_nonfinite and not overflow_expected and not math.isfinite(total.item()):
             raise RuntimeError(
@@ -342,26 +345,13 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
         return total
 
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float | int) -> None:
-        self.engine_of(module, "fabric.clip_gradients").clip_grad_value_(float(clip_val))
+        engine = self.engine_of(module, "fabric.clip_gradients")
+        engine.clip_grad_value_(float(clip_val), optimizer=_held(engine, optimizer))
 
 
-def _zero_grad_through_engine(optimizer: Optimizer, engine: ZeroEngine) -> None:
-    """Make ``optimizer.zero_grad()`` clear ``engine``'s gradients.
-
-    Note: [zero_grad under Fabric]
-    The engine keeps a model's reduced gradients in its own buffers, which the retargeted optimizer's ``zero_grad``
-    does not reach, and ``engine.step()`` clears them only for the model it steps. With several models a backward
-    reaches models other than the one it trains (a generator's loss through the discriminator), and, as under
-    DDP, the user's ``opt_d.zero_grad()`` must drop what it left in the discriminator's. Fabric's optimizer wrapper
-    calls the zero_grad of the optimizer's class, so the optimizer gets a subclass of its own class (as Fabric's
-    wrapper itself does) whose ``zero_grad`` is the engine's; everything else is the class it was.
-    """
-    base = type(optimizer)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        engine.zero_grad()
-
-    optimizer.__class__ = type(base.__name__, (base,), {"zero_grad": zero_grad, "__module__": base.__module__})
+def _held(engine: ZeroEngine, optimizer: Optimizer | None) -> Optimizer | None:
+    """``optimizer`` when it trains ``engine``'s model (its parameters are the ones meant), else None (all)."""
+    return optimizer if optimizer is not None and engine.holds(optimizer) else None
 
 
 class ZeroFabricPrecision(Precision):

@@ -3,11 +3,15 @@
 
 import importlib.util
 
-from lightning.pytorch.strategies import StrategyRegistry
-
 from ..engine_owner import PRESETS
-from .precision import ZeroPrecision
-from .strategy import ZeroStrategy
+from ..optional_packages import needs
+
+# the whole adapter needs Lightning: without it, fail here saying what to install
+with needs("lightning", "lightning_utilities", needed_by="ds_strategy.lightning"):
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from .precision import ZeroPrecision
+    from .strategy import ZeroStrategy
 
 ZeroStrategy.register_strategies(StrategyRegistry)
 if importlib.util.find_spec("pytorch_lightning") is not None:

@@ -5,8 +5,9 @@ FSDP "sharded" checkpoints: the module and optimizer state written by every rank
 Lightning puts in a checkpoint (loops, LR schedulers, callbacks, precision plugin, hyperparameters) in rank 0's
 ``meta.pt``; see :mod:`ds_strategy.checkpoint.directory`. Nothing is gathered to save, the directory appears
 atomically, a save never replaces what is not a checkpoint of ours, and ``ckpt_path=`` may name a checkpoint saved
-at another world size or ZeRO stage, or a single Lightning file (DDP's, one device's). ``ds-strategy consolidate
---with-optimizer`` turns a directory back into a Lightning file (:func:`ds_strategy.checkpoint.consolidate`).
+at another world size or ZeRO stage, or a single Lightning file (DDP's, one device's). ``ds-strategy consolidate``
+turns a directory back into a Lightning file, weights only or (``--with-optimizer``) one a DDP fit resumes from
+(:func:`ds_strategy.checkpoint.consolidate`).
 
 Loading waits until after ``setup`` (the engine must exist to know this rank's shard) and restores model and
 optimizer inside ``load_checkpoint``, so Lightning's own model/optimizer restore steps have nothing left to do.
@@ -37,12 +38,16 @@ class ZeroCheckpointing:
     _optimizer_order: list[list[str]] | None = None
     _fit_engine = None  # the fit's engine while validate/test/predict run on one without its optimizer
 
-    def record_optimizer_order(self, optimizer) -> None:
-        """Remember, per param group, the names of the parameters in the order ``optimizer`` lists them, for
-        ``ds-strategy consolidate`` to key the optimizer state by position as Lightning does ("" for a parameter
-        outside the module, which keeps its position and has no state)."""
+    def record_optimizer_order(self, optimizers: list) -> None:
+        """Remember, per param group (every optimizer's, one after another), the names of the parameters in the
+        order the optimizers list them, for ``ds-strategy consolidate`` to key the optimizer state by position as
+        Lightning does ("" for a parameter outside the module, which keeps its position and has no state)."""
         names = {id(p): name for name, p in self.lightning_module.named_parameters()}
-        self._optimizer_order = [[names.get(id(p), "") for p in group["params"]] for group in optimizer.param_groups]
+        self._optimizer_order = [
+            [names.get(id(p), "") for p in group["params"]]
+            for optimizer in optimizers
+            for group in optimizer.param_groups
+        ]
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -53,8 +58,10 @@ class ZeroCheckpointing:
         return False
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Every key of the module's ``state_dict`` as a whole tensor (parameters in fp32, gathered one unit at a
-        time), on every rank, as DDP, FSDP and DeepSpeed give it; a collective, so every rank calls it.
+        """Every key of the module's ``state_dict`` as a whole tensor, on every rank, as DDP, FSDP and DeepSpeed
+        give it; trainable parameters from the optimizer's masters in the dtype the module gave them (fp32 weights
+        of an fp32 model trained in bf16-mixed: Note: [What an export returns] in ``ds_strategy.zero.
+        full_state_dict``), gathered one flat buffer at a time. A collective, so every rank calls it.
 
         Note: [The module state Lightning saves is not gathered]
         Lightning asks for this in two places: ``trainer.save_checkpoint`` (through its checkpoint connector's
@@ -85,12 +92,12 @@ class ZeroCheckpointing:
         """
         if fitting:
             self._fit_engine = None
-        elif self.engine is not None and self.engine.optimizer is not None:
+        elif self.engine is not None and self.engine.optimizers:
             self._fit_engine = None if self.engine.plan.offloads_optimizer else self.engine
 
     def _optimizer_engine(self):
         """The engine whose optimizer state a save writes: this one's, else the fit's kept for it (or None)."""
-        if self.engine is not None and self.engine.optimizer is not None:
+        if self.engine is not None and self.engine.optimizers:
             return self.engine
         return self._fit_engine
 
@@ -169,11 +176,12 @@ class ZeroCheckpointing:
             )
         load_weights(self.engine, loaded.pop("state_dict"))
         saved_optimizers = loaded.pop("optimizer_states", None)
-        if fitting and saved_optimizers and self.engine.optimizer is not None:
-            groups = saved_optimizers[0].get("param_groups", [])
-            if len(groups) == len(self.engine.optimizer.param_groups):
-                for group, saved in zip(self.engine.optimizer.param_groups, groups):
-                    group.update({key: value for key, value in saved.items() if key != "params"})
+        if fitting and saved_optimizers and self.engine.optimizers:
+            for optimizer, saved_optimizer in zip(self.engine.optimizers, saved_optimizers):
+                groups = saved_optimizer.get("param_groups", [])
+                if len(groups) == len(optimizer.param_groups):
+                    for group, saved in zip(optimizer.param_groups, groups):
+                        group.update({key: value for key, value in saved.items() if key != "params"})
             warnings.warn(
                 f"{path} is a single-file checkpoint: its weights, loops, schedulers and callbacks are restored, and "
                 f"its optimizer's hyperparameters, but its optimizer state (moments) is not cut into ZeRO shards and "

@@ -127,18 +127,19 @@ class ZeroPrecisionMixin:
         closure_result = closure()
         skipped_backward = closure_result is None and getattr(model, "automatic_optimization", True)
         if not skipped_backward and self.engine.loss_scaler is not None:
-            self.engine.unscale_gradients()
+            self.engine.unscale_gradients(optimizer)
         self._after_closure(model, optimizer)
         if skipped_backward:
             return None  # training_step returned None: Lightning's convention for "skip this step"
-        self.last_step_skipped = not self.engine.step()
+        self.last_step_skipped = not self.engine.step(optimizer)
         return closure_result
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
-        self.engine.clip_grad_norm_(float(clip_val))
+        """``optimizer``'s parameters, as Lightning clips them (all of them under one optimizer)."""
+        self.engine.clip_grad_norm_(float(clip_val), optimizer=_unwrapped(optimizer))
 
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: float) -> None:
-        self.engine.clip_grad_value_(float(clip_val))
+        self.engine.clip_grad_value_(float(clip_val), optimizer=_unwrapped(optimizer))
 
     # -- skipped steps and the LR scheduler (see Note: [Skipped fp16 steps and the LR scheduler]) ---------------
     def _gate_lr_scheduler_step(self, module: Any) -> None:
@@ -174,6 +175,11 @@ class ZeroPrecisionMixin:
             self.engine.loss_scaler.load_state_dict(state_dict["loss_scaler"])
         else:
             self._pending_scaler_state = state_dict["loss_scaler"]
+
+
+def _unwrapped(optimizer: Optimizer) -> Optimizer:
+    """The user's optimizer inside the ``LightningOptimizer`` that ``self.optimizers()`` hands a manual loop."""
+    return getattr(optimizer, "_optimizer", optimizer)
 
 
 _PRECISION_CLASSES: dict[str, type] = {}

@@ -23,7 +23,7 @@ from ..compose.pipeline_step import pipeline_step
 from ..config import ZeroConfig
 from ..deepspeed.optimizer_section import OptimizerSections
 from ..deepspeed_config import read_deepspeed_config
-from ..engine_owner import EngineOwnerMixin
+from ..engine_owner import EngineOwnerMixin, zero_grad_through_engine
 from ..micro_batch import check_micro_batch
 from ..parallel.mesh import LIGHTNING_NAMES, ParallelMesh
 from ..precision_flag import reconcile_precision
@@ -160,25 +160,29 @@ class ZeroStrategyMixin(EngineOwnerMixin):
             unparallelized="replicate",  # a model without tensor-parallel layers, as under ModelParallelStrategy
         )
         self.engine, self.pipeline = composed.engine, composed.pipeline
+        if not self.lightning_module.automatic_optimization:
+            # the loop's own zero_grad calls clear their optimizer's gradients; automatic optimization zeroes after
+            # the training step, whose backward a pipeline schedule has run already, and the step consumes them
+            for optimizer in self.engine.optimizers:
+                zero_grad_through_engine(optimizer, self.engine)
         self._comm_meter = StepCommMeter(self.engine.comm_stats) if config.log_comm_stats else None
         self.precision_plugin.attach_engine(self.engine, self.lightning_module)
         self.setup_precision_plugin()
 
     def _build_optimizer(self, trainer):
-        """The optimizer ``configure_optimizers`` returns when fitting (None otherwise), over this rank's stages."""
-        optimizer = None
+        """The optimizers ``configure_optimizers`` returns when fitting (none otherwise), over this rank's stages:
+        several train one model under manual optimization (Muon on the hidden matrices, AdamW on the rest), each
+        over its own parameters, and each ``optimizer.zero_grad()`` clears its own gradients (Note: [zero_grad
+        through the engine])."""
+        optimizers = []
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             add_preemption_checkpoint(trainer)  # [Why ZeroStrategy replaces Lightning's SIGTERM handling]
             apply_optimizer_sections(self, self.optimizer_sections)
-            if len(self.optimizers) != 1:
-                raise ValueError(
-                    f"ZeroStrategy supports exactly one optimizer, configure_optimizers returned {len(self.optimizers)}"
-                )
-            optimizer = self.optimizers[0]
-            self.record_optimizer_order(optimizer)  # before the engine retargets it onto flat shards
-        self.keep_fit_optimizer(fitting=optimizer is not None)
-        return optimizer
+            optimizers = list(self.optimizers)
+            self.record_optimizer_order(optimizers)  # before the engine retargets them onto flat shards
+        self.keep_fit_optimizer(fitting=bool(optimizers))
+        return optimizers
 
     def _check_trainer_matches(self, trainer, config: ZeroConfig) -> None:
         """A DeepSpeed config's accumulation and clipping must agree with the Trainer, which owns both loops."""
@@ -247,11 +251,13 @@ class ZeroStrategyMixin(EngineOwnerMixin):
     def model_sharded_context(self):
         """Under stage 3, ``configure_model`` builds its parameters on the meta device and the engine materialises
         and initialises shards only; buffers and other tensors (torchmetrics states) are built for real, see
-        Note: [Only parameters go to the meta device]."""
+        Note: [Only parameters go to the meta device]. What the LightningModule held before (a model built in
+        ``__init__``, which ``configure_model`` may parallelize) keeps its values: Note: [What the build context
+        moves to meta]."""
         if not self.config.plan.partitions_parameters:
             yield
             return
-        with parameters_on_meta():
+        with parameters_on_meta(existing=self.lightning_module):
             yield
 
     @contextlib.contextmanager

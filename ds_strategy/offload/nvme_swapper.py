@@ -40,11 +40,14 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from .cpu_adam import TilePool, UpdateRule, tiled_update
+
+if TYPE_CHECKING:
+    from .pinned import PinnedHostMemory
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +178,8 @@ class SwapFile:
         self.itemsize = torch.empty((), dtype=dtype).element_size()
         self.fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.posix_fallocate(self.fd, 0, numel * self.itemsize)
+            if numel:  # a rank may own nothing of a buffer (Note: [Whole parameters on owner ranks])
+                os.posix_fallocate(self.fd, 0, numel * self.itemsize)
         except OSError:
             os.close(self.fd)
             raise
@@ -189,6 +193,8 @@ class SwapFile:
     @property
     def view(self) -> torch.Tensor:
         """The file as a 1-D tensor (a shared map; see [Files, page cache and the tensors others see])."""
+        if self._view is None and not self.numel:
+            self._view = torch.empty(0, dtype=self.dtype)  # nothing to map
         if self._view is None:
             self._map = mmap.mmap(self.fd, self.nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             self._view = torch.frombuffer(self._map, dtype=self.dtype)
@@ -299,15 +305,22 @@ class NvmeSwapper:
         master_dtype: torch.dtype,
         staging_dtype: torch.dtype | None,
         pool: TilePool,
-        pin: bool,
+        pinned: PinnedHostMemory | None,
     ):
+        """``pinned``: where the staging buffers (copied to the device) come from; the state buffers are the
+        host's alone and stay pageable (Note: [Pinned host memory is bounded] in :mod:`.pinned`)."""
         self.rule, self.pool = rule, pool
         self.sub_group_numel = sub_group_numel
+
+        def staging() -> torch.Tensor | None:
+            if staging_dtype is None:
+                return None
+            if pinned is None:
+                return torch.empty(sub_group_numel, dtype=staging_dtype)
+            return pinned.empty(sub_group_numel, staging_dtype)
+
         self.buffers = [
-            SwapBuffer(
-                {key: torch.empty(sub_group_numel, dtype=master_dtype, pin_memory=pin) for key in ("master",) + keys},
-                None if staging_dtype is None else torch.empty(sub_group_numel, dtype=staging_dtype, pin_memory=pin),
-            )
+            SwapBuffer({key: torch.empty(sub_group_numel, dtype=master_dtype) for key in ("master",) + keys}, staging())
             for _ in range(buffer_count)
         ]
         self.io = ThreadPoolExecutor(buffer_count, thread_name_prefix="ds_strategy_nvme_io")

@@ -1,11 +1,12 @@
 """OffloadedStep: the engine's step runner (``ds_strategy.zero.step_runner``) when something lives off the device.
 
-Built from a :class:`~ds_strategy.zero.step_runner.StepContext` (flat parameters, optimizer, offload policy,
+Built from a :class:`~ds_strategy.zero.step_runner.StepContext` (flat parameters, optimizers, offload policy,
 device, rank) and nothing else of the engine. It places parameter shards (:class:`ParamOffload`) and optimizer work
-(:class:`HostOptimizer`) on the host or in NVMe files, which share one run directory, and then answers the
-engine's five calls: ``on_reduced`` (start a gradient's copy to the host), ``step`` (the host step, the user's
-``optimizer.step()`` for what stayed on the device, and the write-back), ``places`` / ``own_tensors`` /
-``describe`` (reports) and ``close`` (teardown: threads stopped, NVMe files removed).
+(a :class:`HostOptimizer` per optimizer) on the host or in NVMe files, which share one run directory, and then
+answers the engine's five calls: ``on_reduced`` (start a stage-1 gradient's copy to the host), ``step`` (the host
+step, the user's ``optimizer.step()`` for what stayed on the device, and the write-back), ``places`` / ``own_tensors`` /
+``describe`` (reports) and ``close`` (teardown: threads stopped, NVMe files removed, pinned memory released); its
+``gradients`` sum stage 2/3 gradients in host buffers (:mod:`.host_gradients`).
 
 Note: [What NVMe offload keeps in memory]
 With stage 3, parameters and optimizer on NVMe, the files hold everything that grows with the model: per rank
@@ -35,10 +36,30 @@ from ..host_memory import map_large_blocks
 from ..profiler_ranges import profiler_range
 from ..zero.flat_param import FlatParam
 from ..zero.memory_report import PLACES
-from ..zero.step_runner import StepContext, step_on_device
+from ..zero.step_runner import DeviceGradients, GradientStore, StepContext, step_on_device
 from .host_optimizer import HostOptimizer
 from .nvme_swapper import RunDirectory
 from .param_offload import ParamOffload, ShardFiles
+from .pinned import PinnedHostMemory, pinned_memory_for
+from .transfers import Transfers, transfers_for
+
+
+class _ProfiledGradients:
+    """A :class:`~ds_strategy.zero.step_runner.GradientStore` whose adds (a reduced gradient on its way to the host
+    step) show in a profile as ``offload.grad_to_host``."""
+
+    def __init__(self, store: GradientStore):
+        self._store = store
+
+    def add(self, fp: FlatParam, reduced: torch.Tensor, scale: float) -> None:
+        with profiler_range("offload.grad_to_host", fp.name):
+            self._store.add(fp, reduced, scale)
+
+    def read(self, fp: FlatParam) -> torch.Tensor:
+        return self._store.read(fp)
+
+    def zero(self, fp: FlatParam) -> None:
+        self._store.zero(fp)
 
 
 class OffloadedStep:
@@ -54,13 +75,19 @@ class OffloadedStep:
             return ShardFiles(offload.nvme_path, rank)
         return None
 
-    def __init__(self, context: StepContext):
+    def __init__(
+        self, context: StepContext, transfers: Transfers | None = None, pinned: PinnedHostMemory | None = None
+    ):
+        """``transfers`` and ``pinned``: the device's copies and pinned host buffers, by default those of
+        ``context.device`` (none on a CPU device) and of ``pin_memory``; tests pass fakes."""
         offload = self.offload = context.offload
         self.flat_params = context.flat_params
-        pin = offload.pin_memory and context.device.type == "cuda"
-        has_optimizer = context.optimizer is not None and offload.offload_optimizer != "none"
+        transfers = transfers or transfers_for(context.device)
+        self.pinned = pinned or pinned_memory_for(context.device, offload.pin_memory)
+        hosted = range(len(context.optimizers)) if offload.offload_optimizer != "none" else range(0)
         nvme_bytes = ParamOffload.nvme_bytes(context.flat_params) if offload.offload_params == "nvme" else 0
-        nvme_bytes += HostOptimizer.nvme_bytes(context) if has_optimizer and offload.offload_optimizer == "nvme" else 0
+        if offload.offload_optimizer == "nvme":
+            nvme_bytes += sum(HostOptimizer.nvme_bytes(context, index) for index in hosted)
         shard_files = context.shard_store
         if isinstance(shard_files, ShardFiles) and shard_files.directory is not None:
             self.directory = shard_files.directory
@@ -68,32 +95,40 @@ class OffloadedStep:
         else:
             self.directory = RunDirectory.create(offload.nvme_path, context.rank, nvme_bytes) if nvme_bytes else None
         self.params: ParamOffload | None = None
-        self.host: HostOptimizer | None = None
+        self.optimizers = context.optimizers
+        self.hosts: list[HostOptimizer] = []  # one per optimizer, when the optimizer is offloaded
         self._closed = False
+        gradients: GradientStore = DeviceGradients()  # each host optimizer's store passes the others' on
         try:
             if offload.offload_params != "none":
-                self.params = ParamOffload(context, offload.offload_params, self.directory, pin)
-            if has_optimizer:
-                self.host = HostOptimizer(context, self.directory, self.params, pin)
+                self.params = ParamOffload(context, offload.offload_params, self.directory, self.pinned, transfers)
+            for index in hosted:
+                host = HostOptimizer(context, index, self.directory, self.params, self.pinned, transfers, gradients)
+                self.hosts.append(host)
+                gradients = host.gradients
         except BaseException:
             self.close()
             raise
+        self.gradients = _ProfiledGradients(gradients)
 
     def on_reduced(self, fp: FlatParam, grad: torch.Tensor) -> None:
         with profiler_range("offload.grad_to_host", fp.name):
-            if self.host is not None:
-                self.host.on_reduced(fp, grad)
+            if self.hosts:
+                self.hosts[fp.optimizer_index].on_reduced(fp, grad)
 
-    def step(self, optimizer: torch.optim.Optimizer, grads: list[torch.Tensor]) -> None:
-        """The host (or NVMe) step of the offloaded flat parameters, the user's ``optimizer.step()`` for the rest,
-        and every updated parameter written back where the forward pass reads it."""
+    def step(self, optimizer: torch.optim.Optimizer, pairs: list[tuple[FlatParam, torch.Tensor]]) -> None:
+        """The host (or NVMe) step of ``optimizer``'s offloaded flat parameters, its ``step()`` for the rest (and
+        for whole-tensor ones on their host masters), and every updated parameter written back where the forward
+        pass reads it."""
         with profiler_range("offload.step"):
+            if self.params is not None:  # the host is about to rewrite parameter shards
+                self.params.wait_device_reads()
             stepped: set[int] = set()
-            if self.host is not None:
-                grads = [self.host.host_grad(fp, grad) for fp, grad in zip(self.flat_params, grads)]
-                stepped = self.host.step(grads)
-            rest = [(fp, grad) for fp, grad in zip(self.flat_params, grads) if fp.index not in stepped]
-            step_on_device(optimizer, rest, self._write_params)
+            if self.hosts:
+                host = self.hosts[next(i for i, held in enumerate(self.optimizers) if held is optimizer)]
+                pairs = [(fp, host.host_grad(fp, grad)) for fp, grad in pairs]
+                stepped = host.step(pairs)
+            step_on_device(optimizer, [pair for pair in pairs if pair[0].index not in stepped], self._write_params)
             self.trim()
 
     def _write_params(self, fp: FlatParam) -> None:
@@ -108,8 +143,8 @@ class OffloadedStep:
         """Drop pages of the NVMe files' memory maps that a checkpoint or gather touched from resident memory."""
         if self.params is not None:
             self.params.trim()
-        if self.host is not None:
-            self.host.trim()
+        for host in self.hosts:
+            host.trim()
 
     # -- reporting ------------------------------------------------------------------------------------------------
     def places(self) -> dict[int, str]:
@@ -117,20 +152,22 @@ class OffloadedStep:
         if self.params is not None:
             placed.update({file.view.untyped_storage().data_ptr(): "nvme" for file in self.params.files.values()})
             placed.update({t.untyped_storage().data_ptr(): "host" for t in self.params.host_tensors()})
-        if self.host is not None:
-            placed.update(self.host.places())
+        for host in self.hosts:
+            placed.update(host.places())
         return placed
 
     def own_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        return self.host.own_tensors() if self.host is not None else []
+        return [owned for host in self.hosts for owned in host.own_tensors()]
 
     def describe(self, report: dict[str, dict[str, int]]) -> str:
         """Where everything lives, for the setup log line."""
         offload, parts = self.offload, []
-        if self.host is not None:
+        if self.hosts:
+            offloaded = sum(len(host.flat_params) for host in self.hosts)
+            kernels = ", ".join(host.kernel_name for host in self.hosts)
             parts.append(
-                f"optimizer state of {len(self.host.flat_params)}/{len(self.flat_params)} flat "
-                f"buffers on {offload.offload_optimizer} ({self.host.kernel_name})"
+                f"optimizer state of {offloaded}/{len(self.flat_params)} flat buffers on "
+                f"{offload.offload_optimizer} ({kernels})"
             )
         if self.params is not None:
             parts.append(f"parameter shards on {offload.offload_params}")
@@ -144,9 +181,11 @@ class OffloadedStep:
         if self._closed:
             return
         self._closed = True
-        if self.host is not None:
-            self.host.close()
+        for host in self.hosts:
+            host.close()
         if self.params is not None:
             self.params.close()
         if self.directory is not None:
             self.directory.close()
+        if self.pinned is not None:
+            self.pinned.release()

@@ -1,14 +1,14 @@
 """Stage-3 parameter shards kept on the host or in NVMe files between gathers, and where updated values go.
 
 The gathered working set (``FlatParam.full``) stays on the device; only the rank's shard moves. A gather reads
-it through ``FlatParam.gather_source()``: on a CUDA device a copy to the device, on a CPU device the shard
-itself (the host is the device: zero-copy; an NVMe shard is then read through its memory map by the collective,
-see :mod:`.nvme_swapper`).
+it through ``FlatParam.gather_source()``: on a CUDA device a copy to the device, fenced so that the host step does
+not rewrite the shard before the device has read it (Note: [Host buffers a device copy reads] in
+:mod:`.transfers`); on a CPU device the shard itself (the host is the device: zero-copy; an NVMe shard is then read
+through its memory map by the collective, see :mod:`.nvme_swapper`).
 """
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,19 +18,17 @@ from .nvme_swapper import RunDirectory, SwapFile
 if TYPE_CHECKING:
     from ..zero.flat_param import FlatParam
     from ..zero.step_runner import StepContext
+    from .pinned import PinnedHostMemory
+    from .transfers import Transfers
 
 
-def host_copy(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
-    """``tensor`` in host memory (page-locked with ``pin``), or ``tensor`` itself when it is there already."""
-    if tensor.device.type == "cpu" and (tensor.is_pinned() or not pin):
+def host_copy(tensor: torch.Tensor, pinned: PinnedHostMemory | None) -> torch.Tensor:
+    """``tensor`` in host memory (from ``pinned`` when given), or ``tensor`` itself when it is there already."""
+    if tensor.device.type == "cpu" and (pinned is None or pinned.is_pinned(tensor)):
         return tensor
-    copy = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
-    copy.copy_(tensor)
-    return copy
-
-
-def _device_copy(fp: FlatParam, device: torch.device) -> torch.Tensor:
-    return fp.shard.to(device, non_blocking=fp.shard.is_pinned())
+    if pinned is not None:
+        return pinned.copy_of(tensor)
+    return tensor.to("cpu", copy=True)
 
 
 class ShardFiles:
@@ -62,13 +60,21 @@ class ShardFiles:
 
 
 class ParamOffload:
-    """Moves each partitioned flat parameter's ``shard`` to ``place`` ("cpu" or "nvme") and gathers from there."""
+    """Moves each partitioned flat parameter's ``shard`` to ``place`` ("cpu" or "nvme") and gathers from there,
+    through ``transfers`` (None on a CPU device: the shard itself is gathered)."""
 
-    def __init__(self, context: StepContext, place: str, directory: RunDirectory | None, pin: bool):
+    def __init__(
+        self,
+        context: StepContext,
+        place: str,
+        directory: RunDirectory | None,
+        pinned: PinnedHostMemory | None,
+        transfers: Transfers | None,
+    ):
         self.flat_params = [fp for fp in context.flat_params if fp.policy.params]
         stored = context.shard_store.files if isinstance(context.shard_store, ShardFiles) else {}
         self.files: dict[int, SwapFile] = {}  # fp.index -> the file holding its shard
-        device = context.device
+        self.transfers = transfers
         for fp in self.flat_params:
             if fp.index in stored:  # written when its unit was materialised
                 self.files[fp.index] = stored[fp.index]
@@ -80,8 +86,17 @@ class ParamOffload:
                 file.write_converted(fp.shard)
                 shard = file.view
             else:
-                shard = host_copy(fp.shard, pin)
-            fp.relocate_shard(shard, functools.partial(_device_copy, fp, device) if device.type != "cpu" else None)
+                shard = host_copy(fp.shard, pinned)  # copied to the device at every gather: pinned
+            fp.relocate_shard(shard, self._device_copy(fp) if transfers is not None else None)
+
+    def _device_copy(self, fp: FlatParam):
+        return lambda: self.transfers.to_device(fp.shard)
+
+    def wait_device_reads(self) -> None:
+        """Before the host rewrites shards: every gather's copy has read them (Note: [Host buffers a device copy
+        reads] in :mod:`.transfers`)."""
+        if self.transfers is not None:
+            self.transfers.wait_device_reads()
 
     @staticmethod
     def nvme_bytes(flat_params: list[FlatParam]) -> int:

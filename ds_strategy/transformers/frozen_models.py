@@ -10,10 +10,13 @@ training fits for inference. DeepSpeed users expect that memory, so ``prepare_mo
 stage that partitions parameters the model gets a ZeRO engine without an optimizer (its forward gathers one unit at
 a time, as the trained model's does), and below it accelerate's own ``prepare_model`` keeps it whole.
 
-The trained model itself is never sharded this way, although Trainer also passes it to ``prepare_model`` when
+The trained model itself is not sharded this way, although Trainer also passes it to ``prepare_model`` when
 ``evaluate`` runs before ``train``: sharded without an optimizer, it could not then be prepared with the Trainer's,
 whose parameter groups split the engine's flat buffers (see Note: [An optimizer prepared after its model]). It is
-recognised by identity, by asking the trainer which model it trains.
+recognised by identity, by asking the trainer which model it trains. The exception is a trained model still on the
+meta device, built sharded for the trainer (``ds_strategy.transformers.build_hook``): it has no values but the
+engine's, so an evaluation before training (an evaluation-only script) shards it without an optimizer, as DeepSpeed
+initialises an inference engine for it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 from torch import nn
 
 from ..accelerate import ZeroAccelerator
+from ..accelerate.accelerator import DEFERRED_BUILD_ATTR
 
 
 class TrainerAccelerator(ZeroAccelerator):
@@ -39,6 +43,8 @@ class TrainerAccelerator(ZeroAccelerator):
         self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
     ) -> nn.Module:
         frozen = evaluation_mode and model is not self._trained_model()
-        if frozen and self.zero_config.plan.partitions_parameters and self.engine_of(model) is None:
+        deferred = evaluation_mode and DEFERRED_BUILD_ATTR in model.__dict__
+        sharded = (frozen and self.zero_config.plan.partitions_parameters) or deferred
+        if sharded and self.engine_of(model) is None:
             return self.prepare(model, device_placement=None if device_placement is None else [device_placement])
         return super().prepare_model(model, device_placement, evaluation_mode)

@@ -1,59 +1,146 @@
-"""``sharded_from_pretrained``: ``from_pretrained`` for a model that may not fit on one rank whole.
+"""``from_pretrained`` and ``from_config`` for a model that may not fit on one rank whole: built on the meta device,
+its values read or drawn when a ``ZeroAccelerator`` (or ``ZeroTrainer``) prepares it, shard by shard.
 
-``model = sharded_from_pretrained(AutoModelForCausalLM, "path/to/model")`` builds the model from the directory's
-config on the meta device (no storage) and records the directory on it. When a ``ZeroAccelerator`` prepares the
-model (a ``ZeroTrainer`` does so in ``train``), the engine materialises it one unit at a time keeping this rank's
-shards (:mod:`ds_strategy.zero.sharded_init`) and then fills them from the checkpoint with ``load_weights``, each
-rank reading only the rows of its own shards (:mod:`ds_strategy.checkpoint.pretrained`). So under stage 3 no rank
-ever holds the whole model, from construction to the first step.
+``model = sharded_from_pretrained(AutoModelForCausalLM, "path/to/model")`` is transformers' own ``from_pretrained``
+with one change: no weight is read. Everything else is transformers' doing, on the checkpoint's headers (names,
+shapes, dtypes): the config and its overrides, ``dtype="auto"``, the weight renamings and conversions (a base model's
+names under a head, per-expert MoE files fused), tied weights, ``ignore_mismatched_sizes``, the generation config,
+``eval()``, and the load report (``output_loading_info=True`` returns it). Weights the checkpoint lacks (a new
+head) are initialised by the model's own ``_init_weights``, drawn from the generator exactly as ``from_pretrained``
+draws them, and reported as newly initialised; unexpected weights are reported and never read. What each tensor's
+value comes from is recorded (:class:`.hf_weights.HfWeights`), and ``prepare`` materialises the model one unit at a
+time keeping this rank's shards (:mod:`ds_strategy.zero.sharded_init`), then fills them with ``load_weights``, each
+rank reading only the rows of its own shards. So under stage 3 no rank ever holds the whole model.
 
-What ``from_pretrained`` does besides, done here too: the parameters take the config's ``dtype`` (transformers 5's
-``dtype="auto"``) unless ``dtype`` is given; the model is returned in ``eval()`` mode; ``generation_config.json``,
-when present, becomes the model's generation config. Names are matched as stored: a checkpoint whose names
-transformers converts while loading (per-expert MoE files into fused experts) is reported as missing/unexpected.
+``model.resize_token_embeddings(...)`` works on such a model until it is prepared: transformers' own resize runs on
+the embedding's values (read whole for the call), and its new rows are kept for ``prepare`` (Note: [Memory of a
+deferred pretrained model] in :mod:`.hf_weights`).
+
+``sharded_from_config(AutoModelForCausalLM, config)`` builds on meta and records the generator's state: ``prepare``
+materialises the values a normal build there would have drawn (on CPU; see ``DeferredBuild``).
+
+Under a stage-3 configuration transformers' own ``from_pretrained`` and ``from_config`` do this (see
+:mod:`.build_hook`).
 """
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
+import contextlib
+import dataclasses
+import threading
+import types
 from typing import Any
 
 import torch
 import transformers
+from transformers import modeling_utils
+from transformers.core_model_loading import convert_and_load_state_dict_in_model
+from transformers.integrations import deepspeed as hf_deepspeed
 
-from ..accelerate.accelerator import PRETRAINED_WEIGHTS_ATTR
+from ..accelerate.accelerator import DEFERRED_BUILD_ATTR, DeferredBuild
+from .hf_weights import HfWeights, conversion_plan
+
+_ORIGINAL_LOAD = transformers.PreTrainedModel._load_pretrained_model
+_building = threading.local()  # inside a sharded build: nested builds are transformers' own (see .build_hook)
 
 
-def sharded_from_pretrained(
-    model_class: Any, path: str | os.PathLike, *, dtype: torch.dtype | None = None, **config_changes: Any
-) -> transformers.PreTrainedModel:
-    """The model saved at ``path`` (a local ``save_pretrained`` directory), built on the meta device; its weights
-    are read, sharded, when a ``ZeroAccelerator`` (or ``ZeroTrainer``) prepares it.
+def sharded_from_pretrained(model_class: Any, *args: Any, **kwargs: Any) -> Any:
+    """``model_class.from_pretrained(*args, **kwargs)`` (an ``AutoModel...`` class or a model class) built on the
+    meta device, its weights read sharded when a ``ZeroAccelerator`` or ``ZeroTrainer`` prepares it; see the
+    module docstring."""
+    capture = _LoadCapture()
+    with building_sharded(), capture.installed():
+        loaded = model_class.from_pretrained(*args, **kwargs)
+    model = loaded[0] if isinstance(loaded, tuple) else loaded
+    files, plan = capture.of(model)
+    source = HfWeights(files, plan)
+    source.keep_real_tensors(model)
+    setattr(model, DEFERRED_BUILD_ATTR, DeferredBuild(torch.get_rng_state(), source))
+    model.resize_token_embeddings = types.MethodType(_resize_token_embeddings, model)
+    return loaded
 
-    ``model_class``: an ``AutoModel...`` class or a concrete model class (``LlamaForCausalLM``).
-    ``config_changes``: overrides of the stored config, as ``from_pretrained`` takes them.
-    """
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(
-            f"sharded_from_pretrained(path={str(path)!r}): expected a local directory written by save_pretrained "
-            f"(download a hub model first, e.g. with huggingface_hub.snapshot_download)"
+
+def sharded_from_config(model_class: Any, config: Any, **kwargs: Any) -> Any:
+    """``model_class.from_config(config, **kwargs)`` built on the meta device; ``prepare`` materialises it sharded,
+    drawing what a normal build here would have drawn (see the module docstring)."""
+    state = torch.get_rng_state()
+    with building_sharded(), torch.device("meta"):
+        build = model_class.from_config if hasattr(model_class, "from_config") else model_class._from_config
+        model = build(config, **kwargs)
+    setattr(model, DEFERRED_BUILD_ATTR, DeferredBuild(state))
+    return model
+
+
+def is_building_sharded() -> bool:
+    return getattr(_building, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def building_sharded():
+    """Inside, transformers' DeepSpeed ZeRO-3 switch reads off (its ``zero.Init`` and gathered loading never run)
+    and builds nested in this one are transformers' own."""
+    _building.depth = getattr(_building, "depth", 0) + 1
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
+        _building.depth -= 1
+
+
+class _LoadCapture:
+    """Stands in for ``PreTrainedModel._load_pretrained_model`` during a build: the checkpoint's headers are
+    "loaded" onto the meta device by transformers' own ``convert_and_load_state_dict_in_model`` (so the loading
+    report, missing and mismatched keys and the initialisation of missing weights that follows are
+    ``from_pretrained``'s), and where each tensor comes from is recorded for ``prepare``."""
+
+    def __init__(self):
+        self._loads: list[tuple[torch.nn.Module, list[str], dict]] = []
+
+    @contextlib.contextmanager
+    def installed(self):
+        transformers.PreTrainedModel._load_pretrained_model = staticmethod(self._load)
+        try:
+            yield
+        finally:
+            transformers.PreTrainedModel._load_pretrained_model = _ORIGINAL_LOAD
+
+    def of(self, model: torch.nn.Module) -> tuple[list[str], dict]:
+        """The checkpoint files and plan of ``model``'s own load (nested ``from_pretrained`` calls load too)."""
+        found = [(files, plan) for loaded, files, plan in self._loads if loaded is model]
+        if not found:
+            raise ValueError(
+                f"{type(model).__name__} was not loaded from safetensors or .bin checkpoint files (a state_dict "
+                f"argument, a GGUF file or a distributed checkpoint), which cannot be read sharded; load it without "
+                f"sharded_from_pretrained"
+            )
+        return found[-1]
+
+    def _load(self, model, state_dict, checkpoint_files, load_config, expected_keys=None):
+        if state_dict is not None or checkpoint_files is None or load_config.hf_quantizer is not None:
+            if load_config.hf_quantizer is not None:
+                raise ValueError("a quantized model cannot be built sharded; load it without a stage-3 configuration")
+            return _ORIGINAL_LOAD(model, state_dict, checkpoint_files, load_config, expected_keys)
+        stored: dict[str, torch.Tensor] = {}
+        for file in checkpoint_files:
+            stored.update(modeling_utils.load_state_dict(file, map_location="meta"))
+        plan = conversion_plan(model, stored, load_config.weight_mapping)
+        self._loads.append((model, list(checkpoint_files), plan))
+        on_meta = dataclasses.replace(load_config, device_map={"": "meta"})
+        loading_info, _ = convert_and_load_state_dict_in_model(model, stored, on_meta)
+        return loading_info, None
+
+
+def _resize_token_embeddings(model, *args: Any, **kwargs: Any):
+    """transformers' ``resize_token_embeddings`` on a model built by :func:`sharded_from_pretrained`: on the
+    embeddings' values, the new rows kept for ``prepare``."""
+    deferred = model.__dict__.get(DEFERRED_BUILD_ATTR)
+    if deferred is None:
+        raise RuntimeError(
+            "resize_token_embeddings on a model whose weights are already sharded: resize it before the "
+            "ZeroTrainer trains (or the ZeroAccelerator prepares) it"
         )
-    config = transformers.AutoConfig.from_pretrained(path, **config_changes)
-    dtype = dtype or _config_dtype(config)
-    build = model_class.from_config if hasattr(model_class, "from_config") else model_class._from_config
-    with torch.device("meta"):
-        model = build(config, dtype=dtype)
-    if model.can_generate() and (path / transformers.utils.GENERATION_CONFIG_NAME).is_file():
-        model.generation_config = transformers.GenerationConfig.from_pretrained(path)
-    setattr(model, PRETRAINED_WEIGHTS_ATTR, str(path))
-    return model.eval()
-
-
-def _config_dtype(config: transformers.PretrainedConfig) -> torch.dtype:
-    """The dtype ``from_pretrained(dtype="auto")`` loads in: the config's, else the default."""
-    stored = getattr(config, "dtype", None)
-    if isinstance(stored, str):
-        stored = getattr(torch, stored)
-    return stored if isinstance(stored, torch.dtype) else torch.get_default_dtype()
+    modules = [m for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None]
+    with building_sharded(), deferred.weights.values_in(model, modules):
+        return type(model).resize_token_embeddings(model, *args, **kwargs)

@@ -48,6 +48,7 @@ from ..accelerate import ZeroAccelerator
 from ..accelerate.checkpointing import SHARDED_DIR
 from ..checkpoint import CheckpointError
 from ..config import ZeroConfig
+from . import build_hook
 from .frozen_models import TrainerAccelerator
 from .sequence_parallel import combine_over_group, slice_for_rank
 from .trainer_config import TrainerZeroConfig, detach_deepspeed, sequence_parallel_size, trainer_zero_config
@@ -97,6 +98,11 @@ class ZeroTrainerMixin:
         with _trainer_accelerator_class(build):
             super().create_accelerator_and_postprocess()
 
+    def call_model_init(self, trial: Any = None) -> torch.nn.Module:
+        """``model_init()``, building sharded at stage 3 (Note: [Building sharded before the Trainer exists])."""
+        with build_hook.armed_while(self.zero_settings.zero.stage >= 3):
+            return super().call_model_init(trial)
+
     def _move_model_to_device(self, model: torch.nn.Module, device: torch.device) -> None:
         """Not a model still on the meta device (``sharded_from_pretrained``): ``prepare`` materialises it, one unit
         at a time, where the engine places it."""
@@ -120,6 +126,17 @@ class ZeroTrainerMixin:
             self.lr_scheduler = self.zero_settings.build_scheduler(optimizer, self.args, num_training_steps)
             self._created_lr_scheduler = True
         return super().create_scheduler(num_training_steps, optimizer)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """Trainer's ``train``. Refused after ``evaluate`` sharded a model built sharded without an optimizer (see
+        Note: [Frozen models beside the trained one]): its flat buffers cannot take the optimizer's groups."""
+        engine = self.zero_engine
+        if engine is not None and engine.optimizer is None:
+            raise RuntimeError(
+                "the model was built sharded (stage 3) and evaluate()/predict() sharded it for inference before "
+                "train(); train first and evaluate after, or build a new ZeroTrainer for training"
+            )
+        return super().train(*args, **kwargs)
 
     def _refuse_unsliceable_loss(self) -> None:
         sp = sequence_parallel_size(self.zero_settings.zero, self.args)
@@ -273,11 +290,12 @@ def _refuse_synced_reference(args: Any, zero: ZeroConfig) -> None:
 
 
 def _refuse_deepspeed_partitioned(model: torch.nn.Module | None) -> None:
-    """A model built while ``TrainingArguments(deepspeed=<stage 3>)`` was alive was partitioned by
-    ``deepspeed.zero.Init`` (transformers' global DeepSpeed config); this engine cannot shard it again."""
+    """A model DeepSpeed's ``zero.Init`` partitioned (built under a stage-3 ``TrainingArguments(deepspeed=...)``
+    before ``ds_strategy.transformers`` was imported, or inside ``building_whole()``); this engine cannot shard it
+    again."""
     if model is not None and any(hasattr(p, "ds_id") for p in model.parameters()):
         raise ValueError(
-            "the model's parameters were partitioned by deepspeed.zero.Init: it was built while a stage-3 "
-            "TrainingArguments(deepspeed=...) existed. Build the model before the TrainingArguments, or pass the "
-            "JSON as ZeroTrainer(..., zero_config=...) instead of TrainingArguments(deepspeed=...)"
+            "the model's parameters were partitioned by deepspeed.zero.Init: it was built under a stage-3 "
+            "TrainingArguments(deepspeed=...) before ds_strategy.transformers was imported. Import "
+            "ds_strategy.transformers first: from_pretrained/from_config then build the model for the ZeroTrainer"
         )

@@ -20,7 +20,8 @@ second time.
 ``__post_init__`` builds a ``DeepSpeedPlugin`` (importing the deepspeed package) and starts the distributed state
 for DeepSpeed. :func:`detach_deepspeed` takes the config off the arguments and undoes that before the Trainer builds
 its accelerator. With the deepspeed package absent, ``TrainingArguments(deepspeed=...)`` fails in transformers
-itself: pass the JSON as ``ZeroTrainer(..., zero_config="ds_config.json")`` instead.
+itself: :class:`ZeroTrainingArguments` takes the same ``deepspeed=`` (and ``--deepspeed`` through
+``HfArgumentParser``) without the package, or pass the JSON as ``ZeroTrainer(..., zero_config="ds_config.json")``.
 """
 
 from __future__ import annotations
@@ -31,11 +32,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import transformers
 
 from ..accelerate.config_source import SECTION, config_from_mapping, read_options
 from ..config import ZeroConfig
 from ..deepspeed.optimizer_section import read_optimizer_sections
 from ..deepspeed.rule_kinds import AUTO
+from . import build_hook
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,17 +130,38 @@ def fill_from_training_args(options: Mapping[str, Any], args: Any) -> dict[str, 
     return config
 
 
+@dataclasses.dataclass
+class ZeroTrainingArguments(transformers.TrainingArguments):
+    """``TrainingArguments`` whose ``deepspeed=`` (a DeepSpeed JSON path or dict, for a ZeroTrainer) needs no
+    deepspeed package: transformers never sees it, so nothing of DeepSpeed is set up. Without ``deepspeed=`` the
+    configuration is ``$DS_STRATEGY_CONFIG``'s. At ZeRO stage 3, from these arguments' creation on,
+    ``from_pretrained`` and ``from_config`` build models sharded for the ZeroTrainer (Note: [Building sharded
+    before the Trainer exists] in :mod:`.build_hook`), as transformers' own ``TrainingArguments(deepspeed=...)`` makes
+    them build inside DeepSpeed's ``zero.Init``. Bad configuration values fail here, naming the key."""
+
+    def __post_init__(self):
+        source, self.deepspeed = self.deepspeed, None
+        super().__post_init__()
+        self.deepspeed = source
+        if trainer_zero_config(source, self).zero.stage >= 3:
+            build_hook.arm(self)
+
+
 def detach_deepspeed(args: Any) -> Any:
     """Take ``args.deepspeed`` off ``args`` and undo what transformers set up for it; returns it (None if unset).
 
     Undone: the ``DeepSpeedPlugin`` and ``HfTrainerDeepSpeedConfig`` (whose global weakref would make
     ``from_pretrained`` partition models with ``deepspeed.zero.Init``), and the distributed state started for
-    DeepSpeed, which is rebuilt as for any other run (the process group itself stays).
+    DeepSpeed, which is rebuilt as for any other run (the process group itself stays). Models built from now on
+    are built whole (:mod:`.build_hook`).
     """
+    build_hook.disarm(args)
     source = getattr(args, "deepspeed", None)
     if not source:
         return None
     args.deepspeed = None
+    if isinstance(args, ZeroTrainingArguments):
+        return source  # transformers never saw it
     args.deepspeed_plugin = None
     if getattr(args, "hf_deepspeed_config", None) is not None:
         from transformers.integrations import deepspeed as hf_deepspeed

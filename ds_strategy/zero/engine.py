@@ -6,6 +6,7 @@ import contextlib
 import functools
 import logging
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -20,16 +21,19 @@ from ..config import ZeroConfig
 from ..parallel.dtensor_params import local_tensor, point_param_at, spec_of
 from ..precision import GradStats, LossScaler, unscale_and_check_shards
 from ..profiler_ranges import profiler_range
+from .compile_boundary import eager_hook
 from .flat_param import FlatParam
+from .full_state_dict import compute_weights, gathered_state_dict, master_weights
 from .grad_reducer import GradReducer
 from .groups import EngineGroups
 from .hpz import WeightGather, hpz_collectives
-from .memory_report import WorkingSetPeak, memory_report, unit_bounded_sizes
-from .optimizer_retarget import check_optimizer_is_elementwise, param_group_index, retarget_optimizer
+from .memory_report import WorkingSetPeak, memory_report, unit_bounded_sizes, whole_tensor_ownership
 from .param_gatherer import ParamGatherer
+from .param_types import check_shardable
 from .placement import place_units
 from .schedule_interface import ScheduleInterface
 from .sharded_init import materialise_sharded
+from .sharded_optimizers import ShardedOptimizers, as_optimizer_list
 from .step_runner import DeviceStep, StepContext, StepRunner, StepRunnerFactory
 from .tied_copies import tied_copy_owner
 from .unit import ShardedState, Unit
@@ -69,6 +73,15 @@ def _step_runner_factory(step_runner: StepRunnerFactory | None, config: ZeroConf
     return DeviceStep
 
 
+def _modules_outside(root: nn.Module, unit_names: list[str]) -> list[nn.Module]:
+    """The modules of ``root`` (every registration of a shared one) inside no unit named in ``unit_names``."""
+    return [
+        module
+        for name, module in root.named_modules(remove_duplicate=False)
+        if not any(name == unit or name.startswith(unit + ".") for unit in unit_names)
+    ]
+
+
 def _device_of(module: nn.Module) -> torch.device:
     """Where the flat buffers go: the module's device, or the CPU for a module built on the meta device."""
     for p in module.parameters():
@@ -81,21 +94,26 @@ class ZeroEngine:
     """Shards a module's trainable parameters, gradients and optimizer state across the ranks of a process group.
 
     The module is cut into units (see :mod:`.wrap_policy`); each unit's trainable parameters, split by optimizer
-    param group, live in :class:`FlatParam` buffers whose :class:`ShardPolicy` comes from ``config.plan``.
+    and param group, live in :class:`FlatParam` buffers whose :class:`ShardPolicy` comes from ``config.plan``.
     The host framework drives it with ``backward`` (or a plain ``loss.backward()``), ``clip_grad_norm_``,
     ``step`` and ``no_sync``; nothing here knows about Lightning, Fabric or Accelerate.
+
+    Several optimizers may train one model (Muon on the hidden matrices and AdamW on the rest): each owns its
+    parameters' shards, and ``step``, ``zero_grad``, ``clip_grad_norm_`` and ``grad_norm`` take the optimizer to act
+    for (None: all of them, as one process clipping ``model.parameters()`` computes one norm over every parameter).
     """
 
     def __init__(
         self,
         module: nn.Module,
-        optimizer: torch.optim.Optimizer | None,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
         config: ZeroConfig,
         groups: EngineGroups | None = None,
         device: torch.device | str | None = None,
         step_runner: StepRunnerFactory | None = None,
     ):
-        """``groups``: the process groups the engine spans (see :class:`.groups.EngineGroups`; None: ZeRO over the
+        """``optimizer``: the optimizer that trains ``module``, several (each holding its own parameters), or None.
+        ``groups``: the process groups the engine spans (see :class:`.groups.EngineGroups`; None: ZeRO over the
         default group, nothing else). ``step_runner``: where the optimizer step runs (see :mod:`.step_runner`); by
         default on the device. A config that offloads needs the runner passed (``ds_strategy.offload.
         step_runner_for(config)``; the composition function does it): the engine never reaches for offload itself.
@@ -111,13 +129,11 @@ class ZeroEngine:
         then the stage-3 gatherer and the gradient reducer, which calls both from autograd's hooks."""
         groups = groups or EngineGroups()
         self.module = module
-        self.optimizer = optimizer
+        self.sharded_optimizers = ShardedOptimizers(as_optimizer_list(optimizer))
         self.config = config
         self.plan = plan = config.plan
         self.process_group = process_group = groups.zero
         self.device = torch.device(device) if device is not None else _device_of(module)
-        if optimizer is not None:
-            check_optimizer_is_elementwise(optimizer)
         backend = dist.get_backend(process_group) if dist.is_initialized() else "gloo"
         self.collectives = Collectives(
             process_group,
@@ -142,15 +158,15 @@ class ZeroEngine:
         for fp in self.flat_params:
             fp.allocate_grads(plan.comm_dtype, self.collectives.use_all_reduce)
         self.step_runner: StepRunner = factory(
-            StepContext(self.flat_params, optimizer, config.offload_policy, self.device, global_rank, shard_store)
+            StepContext(self.flat_params, self.optimizers, config.offload_policy, self.device, global_rank, shard_store)
         )
-        if optimizer is not None:
-            retarget_optimizer(optimizer, self.flat_params)
+        self.sharded_optimizers.retarget(self.flat_params)
         self.working_set = WorkingSetPeak(self.flat_params)
         sizes = unit_bounded_sizes(config.comm_policy, self.units)
         self.loss_scaler = LossScaler(config.precision_policy) if plan.loss_scaling else None
-        self._grad_stats: GradStats | None = None
-        self._master_grads: list[torch.Tensor] | None = None
+        self._grad_stats: dict[tuple[int, ...], GradStats] = {}  # by the flat buffers' indices they cover
+        self._master_grads: dict[int, torch.Tensor] = {}  # fp.index -> its optimizer gradient, unscaled once made
+        self._unscaled: set[int] = set()
         self.gatherer = None
         if plan.partitions_parameters:  # without overlap_comm nothing is prefetched: units gather on demand
             self.gatherer = ParamGatherer(
@@ -179,28 +195,38 @@ class ZeroEngine:
             on_backward_end=self._end_of_backward if self.gatherer is not None else None,
             on_reduced=self.step_runner.on_reduced,
             quantized_reduce_scatter=qgz,
+            gradients=self.step_runner.gradients,
         )
         self.reducer.register_hooks()
-        self._hooks = [self.units[0].module.register_forward_pre_hook(lambda module, args: self.before_forward())]
+        self._hooks = [
+            self.units[0].module.register_forward_pre_hook(eager_hook(lambda module, args: self.before_forward()))
+        ]
         self._hooks += [
-            module.register_forward_pre_hook(self._gather_root_for)
+            module.register_forward_pre_hook(eager_hook(self._gather_root_for))
             for module in _modules_owning(self.module, self.units[0].partitioned)
         ]
 
     # -- construction -------------------------------------------------------------------------------------------
     def _build_units(self, shard_store) -> list[Unit]:
-        """Root first, then the unit modules in module order; a parameter shared by two units goes to the root."""
+        """Root first, then the unit modules in module order; a parameter shared by two units, or by a unit and a
+        module outside every unit (a tied LM head beside an embeddings unit), goes to the root: a unit is gathered
+        only for its own forward, the root for the whole step."""
         chosen = select_unit_modules(self.module, self.config.unit_modules, self.config.unit_min_params)
         owners: dict[int, list[int]] = {}
         for i, (_, module) in enumerate(chosen):
             for p in module.parameters():
                 owners.setdefault(id(p), []).append(i)
-        group_of = param_group_index(self.optimizer) if self.optimizer is not None else {}
+        for module in _modules_outside(self.module, [name for name, _ in chosen]):
+            for p in module._parameters.values():
+                if p is not None:
+                    owners.setdefault(id(p), []).append(-1)
+        optimizers = self.sharded_optimizers
         members: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(len(chosen) + 1)]
         for name, p in self.module.named_parameters():
             if not p.requires_grad:
                 continue
-            if self.optimizer is not None and id(p) not in group_of:
+            check_shardable(name, p)
+            if len(optimizers) and optimizers.where(p) is None:
                 raise ValueError(
                     f"parameter {name!r} requires grad but is in no optimizer param group; "
                     f"freeze it (requires_grad=False) or add it to the optimizer"
@@ -212,10 +238,15 @@ class ZeroEngine:
             members[where[0] + 1 if len(where) == 1 else 0].append((owner or name, p))
         names = ["<root>"] + [name for name, _ in chosen]
         modules = [self.module] + [module for _, module in chosen]
+        owners = (
+            self.sharded_optimizers.owners([p for params in members for _, p in params], self.world_size)
+            if self.plan.partitions_optimizer
+            else {}
+        )
         units, first = [], 0
         store = shard_store.store if shard_store is not None else None
         for name, module, params in zip(names, modules, members):
-            flat = self._flat_params_of(name, params, group_of, first, store)
+            flat = self._flat_params_of(name, params, owners, first, store)
             units.append(Unit(name, module, flat, self.collectives, self.weight_gather))
             first += len(flat)
         return units
@@ -243,24 +274,29 @@ class ZeroEngine:
         self,
         unit_name: str,
         params: list[tuple[str, nn.Parameter]],
-        group_of: dict[int, int],
+        owners: dict[int, int],
         first_index: int,
         shard_store,
     ) -> list[FlatParam]:
-        """One flat buffer per (param group, persistent?, replicated over tensor parallel?, tied copy?) among
-        ``params``, in first-appearance order (the last two keep the norm's weighting per buffer: Note: [DTensor
-        parameters as flat views])."""
+        """One flat buffer per (optimizer, param group, persistent?, replicated over tensor parallel?, tied copy?)
+        among ``params``, in first-appearance order (the last two keep the norm's weighting per buffer: Note:
+        [DTensor parameters as flat views]); a whole-tensor group's laid out by ``owners``."""
         plan = self.plan
         tied = set(self.tied_copies.values())
-        buckets: dict[tuple[int, bool, bool, bool], list[tuple[str, nn.Parameter]]] = {}
+        buckets: dict[tuple[int, int, bool, bool, bool], list[tuple[str, nn.Parameter]]] = {}
         for name, p in params:
-            key = (group_of.get(id(p), 0), plan.is_persistent(p.numel()), self._replicated_over_tp(p), name in tied)
+            where = self.sharded_optimizers.where(p) or (0, 0)
+            key = (*where, plan.is_persistent(p.numel()), self._replicated_over_tp(p), name in tied)
             buckets.setdefault(key, []).append((name, p))
         flat = []
-        for (group, persistent, replicated, tied_copy), members in buckets.items():
+        for (optimizer, group, persistent, replicated, tied_copy), members in buckets.items():
             policy = plan.persistent_sharding if persistent else plan.sharding
-            name = f"{unit_name}/group{group}{'/persistent' if persistent else ''}"
-            name += ("/tp_replicated" if replicated else "") + ("/tied_copy" if tied_copy else "")
+            whole = self.sharded_optimizers.is_whole_param(members[0][1])
+            if whole:
+                self.sharded_optimizers.check_whole(members)
+            name = f"{unit_name}/{f'optimizer{optimizer}.' if optimizer else ''}group{group}"
+            name += ("/persistent" if persistent else "") + ("/tp_replicated" if replicated else "")
+            name += "/tied_copy" if tied_copy else ""
             flat.append(
                 FlatParam(
                     first_index + len(flat),
@@ -274,6 +310,9 @@ class ZeroEngine:
                     self.device,
                     shard_store=shard_store,
                     tied_copy=tied_copy,
+                    whole=whole,
+                    owners=[owners[id(p)] for _, p in members] if whole and owners else None,
+                    optimizer_index=optimizer,
                 )
             )
         return flat
@@ -327,43 +366,34 @@ class ZeroEngine:
                 f"sync_module_states=True to stream rank 0's model to ranks that built it on meta"
             )
 
-    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Give an engine built without an optimizer (a model prepared before its optimizer) the one that trains it.
+    @property
+    def optimizers(self) -> tuple[torch.optim.Optimizer, ...]:
+        """The optimizers that train the module, each over its own parameters' shards (empty for none)."""
+        return tuple(self.sharded_optimizers.optimizers)
 
-        The flat buffers were laid out without param groups, so this works when each of them falls inside one
-        group of ``optimizer`` (always so for a single group) and the optimizer runs on the device (see
-        :meth:`can_attach`); otherwise the caller builds a new engine over the module (stage 0-2, whose
-        parameters are whole on every rank).
-        """
-        if self.optimizer is not None:
-            raise ValueError("this model's engine already has an optimizer; prepare each optimizer once")
-        group_of = param_group_index(optimizer)
-        for fp in self.flat_params:
-            for slot, p in zip(fp.slots, fp.params):
-                if id(p) not in group_of:
-                    raise ValueError(
-                        f"parameter {slot.name!r} requires grad but is in no param group of the "
-                        f"optimizer; freeze it (requires_grad=False) or add it to the optimizer"
-                    )
-        if len(group_of) != sum(len(fp.params) for fp in self.flat_params):
-            raise ValueError("the optimizer holds parameters that are not trainable parameters of this model")
-        if not self.can_attach(optimizer):
-            raise ValueError(
-                "the optimizer's param groups split this model's flat buffers (or its step is "
-                "offloaded): prepare the model together with its optimizer"
-            )
-        check_optimizer_is_elementwise(optimizer)
-        for fp in self.flat_params:
-            fp.group_index = group_of[id(fp.params[0])]
-        self.optimizer = optimizer
-        retarget_optimizer(optimizer, self.flat_params)
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The first of :attr:`optimizers` (the only one, usually), or None."""
+        return self.optimizers[0] if self.optimizers else None
+
+    def holds(self, optimizer: object) -> bool:
+        """Whether ``optimizer`` (the object itself, or a chain of them) trains this engine's module."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            return False
+        try:
+            self.sharded_optimizers.indices_of(optimizer)
+        except ValueError:
+            return False
+        return True
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Give an engine built without it (a model prepared before its optimizers) an optimizer that trains it
+        (or a :class:`~.chained_optimizer.ChainedOptimizer` of several): see :meth:`ShardedOptimizers.attach`."""
+        self.sharded_optimizers.attach(optimizer, self.flat_params, self.plan)
 
     def can_attach(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether :meth:`attach_optimizer` can take ``optimizer`` without laying the flat buffers out anew."""
-        group_of = param_group_index(optimizer)
-        return not self.plan.offloads_optimizer and all(
-            len({group_of.get(id(p)) for p in fp.params}) == 1 for fp in self.flat_params
-        )
+        return self.sharded_optimizers.fits(optimizer, self.flat_params, self.plan)
 
     # -- what other features set ------------------------------------------------------------------------------
     def set_gradient_divide_factor(self, factor: float) -> None:
@@ -505,32 +535,20 @@ class ZeroEngine:
                         fp.master.narrow(0, where - fp.master_base, length).copy_(fp.full.narrow(0, where, length))
 
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
-        """The module's whole ``state_dict`` in fp32 for parameters, gathered one unit at a time.
+        """The module's whole ``state_dict``, its trainable parameters from the optimizer's masters in the dtype the
+        model gave each (fp32 weights of an fp32 model trained in bf16-mixed, not the bf16 compute copy): what every
+        export returns (Note: [What an export returns] in :mod:`.full_state_dict`).
 
-        Never the empty views a partitioned parameter has between uses. With ``rank0_only`` other ranks take
-        part in the gathers but return an empty dict, so peak memory off rank 0 stays one unit.
+        Gathered one flat buffer at a time; never the empty views a partitioned parameter has between uses. With
+        ``rank0_only`` other ranks take part in the gathers but return an empty dict.
         """
-        self.adopt_replaced_parameters()
-        self.reshard()
-        keep = not rank0_only or (dist.get_rank() if dist.is_initialized() else 0) == 0
-        keys_of: dict[int, list[str]] = {}
-        for key, value in self.module.state_dict(keep_vars=True).items():
-            keys_of.setdefault(id(value), []).append(key)
-        result: dict[str, torch.Tensor] = {}
-        for unit in self.units:
-            with self.gathered(unit):
-                for fp in unit.flat_params:
-                    for slot, p in zip(fp.slots, fp.params):
-                        # every tensor-parallel rank takes part in gathering a DTensor parameter whole
-                        value = p.detach() if slot.tp is None else p.detach().full_tensor()
-                        for key in keys_of.pop(id(p), []) if keep else ():
-                            result[key] = value.to(torch.float32, copy=True)
-        if not keep:
-            return {}
-        for key, value in self.module.state_dict().items():
-            result.setdefault(key, value.detach().clone())
-        order = list(self.module.state_dict().keys())
-        return {key: result[key] for key in order}
+        return gathered_state_dict(self, master_weights, rank0_only)
+
+    def full_compute_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """The module's whole ``state_dict`` as the forward computes with it: under mixed precision the 16-bit
+        copies rounded from the masters (DeepSpeed's ``save_16bit_model``), half the bytes of
+        :meth:`full_state_dict`, which is what trained. Gathered one unit at a time, as :meth:`full_state_dict`."""
+        return gathered_state_dict(self, compute_weights, rank0_only)
 
     def _end_of_backward(self) -> None:
         with profiler_range("backward.end"):
@@ -579,79 +597,103 @@ class ZeroEngine:
         self.scale_loss(loss).backward()
 
     # -- optimizer step ---------------------------------------------------------------------------------------
-    def unscale_gradients(self) -> GradStats:
-        """Divide the loss scale out of this rank's reduced gradients, check every rank's for inf/nan and take
-        the global norm: one pass and one all-reduce (see :mod:`ds_strategy.precision.grad_stats`).
+    def flat_params_of(self, optimizer: torch.optim.Optimizer | None = None) -> list[FlatParam]:
+        """The flat buffers ``optimizer`` steps, or (None) every flat buffer; ValueError for an optimizer that
+        does not train this module."""
+        if optimizer is None:
+            return self.flat_params
+        indices = self.sharded_optimizers.indices_of(optimizer)
+        return [fp for fp in self.flat_params if fp.optimizer_index in indices]
+
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer | None = None) -> GradStats:
+        """Divide the loss scale out of this rank's reduced gradients (``optimizer``'s, or all), check every rank's
+        for inf/nan and take their global norm: one pass and one all-reduce (see
+        :mod:`ds_strategy.precision.grad_stats`).
 
         Call after the step's last backward; ``clip_grad_norm_`` and ``step`` call it when they need it, and later
-        calls until ``step`` return the same statistics without touching the gradients again.
+        calls until those gradients are consumed return the same statistics without touching the gradients again
+        (a gradient already unscaled for another selection is only read).
         """
         with profiler_range("step.unscale"):
-            if self._grad_stats is None:
+            fps = self.flat_params_of(optimizer)
+            key = tuple(fp.index for fp in fps)
+            if key not in self._grad_stats:
                 inv_scale = self.loss_scaler.inv_scale if self.loss_scaler is not None else 1.0
-                self._grad_stats = unscale_and_check_shards(
-                    self._optimizer_grads(),
-                    inv_scale,
+                self._grad_stats[key] = unscale_and_check_shards(
+                    self._optimizer_grads(fps),
+                    [1.0 if fp.index in self._unscaled else inv_scale for fp in fps],
                     self.collectives,
                     sharded=self.plan.partitions_optimizer,
-                    weights=self._norm_weights,
+                    weights=[self._norm_weights[fp.index] for fp in fps],
                     model_parallel=self.model_parallel,
+                    device=self.device,
                 )
-            return self._grad_stats
+                self._unscaled.update(key)
+            return self._grad_stats[key]
 
-    def _optimizer_grads(self) -> list[torch.Tensor]:
-        """Each flat buffer's reduced gradient in its master's dtype: what clipping scales and the optimizer reads.
+    def _optimizer_grads(self, fps: list[FlatParam]) -> list[torch.Tensor]:
+        """Each of ``fps``' reduced gradient in its master's dtype: what clipping scales and the optimizer reads.
 
-        ``grad_shard`` itself, or at stage 0 ``grad_full``, converted to an fp32 copy under mixed precision.
+        ``grad_shard`` itself, or at stage 0 ``grad_full``, converted to an fp32 copy under mixed precision; with the
+        optimizer offloaded at stage 2/3, the fp32 host buffer the reductions were summed into.
         """
-        if self._master_grads is None:
-            self.reducer.wait_all()
-            self._master_grads = [self.reducer.reduced_grad(fp).to(fp.master_dtype) for fp in self.flat_params]
-        return self._master_grads
+        self.reducer.wait_all()
+        for fp in fps:
+            if fp.index not in self._master_grads:
+                self._master_grads[fp.index] = self.reducer.reduced_grad(fp).to(fp.master_dtype)
+        return [self._master_grads[fp.index] for fp in fps]
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Scale gradients so their global norm over all shards of all ranks is at most ``max_norm``.
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, optimizer: torch.optim.Optimizer | None = None
+    ) -> torch.Tensor:
+        """Scale gradients (``optimizer``'s, or all) so their global norm over all shards of all ranks is at most
+        ``max_norm``.
 
-        Returns the norm before clipping, of the unscaled gradients; it equals the unsharded model's gradient norm.
+        Returns the norm before clipping, of the unscaled gradients; it equals the unsharded model's gradient norm
+        (over every parameter when ``optimizer`` is None, as ``clip_grad_norm_(model.parameters())`` takes it).
         """
-        total = self.grad_norm(norm_type)
+        total = self.grad_norm(norm_type, optimizer)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for grad in self._gradients_to_clip():
-            grad.mul_(coef.to(grad.dtype))
+        for grad in self._gradients_to_clip(self.flat_params_of(optimizer)):
+            grad.mul_(coef.to(device=grad.device, dtype=grad.dtype))
         return total
 
-    def clip_grad_value_(self, clip_value: float) -> None:
+    def clip_grad_value_(self, clip_value: float, optimizer: torch.optim.Optimizer | None = None) -> None:
         if self.loss_scaler is not None:
-            self.unscale_gradients()
-        for grad in self._gradients_to_clip():
+            self.unscale_gradients(optimizer)
+        for grad in self._gradients_to_clip(self.flat_params_of(optimizer)):
             grad.clamp_(-clip_value, clip_value)
 
-    def _gradients_to_clip(self) -> list[torch.Tensor]:
+    def _gradients_to_clip(self, fps: list[FlatParam]) -> list[torch.Tensor]:
         """Each flat buffer's optimizer gradient or, where that is a slice of ``grad_full`` (stage 1 in one dtype
         with all-reduce), the whole ``grad_full``: the parameters' ``.grad`` view it, and must stay the same
         averaged gradient on every rank (Note: [Accumulation and reduction])."""
         return [
             fp.grad_full if fp.grad_full is not None and _same_storage(grad, fp.grad_full) else grad
-            for fp, grad in zip(self.flat_params, self._optimizer_grads())
+            for fp, grad in zip(fps, self._optimizer_grads(fps))
         ]
 
-    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
-        """Global ``norm_type``-norm of the unscaled gradients; the 2-norm comes from ``unscale_gradients``."""
+    def grad_norm(self, norm_type: float = 2.0, optimizer: torch.optim.Optimizer | None = None) -> torch.Tensor:
+        """Global ``norm_type``-norm of the unscaled gradients (``optimizer``'s, or all); the 2-norm comes from
+        ``unscale_gradients``."""
         if norm_type == 2.0:
-            return self.unscale_gradients().norm
+            return self.unscale_gradients(optimizer).norm
         if self.loss_scaler is not None:
-            self.unscale_gradients()
-        grads = [g.float() for g in self._optimizer_grads()]
+            self.unscale_gradients(optimizer)
+        fps = self.flat_params_of(optimizer)
+        grads = [g.float() for g in self._optimizer_grads(fps)]
+        weights = [self._norm_weights[fp.index] for fp in fps]
+        device = self.device  # gradients an offload keeps on the host are reduced beside the device's
         if math.isinf(norm_type):
             local = (
-                torch.stack([g.abs().max() * bool(w) for g, w in zip(grads, self._norm_weights)]).max()
+                torch.stack([(g.abs().max() * bool(w)).to(device) for g, w in zip(grads, weights)]).max()
                 if grads
-                else torch.zeros(())
+                else torch.zeros((), device=device)
             )
             op = dist.ReduceOp.MAX
         else:
-            weighted = [g.pow(norm_type).sum() * w for g, w in zip(grads, self._norm_weights)]
-            local = torch.stack(weighted).sum() if grads else torch.zeros(())
+            weighted = [(g.pow(norm_type).sum() * w).to(device) for g, w in zip(grads, weights)]
+            local = torch.stack(weighted).sum() if grads else torch.zeros((), device=device)
             op = dist.ReduceOp.SUM
         if self.plan.partitions_optimizer:
             self.collectives.all_reduce(local, op=op).wait()
@@ -659,15 +701,17 @@ class ZeroEngine:
             group.all_reduce(local, op=op).wait()
         return local if math.isinf(norm_type) else local.pow(1.0 / norm_type)
 
-    def step(self) -> bool:
-        """Run the optimizer on this rank's shards, then bring every rank's parameters up to date.
+    def step(self, optimizer: torch.optim.Optimizer | None = None) -> bool:
+        """Run ``optimizer`` (None: every optimizer) on this rank's shards, then bring every rank's parameters up
+        to date.
 
         First the ranks compare the collectives each issued since the last step and raise
         ``CollectiveMismatchError`` if they differ (see :mod:`ds_strategy.comm.sequence_check`).
 
-        Returns False when fp16 loss scaling found an inf/nan on some rank: then no rank steps, parameters and
-        optimizer state stay as they were, the gradients are discarded and the loss scaler is updated (see
-        :mod:`ds_strategy.precision.loss_scaler`). bf16 and fp32 training never skip.
+        Returns False when fp16 loss scaling found an inf/nan in the gradients stepped on some rank: then no rank
+        steps them, parameters and optimizer state stay as they were, those gradients are discarded and the loss
+        scaler is updated (see :mod:`ds_strategy.precision.loss_scaler`), once per call, as Lightning's and
+        Accelerate's ``GradScaler`` update after each optimizer's step. bf16 and fp32 training never skip.
 
         Note: [Stage 1/2 parameter refresh]
         After the step each rank holds updated values only in its own shard.
@@ -681,28 +725,36 @@ class ZeroEngine:
             if self.sequence_check is not None:
                 with profiler_range("step.sequence_check"):
                     self.sequence_check.verify()
+            fps = self.flat_params_of(optimizer)
             if self.loss_scaler is not None:
-                overflow = self.unscale_gradients().found_inf
+                overflow = self.unscale_gradients(optimizer).found_inf
                 self.loss_scaler.update(overflow)
                 if overflow:
-                    self.zero_grad()
+                    self.zero_grad(optimizer)
                     return False
-            grads = self._optimizer_grads()
+            grads = self._optimizer_grads(fps)
             with profiler_range("step.optimizer"):
-                self.step_runner.step(self.optimizer, grads)  # and the write-back (see .step_runner)
-            self.zero_grad()  # consumes the gradients, as DeepSpeed's step does: ``.grad`` is None till backward
+                stepped = self.sharded_optimizers.indices_of(optimizer) if optimizer is not None else None
+                for index, stepping in enumerate(self.optimizers):
+                    if stepped is None or index in stepped:
+                        pairs = [(fp, grad) for fp, grad in zip(fps, grads) if fp.optimizer_index == index]
+                        self.step_runner.step(stepping, pairs)  # and the write-back (see .step_runner)
+            self.zero_grad(optimizer)  # consumes the gradients as DeepSpeed's step does: ``.grad`` None till backward
             if self.gatherer is not None:  # a unit still gathered (a forward after the last backward) is now stale
                 self.gatherer.release_all()
-            self._refresh_params()
+            self._refresh_params(fps)
             return True
 
-    def _refresh_params(self) -> None:
-        """All-gather the updated shards of the whole (never freed) buffers, at most ``allgather_bucket_size``
-        elements in flight: past that, wait for what is in flight before launching more."""
+    def _refresh_params(self, fps: list[FlatParam] | None = None) -> None:
+        """All-gather the updated shards of the whole (never freed) buffers among ``fps`` (None: all), at most
+        ``allgather_bucket_size`` elements in flight: past that, wait for what is in flight before launching more."""
         with profiler_range("step.refresh_params"):
+            chosen = {fp.index for fp in (fps if fps is not None else self.flat_params)}
             in_flight = 0
             for unit in self.units:
-                stale = [fp for fp in unit.flat_params if fp.policy.optimizer and not fp.policy.params]
+                stale = [
+                    fp for fp in unit.flat_params if fp.policy.optimizer and not fp.policy.params and fp.index in chosen
+                ]
                 size = sum(fp.padded_numel for fp in stale)
                 if in_flight and in_flight + size > self.config.allgather_bucket_size:
                     self.wait_for_params()
@@ -711,9 +763,13 @@ class ZeroEngine:
                 in_flight += size
             self.wait_for_params()
 
-    def zero_grad(self) -> None:
-        self._grad_stats = self._master_grads = None
-        for fp in self.flat_params:
+    def zero_grad(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Drop the gradients ``optimizer`` (None: every optimizer) steps: as DDP's ``opt.zero_grad()`` drops
+        those of its own parameters only."""
+        self._grad_stats.clear()
+        for fp in self.flat_params_of(optimizer):
+            self._master_grads.pop(fp.index, None)
+            self._unscaled.discard(fp.index)
             self.reducer.zero_grads(fp)
             for p in fp.params:
                 p.grad = None
@@ -735,11 +791,19 @@ class ZeroEngine:
         report = self.memory_report()
         mib = {k: sum(v.values()) / 2**20 for k, v in report.items()}
         placed = self.step_runner.describe(report)
+        whole = whole_tensor_ownership(self)
+        owned = (
+            f"; whole-tensor parameters: this rank owns {whole.owned:,} of {whole.total:,} elements (at most "
+            f"{whole.bound:,.0f}: 1/N plus the largest, {whole.largest:,})"
+            if whole is not None
+            else ""
+        )
         return (
             f"ZeRO stage {self.config.stage} on {self.world_size} ranks, {len(self.units)} units, "
             f"{sum(fp.numel for fp in self.flat_params):,} trainable params; per rank: "
             + ", ".join(f"{k} {v:.1f} MiB" for k, v in mib.items())
             + (f"; {placed}" if placed else "")
+            + owned
         )
 
     def remove_hooks(self) -> None:

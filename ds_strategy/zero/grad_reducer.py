@@ -12,8 +12,10 @@ from torch.autograd import Variable
 
 from ..comm.collectives import Collectives, PendingCollective
 from ..profiler_ranges import profiler_range
+from .compile_boundary import eager_hook
 from .flat_param import FlatParam
 from .memory_report import WorkingSetPeak
+from .step_runner import DeviceGradients, GradientStore
 
 QuantizedReduceScatter = Callable[..., PendingCollective]  # qgZ: (out fp32, full, label=...) -> PendingCollective
 
@@ -114,11 +116,13 @@ class GradReducer:
         on_backward_end: Callable[[], None] | None = None,
         on_reduced: Callable[[FlatParam, torch.Tensor], None] | None = None,
         quantized_reduce_scatter: QuantizedReduceScatter | None = None,
+        gradients: GradientStore | None = None,
     ):
         """``on_launched(fp)``: fp's reduction is in flight (stage 3 frees the unit's weights). ``on_backward_end()``:
-        every reduction of this backward has finished. ``on_reduced(fp, grad)``: a synced reduction into fp's
+        every reduction of this backward has finished. ``on_reduced(fp, grad)``: a synced reduction into a stage 0/1
         optimizer region finished and ``grad`` is final for the step (offload copies it to the host).
-        ``quantized_reduce_scatter``: qgZ, used instead of the plain reduce-scatter at stage 2/3.
+        ``quantized_reduce_scatter``: qgZ, used instead of the plain reduce-scatter at stage 2/3. ``gradients``:
+        where partitioned (stage 2/3) gradients are summed, the step runner's (by default on the device).
         ``flat_params`` are the engine's, in order (``fp.index`` is each one's position), their gradient buffers
         allocated (``FlatParam.allocate_grads``)."""
         self.order = list(reversed(flat_params))
@@ -135,6 +139,7 @@ class GradReducer:
         self.on_backward_end = on_backward_end
         self.on_reduced = on_reduced
         self.quantized_reduce_scatter = quantized_reduce_scatter
+        self.gradients = gradients or DeviceGradients()
         self._slot_of = {id(p): (fp, i) for fp in flat_params for i, p in enumerate(fp.params)}
         self._ready_count = [0] * len(flat_params)
         self._scratch: dict[int, torch.Tensor] = {}  # fp.index -> scratch buffer
@@ -149,7 +154,7 @@ class GradReducer:
     def register_hooks(self) -> None:
         for fp in self.order:
             for p in fp.params:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                self._handles.append(p.register_post_accumulate_grad_hook(eager_hook(self._on_grad)))
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
@@ -236,7 +241,12 @@ class GradReducer:
         with profiler_range("grad.reduce", fp.name):
             if fp.policy.grads:
                 scratch = self._scratch_for(fp)
-                if self.quantized_reduce_scatter is not None:
+                if fp.regions is not None:  # owner layout: exact, each region to its owner (never quantised)
+                    out = scratch.narrow(0, fp.shard_offset, fp.shard_numel)
+                    pending = self.collectives.reduce_scatter(
+                        out, scratch, label=f"gradients of {fp.name}", regions=fp.regions
+                    )
+                elif self.quantized_reduce_scatter is not None:
                     out = torch.empty(fp.shard_numel, dtype=torch.float32, device=scratch.device)
                     pending = self.quantized_reduce_scatter(out, scratch, label=f"gradients of {fp.name}")
                 else:
@@ -248,13 +258,16 @@ class GradReducer:
                     pending = self.collectives.reduce_scatter(out, scratch, label=f"gradients of {fp.name}")
                 launched = _Reduction(pending, fp, out, _Kind.SCATTERED, scratch.numel())
             elif fp.policy.optimizer and not self.collectives.use_all_reduce:
-                send = fp.grad_full.to(self._comm_dtype(fp))
+                # reducing regions to their owners writes into what it sends: never grad_full itself
+                send = fp.grad_full.to(self._comm_dtype(fp), copy=fp.regions is not None)
                 out = (
                     fp.grad_shard
                     if fp.grad_shard.dtype == send.dtype
                     else torch.empty(fp.shard_numel, dtype=send.dtype, device=send.device)
                 )
-                pending = self.collectives.reduce_scatter(out, send, label=f"gradients of {fp.name}")
+                pending = self.collectives.reduce_scatter(
+                    out, send, label=f"gradients of {fp.name}", regions=fp.regions
+                )
                 launched = _Reduction(pending, fp, out, _Kind.SCATTERED_ONCE, 0)
             else:
                 send = fp.grad_full.to(self._comm_dtype(fp))
@@ -279,10 +292,11 @@ class GradReducer:
             reduction.pending.wait()
             fp, out, divisor = reduction.fp, reduction.out, self.divide_factor
             if reduction.kind is _Kind.SCATTERED:
-                fp.reduced_grad_shard().add_(out, alpha=1.0 / divisor)
+                self.gradients.add(fp, out, 1.0 / divisor)
                 del self._scratch[fp.index]
                 self.working_set.observe(self._scratch_bytes())
-            elif reduction.kind is _Kind.ALL_REDUCED:
+                return
+            if reduction.kind is _Kind.ALL_REDUCED:
                 _store_all_reduced(fp, out, divisor)
             else:
                 _store_mean(fp.grad_shard, out, divisor)
@@ -309,13 +323,15 @@ class GradReducer:
     # -- optimizer step ----------------------------------------------------------------------------------------
     def reduced_grad(self, fp: FlatParam) -> torch.Tensor:
         """The averaged gradient of the region the optimizer updates (shard, or whole buffer at stage 0)."""
+        if fp.policy.grads:
+            return self.gradients.read(fp)
         return fp.reduced_grad_shard() if fp.policy.optimizer else fp.grad_full
 
     def zero_grads(self, fp: FlatParam) -> None:
         if fp.grad_full is not None:
             fp.grad_full.zero_()
-        if fp.grad_shard is not None and fp.policy.grads:
-            fp.grad_shard.zero_()
+        if fp.policy.grads:
+            self.gradients.zero(fp)
 
 
 def _store_all_reduced(fp: FlatParam, summed: torch.Tensor, divisor: float) -> None:

@@ -63,6 +63,8 @@ class WeightGather:
     # -- gather -------------------------------------------------------------------------------------------------
     def launch(self, fp: FlatParam, label: str, exact: bool = False) -> PendingCollective:
         """Launch the all-gather of ``fp.full``; ``exact`` gathers unquantised from the primary shards."""
+        if fp.regions is not None:  # exact, over the whole group: Note: [Whole parameters on owner ranks]
+            return self.world.all_gather(fp.full, fp.gather_source(), label=label, regions=fp.regions)
         secondary = self._secondary.get(fp.index)
         if secondary is not None and not exact:
             return self._gather_in_group(fp, secondary, f"{label} [hpZ group]")
@@ -84,7 +86,7 @@ class WeightGather:
     def before_free(self, fp: FlatParam, keep_for_backward: bool) -> None:
         """Called while ``fp.full`` is still gathered, just before it is freed."""
         received = self._received.pop(fp.index, None)
-        if not keep_for_backward or self.group is None:
+        if not keep_for_backward or self.group is None or fp.regions is not None:
             self._secondary.pop(fp.index, None)
             return
         if fp.index in self._secondary:

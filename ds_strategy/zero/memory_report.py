@@ -12,6 +12,12 @@ launched). So ``memory_report(engine, peak=True)``, summed over kinds and places
 formula x 1.05 + two largest units' parameter and gradient bytes, by construction rather than by timing: the
 reducer waits for the oldest reduction before scratch passes the bound, and the gatherer never prefetches past
 it. ``tests/test_memory_bounds.py`` checks this with reductions slowed on purpose.
+
+A whole-tensor optimizer (Muon) keeps each of its parameters whole on one owner rank (Note: [Whole parameters on
+owner ranks] in :mod:`.owner_layout`): a rank owns at most Ψ_w/N + P of its Ψ_w elements, P the largest such
+parameter, so each partitioned term above (optimizer state and master from stage 1, gradient shards from stage 2,
+parameter shards at stage 3) holds at most P elements more than its 1/N; :func:`whole_tensor_ownership` gives the
+figures, which the engine's setup summary prints.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from ..config import UNITS
+from .param_types import plain_tensors
 
 if TYPE_CHECKING:
     from ..config_policies import CommPolicy
@@ -84,6 +91,34 @@ class WorkingSetPeak:
         self.observe()
 
 
+class WholeTensorOwnership(NamedTuple):
+    """Elements of whole-tensor parameters: this rank's, all ranks', the largest parameter's, and the bound."""
+
+    owned: int
+    total: int
+    largest: int
+    world_size: int
+
+    @property
+    def bound(self) -> float:
+        """What any rank may own: Ψ_w/N + P."""
+        return self.total / self.world_size + self.largest
+
+
+def whole_tensor_ownership(engine: ZeroEngine) -> WholeTensorOwnership | None:
+    """How much of the whole-tensor optimizers' parameters this rank owns, against the bound; None when no flat
+    buffer is laid out by owners (no whole-tensor optimizer, or optimizer state not partitioned)."""
+    owned_layouts = [fp for fp in engine.flat_params if fp.regions is not None]
+    if not owned_layouts:
+        return None
+    return WholeTensorOwnership(
+        owned=sum(fp.shard_numel for fp in owned_layouts),
+        total=sum(fp.numel for fp in owned_layouts),
+        largest=max(slot.numel for fp in owned_layouts for slot in fp.slots),
+        world_size=engine.world_size,
+    )
+
+
 def _place(tensor: torch.Tensor, compute_device: torch.device) -> str:
     """Host means CPU memory while compute runs on an accelerator; on a CPU-only run the CPU is the device."""
     return "host" if tensor.device.type == "cpu" and compute_device.type != "cpu" else "device"
@@ -132,10 +167,11 @@ def memory_report(engine: ZeroEngine, peak: bool = False) -> dict[str, dict[str,
             add("optimizer", fp.master)
     for p in engine.module.parameters():
         if id(p) not in managed:
-            add("params", p)
+            for plain in plain_tensors(p):
+                add("params", plain)
             add("grads", p.grad)
-    if engine.optimizer is not None:
-        for state in engine.optimizer.state.values():
+    for optimizer in engine.optimizers:
+        for state in optimizer.state.values():
             for value in state.values():
                 if torch.is_tensor(value) and value.numel() > 1:
                     add("optimizer", value)

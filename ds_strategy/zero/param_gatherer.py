@@ -45,6 +45,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from ..profiler_ranges import profiler_range
+from .compile_boundary import eager_hook
 from .memory_report import WorkingSetPeak
 from .unit import ShardedState, TrainingState, Unit
 
@@ -109,6 +110,7 @@ class ParamGatherer:
         self._position = 0
 
     def _make_pre_forward(self, unit: Unit):
+        @eager_hook  # Note: [Hooks torch.compile must not trace]
         def hook(module, args):
             with profiler_range("unit.pre_forward", unit.name):
                 if is_recomputation():  # see Note: [Activation checkpointing under stage 3]
@@ -123,6 +125,7 @@ class ParamGatherer:
         return hook
 
     def _make_post_forward(self, unit: Unit):
+        @eager_hook
         def hook(module, args, output):
             with profiler_range("unit.post_forward", unit.name):
                 if is_recomputation():
@@ -182,6 +185,7 @@ class ParamGatherer:
     def _register_pre_backward(self, unit: Unit, output) -> None:
         tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
 
+        @eager_hook
         def hook(grad):
             with profiler_range("unit.pre_backward", unit.name):
                 self._start_backward(unit)

@@ -8,7 +8,8 @@ freed as the last reference goes), broadcasts rank 0's values, keeps this rank's
 then moves the buffers and frozen parameters of the unit's own modules (those not inside a nested unit). Device
 memory therefore peaks at one unit above the shards. Stage 0-2 keep every full buffer, as they must. With
 ``sync_module_states`` the ranks that built the model on the meta device allocate instead of copying and receive
-rank 0's values in the same broadcasts.
+rank 0's values in the same broadcasts. Under mixed precision the values travel in the master's dtype (Note:
+[Masters start from the model's own values] in :mod:`.flat_param`), one more unit-sized buffer meanwhile.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
+from .param_types import plain_tensors
 from .sharded_init import give_loose_tensors_storage
 from .unit import Unit
 
@@ -43,10 +45,11 @@ def place_units(root: nn.Module, units: list[Unit], device: torch.device, broadc
             for fp in unit.flat_params:
                 if any(p.is_meta for p in fp.params):
                     fp.adopt_meta_params()
+                    values = fp.held_values()  # receives rank 0's values
                 else:
-                    fp.adopt_params()
-                broadcast(fp.full)
-                fp.finish_sharding()
+                    values = fp.adopt_params()
+                broadcast(values)
+                fp.finish_sharding(values)
             for module in modules:
                 place_loose_tensors(module, device, broadcast)
 
@@ -61,4 +64,5 @@ def place_loose_tensors(module: nn.Module, device: torch.device, broadcast) -> N
     for p in module._parameters.values():
         if p is not None and not p.requires_grad:
             p.data = p.data.to(device)
-            broadcast(p.data)
+            for plain in plain_tensors(p.data):
+                broadcast(plain)

@@ -32,11 +32,25 @@ stage). Memory: those tensors of one initialiser, at most what a normal build's 
 passes restore their own recorded generator state besides (Note: [Equal to a normal Hugging Face build]), so a
 pass reaching into a cut child (GPT-2's ``c_proj``) changes nothing after it. Ranks must start from the same seed,
 as for a normal build (the broadcasts make data-parallel ranks agree regardless).
+
+Note: [Values built before the meta build]
+Part of a model may arrive with values: a LightningModule whose ``__init__`` built (or loaded) the backbone and whose
+``configure_model`` adds a head inside the stage-3 build context, which puts only the head on meta (Note: [What the
+build context moves to meta]). Those values are the user's, and no initialiser would draw them now: a unit holding
+only such parameters is placed as a normally built one is (copied in, broadcast from rank 0), a unit holding some
+brings them into its buffer beside the meta ones' storage, and no initialiser runs whose module's parameters all
+have values, so the generator draws only for the new parameters, as it does when a single process builds them there
+(its ``reset_parameters`` at construction). A Hugging Face model gets its own initialisation (Note: [Equal to a
+normal Hugging Face build]) only when none of its parameters has values, since that replays a build of the whole
+model; new modules in a model that has values are initialised by their ``reset_parameters``, as they were built.
+Buffers and frozen parameters with values are moved to the device as they are. PEFT adapters built on meta are
+refused: PEFT initialises them its own way (LoRA's ``lora_B`` at zero), which none of these reproduces.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 
 import torch
@@ -46,20 +60,26 @@ from torch.distributed.tensor import distribute_tensor
 from ..parallel.dtensor_params import local_tensor, point_param_at
 from ..parallel.pipeline_split import cut_pieces_restored
 from .hf_init import Initialiser, hf_initialisers, outermost_hf_models
+from .param_types import parameter_like
 from .rng_replay import set_generator_state
 from .unit import Unit
 
 
 def reset_parameters_initialisers(
-    root: nn.Module, units: list[Unit], skip: tuple[nn.Module, ...] = (), cut_away: tuple[nn.Module, ...] = ()
+    root: nn.Module,
+    units: list[Unit],
+    skip: tuple[nn.Module, ...] = (),
+    cut_away: tuple[nn.Module, ...] = (),
+    valued: frozenset[int] = frozenset(),
 ) -> list[Initialiser]:
     """In module order, the outermost modules below the root (or the root itself when it has no children, a bare
     ``nn.Linear``) whose ``reset_parameters`` initialises parameters of exactly one unit, skipping modules whose
-    parameters are already covered (a tied LM head whose weight the embedding already initialised) and the
-    subtrees in ``skip`` (initialised otherwise). Parameters only the ``cut_away`` pieces hold belong to no
-    unit: an initialiser may write them besides one unit, on scratch, for the generator's sake (Note: [A sharded
-    build equals a normal build])."""
-    unit_of: dict[int, object] = _unit_of(units)
+    parameters are already covered (a tied LM head whose weight the embedding already initialised) or all have
+    values (their ids in ``valued``: Note: [Values built before the meta build]), and the subtrees in ``skip``
+    (initialised otherwise). Parameters only the ``cut_away`` pieces hold belong to no unit: an initialiser may
+    write them besides one unit, on scratch, for the generator's sake (Note: [A sharded build equals a normal
+    build])."""
+    unit_of: dict[int, object] = _unit_of(units, valued)
     elsewhere = object()
     unit_of.update({id(p): elsewhere for piece in cut_away for p in piece.parameters() if id(p) not in unit_of})
     covered = {id(p) for module in skip for p in module.parameters()}
@@ -95,13 +115,22 @@ def reset_parameters_initialisers(
     return plan
 
 
-def param_init_fn_initialisers(root: nn.Module, param_init_fn: Callable[[nn.Module], None]) -> list[Initialiser]:
-    """``param_init_fn(module)`` for every module owning parameters or buffers itself, in module order."""
+def param_init_fn_initialisers(
+    root: nn.Module, param_init_fn: Callable[[nn.Module], None], valued: frozenset[int] = frozenset()
+) -> list[Initialiser]:
+    """``param_init_fn(module)`` for every module owning parameters or buffers itself, in module order, except one
+    whose parameters all have values (ids in ``valued``: Note: [Values built before the meta build])."""
     return [
         Initialiser(module, lambda module=module: param_init_fn(module))
         for module in root.modules()
         if any(t is not None for t in [*module._parameters.values(), *module._buffers.values()])
+        and not _all_valued(module, valued)
     ]
+
+
+def _all_valued(module: nn.Module, valued: frozenset[int]) -> bool:
+    own = [p for p in module._parameters.values() if p is not None]
+    return bool(own) and all(id(p) in valued for p in own)
 
 
 def materialise_sharded(
@@ -115,6 +144,7 @@ def materialise_sharded(
     values. See Note: [A sharded build equals a normal build]."""
     with cut_pieces_restored(root) as cut_away:
         _materialise(root, units, broadcast, device, param_init_fn, tuple(cut_away))
+    _move_valued_loose_tensors(root, device)
     still_meta = [name for name, t in [*root.named_buffers(), *root.named_parameters()] if t.is_meta]
     if still_meta:
         raise ValueError(
@@ -131,19 +161,20 @@ def _materialise(
     param_init_fn: Callable[[nn.Module], None] | None,
     cut_away: tuple[nn.Module, ...],
 ) -> None:
-    final_rng_state = None
-    if param_init_fn is not None:
-        plan = param_init_fn_initialisers(root, param_init_fn)
-    else:
-        plan, final_rng_state = _hf_initialisers(root, device)
-        plan += reset_parameters_initialisers(root, units, tuple(outermost_hf_models(root)), cut_away)
-    unit_of = _unit_of(units)
+    valued = frozenset(id(p) for p in root.parameters() if not p.is_meta)  # Note: [Values built before the meta build]
+    plan, final_rng_state = _initialisers(root, units, device, param_init_fn, cut_away, valued)
+    unit_of = _unit_of(units, valued)
     needs = [_units_written(init.module, unit_of) for init in plan]
     remaining = {id(u): sum(1 for needed in needs for v in needed if v is u) for u in units}
-    unused = [u.name for u in units if u.flat_params and not remaining[id(u)]]
-    if unused:
-        raise ValueError(f"cannot materialise units {unused} built on the meta device: no initialiser writes them")
-    scratch = WholeTensorScratch(root, cut_away, device)
+    unused = [u for u in units if u.flat_params and not remaining[id(u)]]
+    if any(p.is_meta for u in unused for fp in u.flat_params for p in fp.params):
+        raise ValueError(_no_initialiser_message(root, [u for u in unused if u.flat_params]))
+    for unit in unused:  # every parameter has values: placed as a normally built unit
+        for fp in unit.flat_params:
+            fp.adopt_params()
+            broadcast(fp.full)
+            fp.finish_sharding()
+    scratch = WholeTensorScratch(root, cut_away, device, valued)
     started: set[int] = set()
     for init, needed in zip(plan, needs):
         for unit in needed:
@@ -168,14 +199,58 @@ def _materialise(
         set_generator_state(device, final_rng_state)
 
 
+def _initialisers(
+    root: nn.Module,
+    units: list[Unit],
+    device: torch.device,
+    param_init_fn: Callable[[nn.Module], None] | None,
+    cut_away: tuple[nn.Module, ...],
+    valued: frozenset[int],
+) -> tuple[list[Initialiser], torch.Tensor | None]:
+    """The initialisers in the order they run, and the generator state to leave (Hugging Face models), for the
+    parameters without values: ``param_init_fn``'s, else Hugging Face's for each whole model built on meta then
+    ``reset_parameters``."""
+    if param_init_fn is not None:
+        return param_init_fn_initialisers(root, param_init_fn, valued), None
+    _refuse_peft_adapters_on_meta(root)
+    whole = [m for m in outermost_hf_models(root) if not any(id(p) in valued for p in m.parameters())]
+    plan, final_rng_state = _hf_initialisers(whole, device)
+    plan += reset_parameters_initialisers(root, units, tuple(whole), cut_away, valued)
+    return plan, final_rng_state
+
+
+def _refuse_peft_adapters_on_meta(root: nn.Module) -> None:
+    """PEFT initialises an adapter in its layer's own way (LoRA: ``lora_B`` zero, ``lora_A`` drawn again after
+    construction), which none of our initialisers reproduces: refuse adapters built on meta rather than train
+    differently initialised ones."""
+    peft_tuners = sys.modules.get("peft.tuners.tuners_utils")
+    if peft_tuners is None:
+        return
+    adapters = [
+        f"{layer_name}.{name}" if layer_name else name
+        for layer_name, layer in root.named_modules()
+        if isinstance(layer, peft_tuners.BaseTunerLayer)
+        for name, p in layer.named_parameters()
+        if p.is_meta and not name.startswith("base_layer.")
+    ]
+    if adapters:
+        raise ValueError(
+            f"PEFT adapter weights {adapters[:3]}{' ...' if len(adapters) > 3 else ''} were built on the meta device "
+            f"(get_peft_model inside the ZeRO stage-3 build context: configure_model, or init_module(empty_init="
+            f"True)); ZeRO cannot initialise them as PEFT does. Apply get_peft_model outside that context to a "
+            f"model with values (built in LightningModule.__init__, or without empty_init), or pass param_init_fn"
+        )
+
+
 class WholeTensorScratch:
     """Plain tensors of the global shape standing in for what an initialiser must see whole but this rank keeps
-    in part: a unit's tensor-parallel parameters, and the tensors of the pieces a pipeline cut away (Note: [A
-    sharded build equals a normal build])."""
+    in part: a unit's tensor-parallel parameters (those without values, ids not in ``valued``), and the tensors of
+    the pieces a pipeline cut away (Note: [A sharded build equals a normal build])."""
 
-    def __init__(self, root: nn.Module, cut_away: tuple[nn.Module, ...], device: torch.device):
+    def __init__(self, root: nn.Module, cut_away: tuple[nn.Module, ...], device: torch.device, valued: frozenset[int]):
         self.device = device
         self.cut_modules = {id(m) for piece in cut_away for m in piece.modules()}
+        self.valued = valued
         self.registered: dict[int, list[tuple[nn.Module, str]]] = {}
         for module in root.modules():
             for name, p in module._parameters.items():
@@ -187,10 +262,11 @@ class WholeTensorScratch:
         return nn.Parameter(torch.empty(like.shape, dtype=like.dtype, device=self.device), like.requires_grad)
 
     def substitute(self, unit: Unit) -> None:
-        """Register a whole-shape scratch tensor wherever each of ``unit``'s DTensor parameters is registered."""
+        """Register a whole-shape scratch tensor wherever each of ``unit``'s DTensor parameters built on meta is
+        registered (one with values keeps them: Note: [Values built before the meta build])."""
         for fp in unit.flat_params:
             for slot, p in zip(fp.slots, fp.params):
-                if slot.tp is not None:
+                if slot.tp is not None and id(p) not in self.valued:
                     whole = self._whole(p)
                     for module, name in self.registered[id(p)]:
                         module._parameters[name] = whole
@@ -200,7 +276,7 @@ class WholeTensorScratch:
         parameter again. The piece is cut from tensor-parallel rank 0's tensor, as ``parallelize_module`` does."""
         for fp in unit.flat_params:
             for slot, p, view in zip(fp.slots, fp.params, fp.param_views()):
-                if slot.tp is None:
+                if slot.tp is None or id(p) in self.valued:
                     continue
                 module, name = self.registered[id(p)][0]
                 whole = module._parameters[name].detach()
@@ -231,12 +307,12 @@ class WholeTensorScratch:
                 table[name] = tensor
 
 
-def _hf_initialisers(root: nn.Module, device: torch.device) -> tuple[list[Initialiser], torch.Tensor | None]:
-    """Hugging Face's initialisers for each outermost ``PreTrainedModel`` in turn, each replayed from where a
-    normal build of the previous one leaves the generator; and where the last one leaves it."""
+def _hf_initialisers(models: list[nn.Module], device: torch.device) -> tuple[list[Initialiser], torch.Tensor | None]:
+    """Hugging Face's initialisers for each of ``models`` (outermost ``PreTrainedModel``s) in turn, each replayed
+    from where a normal build of the previous one leaves the generator; and where the last one leaves it."""
     plan: list[Initialiser] = []
     final = None
-    for model in outermost_hf_models(root):
+    for model in models:
         if final is not None:
             set_generator_state(device, final)
         initialisers, final = hf_initialisers(model, device)
@@ -247,18 +323,49 @@ def _hf_initialisers(root: nn.Module, device: torch.device) -> tuple[list[Initia
 def give_loose_tensors_storage(module: nn.Module, device: torch.device, recurse: bool = True) -> None:
     """Uninitialised storage on ``device`` for the meta buffers and frozen parameters of ``module`` (and with
     ``recurse`` its submodules): tensors every rank keeps whole, outside the flat buffers. ``swap_tensors`` keeps
-    each Parameter object, so ties hold."""
+    each Parameter object, so ties hold, and its type (Note: [Parameter types the engine shards])."""
     for sub in module.modules() if recurse else (module,):
         for name, buffer in sub._buffers.items():
             if buffer is not None and buffer.is_meta:
                 sub._buffers[name] = torch.empty_like(buffer, device=device)
         for p in sub._parameters.values():
             if p is not None and p.is_meta and not p.requires_grad:
-                torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device=device), requires_grad=False))
+                torch.utils.swap_tensors(p, parameter_like(p, torch.empty_like(p, device=device)))
 
 
-def _unit_of(units: list[Unit]) -> dict[int, Unit]:
-    return {id(p): u for u in units for fp in u.flat_params for p in fp.params}
+def _no_initialiser_message(root: nn.Module, units: list[Unit]) -> str:
+    """What to do about units built on meta that no initialiser writes, naming the classes that hold them."""
+    parents = {id(child): module for module in root.modules() for child in module.children()}
+    around = {_qualified(parents[id(u.module)]) for u in units if id(u.module) in parents}
+    names = [u.name for u in units]
+    return (
+        f"cannot materialise units {names[:4]}{' ...' if len(names) > 4 else ''} built on the meta device (inside "
+        f"{sorted(around)}): no initialiser writes them. A parameter built where stage 3 builds on meta is "
+        f"initialised by its module's reset_parameters(), by param_init_fn, or by Hugging Face's own "
+        f"initialisation of a whole PreTrainedModel built there; build a module initialised otherwise outside that "
+        f"context, or pass param_init_fn"
+    )
+
+
+def _qualified(module: nn.Module) -> str:
+    return f"{type(module).__module__}.{type(module).__qualname__}"
+
+
+def _unit_of(units: list[Unit], valued: frozenset[int] = frozenset()) -> dict[int, Unit]:
+    """The unit of each parameter an initialiser must write (those without values)."""
+    return {id(p): u for u in units for fp in u.flat_params for p in fp.params if id(p) not in valued}
+
+
+def _move_valued_loose_tensors(root: nn.Module, device: torch.device) -> None:
+    """Buffers and frozen parameters that have values (built for real) onto ``device``, where a normally built
+    model's are placed (:mod:`.placement`)."""
+    for module in root.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.device != device and not buffer.is_meta:
+                module._buffers[name] = buffer.to(device)
+        for p in module._parameters.values():
+            if p is not None and not p.requires_grad and p.device != device and not p.is_meta:
+                p.data = p.data.to(device)
 
 
 def _units_written(module: nn.Module, unit_of: dict[int, Unit]) -> list[Unit]:

@@ -83,7 +83,7 @@ class Unit:
         """Launch all-gathers that bring whole (never freed) buffers up to date after a partitioned optimizer step."""
         for fp in flat_params:
             label = f"unit {self.name} ({fp.name})"
-            self._refreshing.append(self.collectives.all_gather(fp.full, fp.shard, label=label))
+            self._refreshing.append(self.collectives.all_gather(fp.full, fp.shard, label=label, regions=fp.regions))
 
     def wait_refreshed(self) -> None:
         """Block until the whole buffers' refresh is done (partitioned parameters are left as they are)."""
@@ -104,7 +104,7 @@ class Unit:
             self._pending.append(
                 self.weight_gather.launch(fp, label, exact)
                 if self.weight_gather is not None
-                else self.collectives.all_gather(fp.full, fp.gather_source(), label=label)
+                else self.collectives.all_gather(fp.full, fp.gather_source(), label=label, regions=fp.regions)
             )
         self.sharded_state = ShardedState.GATHERING
 
