@@ -9,8 +9,9 @@ On the device, from the repository root (no network needed, see docs/gpu.md):
 
 The install is offline: no dependencies fetched, no isolated build environment (which would download setuptools),
 editable (a wheel built elsewhere once lacked ``ds_strategy.compose``). Whatever is installed, the suite imports
-``ds_strategy`` from the checkout it lives in and hands that path to the processes it starts; its first item says
-whether the package is installed and where it was imported from. torch and transformers must be there already.
+``ds_strategy`` from the checkout it lives in and hands that path to the processes it starts (Note: [The suite's
+checkout on sys.path]); its first item says whether the package is installed and where it was imported from. torch
+and transformers must be there already.
 
 World size 1 (NCCL on CUDA, gloo on the host) except the two-rank part. Parts, in this order (``PARTS``), each item
 time-boxed (``--budget`` seconds in all, shared out as the parts' shares; a part's leftover goes to the next):
@@ -50,6 +51,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import pkgutil
@@ -61,7 +63,28 @@ import time
 from pathlib import Path
 
 CHECKOUT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(CHECKOUT))  # this checkout's ds_strategy, installed or not (see the module docstring)
+
+
+def _checkout_on_path() -> bool:
+    """Put this checkout first on ``sys.path`` unless ``ds_strategy`` is already imported from it; whether it did.
+
+    Note: [The suite's checkout on sys.path]
+    The suite runs this checkout's ds_strategy whatever is installed (the module docstring). The checkout's root also
+    holds our ``kernels/`` folder, which on ``sys.path`` shadows the PyPI package ``kernels`` that transformers
+    imports since 5.25 (``from kernels import CUDAProperties`` fails on ours: Note: [The repository root is not an
+    import root] in tests/import_root.py). So the root goes on the path only where the installed ds_strategy is not
+    this checkout's, where ``ds_strategy.kernels`` cannot import either; the usual editable install of the checkout
+    (the install line above) leaves the path alone. The two ranks' processes get the root on ``PYTHONPATH`` on the
+    same condition.
+    """
+    spec = importlib.util.find_spec("ds_strategy")
+    if spec is not None and spec.origin and Path(spec.origin).resolve().parent == CHECKOUT / "ds_strategy":
+        return False
+    sys.path.insert(0, str(CHECKOUT))
+    return True
+
+
+CHECKOUT_ON_PATH = _checkout_on_path()
 
 import gpu_check  # noqa: E402
 import torch  # noqa: E402
@@ -322,7 +345,9 @@ def run_correctness(runner: Runner, context: SuiteContext) -> None:
 # -- two ranks --------------------------------------------------------------------------------------------------
 def two_ranks_on_this_device(context: SuiteContext, out: Path):
     """``two_ranks.py``'s two ranks on this device; killed if the time box ends them."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(CHECKOUT), os.environ.get("PYTHONPATH", "")])}
+    env = dict(os.environ)
+    if CHECKOUT_ON_PATH:  # Note: [The suite's checkout on sys.path]
+        env["PYTHONPATH"] = os.pathsep.join([str(CHECKOUT), os.environ.get("PYTHONPATH", "")])
     status, output = two_ranks.launch(str(context.device), context.args.size, out, env)
     checks = json.loads(out.read_text())["checks"] if out.exists() else []
     note = "" if checks and status in (0, 1) else output[-1500:]
