@@ -29,7 +29,8 @@ Writes ``results/<name>.json``, ``.md`` (the table, with this command) and ``.pn
 system, with the cap), after every system.
 
 GPU suite: ``longest_sequence(system, device="cuda", memory_cap_bytes=..., max_length=..., time_limit_s=...)`` is
-one row; ``ulysses_sp2`` needs 2 devices (it reports itself skipped on fewer).
+one row of its ``long_context`` part (``suite_long_context.py``); ``ulysses_sp2`` needs 2 devices (it reports
+itself skipped on fewer).
 """
 
 from __future__ import annotations
@@ -136,18 +137,21 @@ class _CapGuard:
         return self.current_peak()
 
 
-def _llama():
+def _llama(shape: dict):
     import torch
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(**MODEL, max_position_embeddings=1 << 20, attn_implementation="sdpa")
+    config = transformers.LlamaConfig(**shape, max_position_embeddings=1 << 20, attn_implementation="sdpa")
     model = transformers.LlamaForCausalLM(config)
     model.config.use_cache = False  # a training step keeps no cache (the Trainer leaves it on)
     return model
 
 
-def train_one_step(rank: int, world_size: int, system: str, length: int, cap_bytes: int, device: str, work: str):
-    """One rank of one probe: build, train one step through the Trainer, report the peak and the step's seconds."""
+def train_one_step(
+    rank: int, world_size: int, system: str, length: int, cap_bytes: int, device: str, work: str, shape: dict
+):
+    """One rank of one probe: build a Llama of ``shape``, train one step through the Trainer, report the peak and
+    the step's seconds."""
     import torch
     import torch.distributed as dist
 
@@ -156,7 +160,7 @@ def train_one_step(rank: int, world_size: int, system: str, length: int, cap_byt
     guard = _CapGuard(cap_bytes, device, Path(work, f"over_cap.{rank}"))
     dist.init_process_group("nccl" if device == "cuda" else "gloo")  # launch_ranks set the environment
     _, zero = SYSTEMS[system]
-    ids = torch.randint(0, MODEL["vocab_size"], (length,), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, shape["vocab_size"], (length,), generator=torch.Generator().manual_seed(1))
     data = [{"input_ids": ids, "labels": ids}]
     args = transformers.TrainingArguments(
         output_dir=work,
@@ -172,7 +176,7 @@ def train_one_step(rank: int, world_size: int, system: str, length: int, cap_byt
         seed=0,
     )
     timer = _StepTimer(guard)
-    kwargs = dict(model=_llama(), args=args, train_dataset=data, callbacks=[timer])
+    kwargs = dict(model=_llama(shape), args=args, train_dataset=data, callbacks=[timer])
     if zero is None:
         trainer = transformers.Trainer(**kwargs)
     else:
@@ -206,15 +210,32 @@ class _StepTimer(transformers.TrainerCallback):
 
 
 # -- probes and the search --------------------------------------------------------------------------------------
-def probe(system: str, length: int, memory_cap_bytes: int, device: str = "cpu", timeout: float = 3600.0) -> Probe:
-    """Train one step of ``system`` at ``length`` tokens on fresh processes; see the module docstring."""
+def probe(
+    system: str,
+    length: int,
+    memory_cap_bytes: int,
+    device: str = "cpu",
+    timeout: float = 3600.0,
+    model: dict | None = None,
+) -> Probe:
+    """Train one step of ``system`` at ``length`` tokens on fresh processes, a Llama of ``model`` (default
+    ``MODEL``); see the module docstring."""
     from ds_strategy.autotune.launcher import launch_ranks
 
     ranks, _ = SYSTEMS[system]
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)  # the ranks inherit it
     with tempfile.TemporaryDirectory(prefix="long_context_") as work:
         outcome = launch_ranks(
-            train_one_step, ranks, system, length, memory_cap_bytes, device, work, timeout=timeout, log_dir=work
+            train_one_step,
+            ranks,
+            system,
+            length,
+            memory_cap_bytes,
+            device,
+            work,
+            model or MODEL,
+            timeout=timeout,
+            log_dir=work,
         )
         over = [int(path.read_text()) for path in Path(work).glob("over_cap.*")]
         if over:
@@ -237,14 +258,16 @@ def longest_sequence(
     max_length: int = 65536,
     resolution: float = 0.125,
     time_limit_s: float | None = None,
+    model: dict | None = None,
     log=print,
 ) -> dict[str, Any]:
     """The longest multiple of ``MULTIPLE`` tokens ``system`` trains one step of within ``memory_cap_bytes`` per rank
     on ``device`` ("cpu" or "cuda"), found by doubling from ``start`` and bisecting to ``resolution``; ``max_length``
     bounds the search (a fit there is reported as a lower bound, ``"bounded": True``), ``time_limit_s`` its wall time
-    (the best length so far is reported, ``"cut_short": True``; a probe still running at the limit is stopped and
-    reported as an error). Returns the row: ``system``, ``ranks``, ``length``
-    (0 when even ``start`` does not fit), ``tokens_per_s``, ``peak_bytes``, and every ``probes`` entry."""
+    (the best length so far is reported, ``"cut_short": True``; a probe still running at the limit is stopped, and
+    recorded as neither fitting nor an error). ``model``: the Llama's config fields (default ``MODEL``; the GPU
+    suite's host rehearsal uses a tiny one). Returns the row: ``system``, ``ranks``, ``length`` (0 when even
+    ``start`` does not fit), ``tokens_per_s``, ``peak_bytes``, and every ``probes`` entry."""
     ranks, _ = SYSTEMS[system]
     row: dict[str, Any] = {"system": system, "ranks": ranks, "device": device, "cap_bytes": memory_cap_bytes}
     if device == "cuda" and _cuda_count() < ranks:
@@ -259,8 +282,12 @@ def longest_sequence(
             row["cut_short"] = True
             break
         remaining = 3600.0 if deadline is None else max(1.0, deadline - time.monotonic())
-        result = probe(system, length, memory_cap_bytes, device, timeout=remaining)
+        result = probe(system, length, memory_cap_bytes, device, timeout=remaining, model=model)
         probes.append(result)
+        if result.reason not in ("", "over the cap") and deadline is not None and time.monotonic() >= deadline:
+            row["cut_short"] = True  # stopped by the limit (or failing just then): no verdict on this length
+            log(f"{system} {length:>7} tokens: stopped at the time limit")
+            break
         log(f"{system} {length:>7} tokens: {'fits' if result.fits else 'no'} {_gib(result.peak_bytes)} {result.reason}")
         if result.fits:
             low, best = length, result

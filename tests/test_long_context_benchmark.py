@@ -13,7 +13,7 @@ import long_context  # noqa: E402
 
 
 def _fits_up_to(limit: int, calls: list):
-    def fake_probe(system, length, cap, device="cpu", timeout=None):
+    def fake_probe(system, length, cap, device="cpu", timeout=None, model=None):
         calls.append(length)
         fits = length <= limit
         peaks = {"peak_bytes": length * 1000, "backward_peak_bytes": 2**20 + length * 100}
@@ -45,7 +45,7 @@ def test_a_start_that_does_not_fit_halves_and_a_failure_that_is_not_memory_stops
     monkeypatch.setattr(long_context, "probe", _fits_up_to(300, []))
     assert long_context.longest_sequence("plain", start=1024, log=lambda _: None)["length"] == 256
 
-    def broken(system, length, cap, device="cpu", timeout=None):
+    def broken(system, length, cap, device="cpu", timeout=None, model=None):
         return long_context.Probe(length, False, reason="Traceback: something else")
 
     monkeypatch.setattr(long_context, "probe", broken)
