@@ -55,6 +55,7 @@ CUDA, no time left) do not fail it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.metadata
 import importlib.util
@@ -79,13 +80,15 @@ def _checkout_on_path() -> bool:
     holds our ``kernels/`` folder, which on ``sys.path`` shadows the PyPI package ``kernels`` that transformers
     imports since 5.25 (``from kernels import CUDAProperties`` fails on ours: Note: [The repository root is not an
     import root] in tests/import_root.py). So the root goes on the path only where the installed ds_strategy is not
-    this checkout's, where ``ds_strategy.kernels`` cannot import either; the usual editable install of the checkout
-    (the install line above) leaves the path alone. The two ranks' processes get the root on ``PYTHONPATH`` on the
-    same condition.
+    this checkout's, and then after PyPI's ``kernels`` (if installed) is imported, so that this process keeps it; the
+    usual editable install of the checkout (the install line above) leaves the path alone. The two ranks' processes
+    get the root on ``PYTHONPATH`` on the same condition.
     """
     spec = importlib.util.find_spec("ds_strategy")
     if spec is not None and spec.origin and Path(spec.origin).resolve().parent == CHECKOUT / "ds_strategy":
         return False
+    with contextlib.suppress(ImportError):
+        importlib.import_module("kernels")
     sys.path.insert(0, str(CHECKOUT))
     return True
 
