@@ -37,6 +37,12 @@ speed        a Llama-shaped model (``SPEED_SHAPES`` in ``suite_training.py``, 0.
              with (PaLM, appendix B) model FLOPs = 6 N T + 12 L H S T for T tokens per step, N the parameters that
              take part in matmuls (all but the input embedding), L layers, H the hidden size and S the sequence
              length (attention counted without the causal half, as PaLM and Megatron do).
+long_context ``suite_long_context.py``: the longest sequence of one training step of a 110M-parameter Hugging Face
+             Llama (32K vocabulary, ``long_context.py``) within 8 GiB of device memory, for the plain Hugging Face
+             Trainer, ``ZeroTrainer`` at stage 3 with tiled MLP and loss and host-offloaded checkpoints, and the
+             same on 2 ranks with Ulysses sp=2 (2 devices; skipped on one): length, tokens/s, peak memory. Its share
+             of the default budget allows a few probes, so its lengths are lower bounds marked as such;
+             ``--parts long_context`` gives it the whole budget.
 size         ``suite_size.py``: the largest Llama-shaped model (13B-like layers, the layer count searched) that the
              estimator (``ds_strategy.estimate``) says fits with stage 3 and CPU offload, then 2 steps of it; the
              same with NVMe offload when ``--nvme-path`` is given; and the offload step time as a percentage of the
@@ -73,6 +79,7 @@ import torch.distributed as dist  # noqa: E402
 import transformers  # noqa: E402
 import two_ranks  # noqa: E402
 from suite_harness import Budget, Part, Report, Runner, SuiteContext, hard_stop_after, resolve_device  # noqa: E402
+from suite_long_context import run_long_context  # noqa: E402
 from suite_size import run_size  # noqa: E402
 from suite_training import (  # noqa: E402
     CORRECT_SHAPES,
@@ -395,6 +402,7 @@ PARTS = [  # run in this order; a new benchmark is one more entry (see docs/gpu.
     Part("correctness", 0.28, run_correctness),
     Part("two_ranks", 0.15, run_two_ranks),
     Part("speed", 0.27, run_speed),
+    Part("long_context", 0.10, run_long_context),
     Part("size", 0.18, run_size),
 ]
 

@@ -244,9 +244,9 @@ class ZeroConfig:
     Pipeline parallelism (torch.distributed.pipelining; the outermost mesh dimension, ahead of dp; ZeRO shards
     each stage's units over the data x sequence parallel ranks holding that stage, so N above is also divided
     by pipeline_parallel_size):
-        pipeline_parallel_size (default 1 = off; not yet with sequence_parallel_size > 1): ranks that split the
-            model's blocks into consecutive stages and pass activations from one to the next. DeepSpeed's
-            ``pipeline.stages``.
+        pipeline_parallel_size (default 1 = off): ranks that split the model's blocks into consecutive stages and
+            pass activations from one to the next; with Ulysses every stage gives its slice's tokens their
+            absolute positions. DeepSpeed's ``pipeline.stages``.
         pipeline_schedule (default "1f1b"): the order micro-batches run forward and backward through the stages:
             "gpipe" (all forwards, then all backwards: activations of every micro-batch alive), "1f1b" (one
             forward, one backward: at most a stage count of micro-batches alive), "interleaved_1f1b",
@@ -283,6 +283,16 @@ class ZeroConfig:
             tensor parallelism, as in DeepSpeed without a model-parallel unit).
         cpu_checkpointing (default False): keep checkpointed inputs (or their 1/W pieces) in pinned host memory
             until recomputation copies them back (DeepSpeed's name).
+        tiled_mlp (default False): run every MLP (the submodules named ``mlp``) over tiles of ``tile_tokens``
+            tokens, each recomputed in backward: the MLP's intermediate activations exist for one tile at a time,
+            at the cost of one more MLP forward (``ds_strategy.sequence_tiling``; ALST's tiled MLP).
+        tiled_loss (default False): a Hugging Face causal LM given ``labels`` computes its logits and
+            cross-entropy over tiles of ``tile_tokens`` tokens, each recomputed in backward, so the ``[tokens,
+            vocab]`` logits never exist whole; such a forward returns no logits. Not with pipelining, whose last
+            stage hands the logits to the loop's loss function.
+        tile_tokens (default "auto"): tokens per tile; "auto" is the model's hidden size, which makes a tile's
+            logits or MLP activations the size of the weight that computes them. Smaller: less memory, more
+            kernel launches.
 
     The three sizes that accept "auto" keep the string until ``resolve_auto(hidden_size)`` substitutes
     DeepSpeed's formulas; engine code must resolve before reading them. "units" stays a string: the engine
@@ -340,6 +350,9 @@ class ZeroConfig:
     activation_checkpoint_interval: int = 1
     partition_activations: bool = False
     cpu_checkpointing: bool = False
+    tiled_mlp: bool = False
+    tiled_loss: bool = False
+    tile_tokens: int | str = AUTO
     pipeline_parallel_size: int = 1
     pipeline_schedule: str = "1f1b"
     pipeline_microbatches: int | None = None
@@ -460,12 +473,12 @@ class ZeroConfig:
             ),
             "partition_activations": _flag("partition_activations", self.partition_activations),
             "cpu_checkpointing": _flag("cpu_checkpointing", self.cpu_checkpointing),
-            "pipeline_parallel_size": _size_without(
-                "pipeline_parallel_size",
-                self.pipeline_parallel_size,
-                "sequence_parallel_size",
-                self.sequence_parallel_size,
+            "tiled_mlp": _flag("tiled_mlp", self.tiled_mlp),
+            "tiled_loss": _not_pipelined(
+                "tiled_loss", _flag("tiled_loss", self.tiled_loss), self.pipeline_parallel_size
             ),
+            "tile_tokens": _integer("tile_tokens", self.tile_tokens, 1, auto=True),
+            "pipeline_parallel_size": _integer("pipeline_parallel_size", self.pipeline_parallel_size, 1),
             "pipeline_schedule": _choice("pipeline_schedule", self.pipeline_schedule, {n: n for n in SCHEDULES}),
             "pipeline_microbatches": _integer("pipeline_microbatches", self.pipeline_microbatches, 1, none=True),
             "pipeline_split": _pipeline_split(self.pipeline_split),
@@ -718,23 +731,15 @@ def _needs_tensor_parallel(name: str, value: bool, tensor_parallel_size: Any) ->
     return value
 
 
-_FEATURES = {
-    "tensor_parallel_size": "tensor parallelism",
-    "sequence_parallel_size": "Ulysses",
-    "pipeline_parallel_size": "pipelining",
-}
-
-
-def _size_without(name: str, value: Any, other: str, other_value: Any) -> int:
-    """A parallel size >= 1 that must stay 1 while ``other`` (validated first) is above 1."""
-    size = _integer(name, value, 1)
-    if size > 1 and other_value != 1:
+def _not_pipelined(name: str, value: bool, pipeline_parallel_size: Any) -> bool:
+    """A switch the pipeline's last stage cannot honour: it hands the logits to the loop's loss function."""
+    if value and pipeline_parallel_size != 1:
         raise ZeroConfigError(
             name,
-            f"ZeroConfig.{name}={size} is not allowed with {other}={other_value!r}; {_FEATURES[name]} and "
-            f"{_FEATURES[other]} do not combine yet, set one of them to 1",
+            f"ZeroConfig.{name}=True is not allowed with pipeline_parallel_size={pipeline_parallel_size!r}; the "
+            f"last pipeline stage hands whole logits to your loss function (tile it there, or use 1)",
         )
-    return size
+    return value
 
 
 def _pipeline_split(value: Any) -> str | tuple[str, ...]:

@@ -109,12 +109,16 @@ class ParallelismPolicy:
 @dataclasses.dataclass(frozen=True)
 class ActivationPolicy:
     """Which units recompute their forward in backward, what a checkpoint keeps, and where it keeps its input
-    (``apply_activation_checkpointing`` takes it; the units themselves are the engine's)."""
+    (``apply_activation_checkpointing`` takes it; the units themselves are the engine's); and which per-token
+    computations run over tiles of the sequence, recomputed in backward (``apply_sequence_tiling``)."""
 
     activation_checkpointing: str
     activation_checkpoint_interval: int
     partition_activations: bool
     cpu_checkpointing: bool
+    tiled_mlp: bool
+    tiled_loss: bool
+    tile_tokens: int | str
 
 
 Policy = TypeVar("Policy")

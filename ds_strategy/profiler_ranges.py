@@ -19,6 +19,8 @@ buffer or collective label:
 - ``activation.forward[unit]`` and ``activation.recompute[unit]``: a checkpointed unit's forward and its
   recomputation in backward; ``activation.save_input[unit]`` and ``activation.load_input[unit]``: partitioning or
   copying its input to the host, and the all-gather or copy back (``ds_strategy.activation_memory``).
+- ``tile.mlp[module]`` and ``tile.loss``: an MLP, or a causal LM's logits and loss, run over tiles of the sequence
+  (``ds_strategy.sequence_tiling``), around the tiles' forwards (their recomputations run inside backward).
 
 Outside a profiler a range costs about a microsecond (``record_function`` checks whether profiling is on), which
 is why ranges sit on module hooks, flat buffers and collectives, never on single parameters or elements.

@@ -50,6 +50,7 @@ class Layout:
     pp: int = 1
     sp: int = 1
     megatron_sp: bool = False
+    long_context: bool = False  # tiled MLPs and every unit checkpointed, its input kept on the host
 
     @property
     def dp(self) -> int:
@@ -67,6 +68,8 @@ class Layout:
             fields.update(pipeline_parallel_size=self.pp)
         if self.sp > 1:
             fields.update(sequence_parallel_size=self.sp)
+        if self.long_context:
+            fields.update(tiled_mlp=True, tile_tokens=3, activation_checkpointing="full", cpu_checkpointing=True)
         return fields
 
 
@@ -79,7 +82,9 @@ LAYOUTS = {
         Layout("pp", 2, pp=2),
         Layout("pp x dp", 4, pp=2),
         Layout("pp x tp", 4, tp=2, pp=2),
+        Layout("pp x ulysses sp", 4, pp=2, sp=2),
         Layout("ulysses sp", 2, sp=2),
+        Layout("ulysses sp tiled", 2, sp=2, long_context=True),
         Layout("ulysses sp x tp", 4, tp=2, sp=2),
         Layout("megatron sp", 2, tp=2, megatron_sp=True),
     )
@@ -144,8 +149,8 @@ BUILDS = {
 # Refused by the configuration itself, whatever the entry point: (fields, words of the error).
 REFUSED_CONFIGS = (
     (
-        {"sequence_parallel_size": 2, "pipeline_parallel_size": 2},
-        "pipeline_parallel_size=2 is not allowed with sequence_parallel_size=2",
+        {"tiled_loss": True, "pipeline_parallel_size": 2},
+        "tiled_loss=True is not allowed with pipeline_parallel_size=2",
     ),
 )
 
@@ -257,7 +262,9 @@ def pairwise_cells() -> list[Cell]:
 
 def build_model(seed: int = 0):
     torch.manual_seed(seed)
-    return tiny_llama(BLOCKS, HEADS)
+    model = tiny_llama(BLOCKS, HEADS)
+    model.config.use_cache = False  # training keeps no KV cache; a checkpointed layer's recomputation would extend it
+    return model
 
 
 def user_parallelize(model, tp_mesh) -> None:
@@ -339,6 +346,18 @@ def _sp_loss(model, x: torch.Tensor, y: torch.Tensor, group) -> torch.Tensor:
     return sequence_parallel_loss(logits, y[:, r * length : (r + 1) * length], group)
 
 
+def _pipeline_args(layout: Layout, x: torch.Tensor, y: torch.Tensor, sp_group) -> tuple:
+    """What a pipelined step is handed: the batch and ``loss_fn``, or under Ulysses this rank's slices of both and
+    the loss over the whole sequence (each stage positions the slice's tokens itself)."""
+    if layout.sp == 1:
+        return x, y, loss_fn
+    from ds_strategy.parallel.ulysses import sequence_parallel_loss
+
+    length, r = x.shape[1] // layout.sp, dist.get_rank(sp_group)
+    piece = slice(r * length, (r + 1) * length)
+    return x[:, piece].contiguous(), y[:, piece].contiguous(), functools.partial(sequence_parallel_loss, group=sp_group)
+
+
 def _plain_loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return loss_fn(model(input_ids=x).logits, y)
 
@@ -348,7 +367,7 @@ def _step_loss(layout: Layout, model, x: torch.Tensor, y: torch.Tensor, pipeline
     (the entry point's, which already ran backward) under pipelining, Ulysses over ``sp_group`` under sequence
     parallelism, else the model's own forward."""
     if layout.pp > 1:
-        return pipeline_step(x, y, loss_fn)
+        return pipeline_step(*_pipeline_args(layout, x, y, sp_group))
     if layout.sp > 1:
         return _sp_loss(model, x, y, sp_group)
     return _plain_loss(model, x, y)
@@ -421,7 +440,7 @@ def _engine_entry(
     for x, y in _my_batches(layout, rank):
         with autocast_for(config.precision, "cpu"):
             if runner is not None:
-                runner.train_step(x, y, loss_fn, 1.0)
+                runner.train_step(*_pipeline_args(layout, x, y, mesh.sp_group), 1.0)
             else:
                 engine.backward(_sp_loss(model, x, y, mesh.sp_group) if layout.sp > 1 else _plain_loss(model, x, y))
         engine.step()

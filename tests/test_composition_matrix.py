@@ -1,7 +1,8 @@
 """The composition matrix as the oracle: every runnable cell of a pairwise-covering set over {build: normal, meta,
 sync_module_states, load_pretrained, init_module (Lightning and Fabric), the user's own parallelize_module on a model
 built normally or under init_module (Lightning and Fabric, tensor-parallel layouts)} x {layout: dp, tp, dp x tp, pp,
-pp x dp, pp x tp, Ulysses sp, Megatron SP} x {ZeRO stage 0-3} x {entry point: engine, Lightning, Fabric,
+pp x dp, pp x tp, pp x Ulysses sp, Ulysses sp, Ulysses sp tiled (tiled MLPs, every unit checkpointed with its input
+on the host), Ulysses sp x tp, Megatron SP} x {ZeRO stage 0-3} x {entry point: engine, Lightning, Fabric,
 Accelerate} starts equal to a normal build, bitwise, and trains 3 SGD steps to the parameters one process reaches
 on a normally built copy (fp32); the buffer and metric every Lightning ``configure_model`` creates are real and
 right; every configuration refused by design is refused with an error naming it. ``init_module()`` under

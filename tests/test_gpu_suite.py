@@ -2,6 +2,7 @@
 choice, sizing, FLOP formulas, reference replays, report writing and time boxes do what the docstrings say. Its CUDA
 path (NCCL, compiled Triton, pinned offload, MFU) needs a GPU and has not run yet."""
 
+import itertools
 import json
 import subprocess
 import sys
@@ -45,7 +46,8 @@ def test_the_tiny_suite_on_the_host_runs_every_part_two_ranks_included_and_write
     assert skipped == {"triton kernels compiled", "+compile"}, status  # the two that need CUDA
     assert set(status.values()) == {"pass", "skipped"}, status
     parts = [item["part"] for item in report["items"]]
-    assert parts[0] == "smoke" and list(dict.fromkeys(parts)) == ["smoke", "correctness", "two_ranks", "speed", "size"]
+    order = ["smoke", "correctness", "two_ranks", "speed", "long_context", "size"]
+    assert parts[0] == "smoke" and list(dict.fromkeys(parts)) == order
     names = set(status)
     assert {"import ds_strategy", "one ZeRO-3 step", "one offloaded step", "one compiled ZeRO-3 step"} <= names
     assert {f"stage{s} 32-true {o}" for s in range(4) for o in ("sgd", "adamw")} <= names
@@ -57,6 +59,9 @@ def test_the_tiny_suite_on_the_host_runs_every_part_two_ranks_included_and_write
     largest = next(item for item in report["items"] if item["name"] == "largest model, nvme offload")
     assert largest["note"] == "bound by memory, by the estimate"  # the search stopped below its most layers
     assert "| zero3 |" in out.with_suffix(".md").read_text()
+    longest = {item["name"]: item["metrics"] for item in report["items"] if item["part"] == "long_context"}
+    assert set(longest) == {f"longest sequence {s}" for s in ("plain", "zero3_tiled", "ulysses_sp2")}
+    assert all(row["length"] == 256 and row["tokens_per_s"] > 0 for row in longest.values()), longest
     print(f"rehearsal: {report['seconds']:.0f} s, {len(report['items'])} items")
 
 
@@ -77,7 +82,7 @@ def test_a_device_without_an_index_gets_this_ranks(suite, monkeypatch):
 def test_the_smoke_part_runs_first_and_every_part_has_a_share(suite):
     gpu_suite, _ = suite
     names = [part.name for part in gpu_suite.PARTS]
-    assert names[0] == "smoke" and {"correctness", "two_ranks", "speed", "size"} <= set(names)
+    assert names[0] == "smoke" and {"correctness", "two_ranks", "speed", "long_context", "size"} <= set(names)
     assert len(set(names)) == len(names) and all(part.share > 0 for part in gpu_suite.PARTS)
     assert gpu_suite.parse_args(["--parts", "smoke,two_ranks"]).parts == "smoke,two_ranks"
     with pytest.raises(SystemExit):
@@ -173,3 +178,72 @@ def test_items_are_time_boxed_recorded_and_written_after_each_one(suite, tmp_pat
     assert "| correctness | fails | fail |" in markdown and "x 1.5" in markdown
     runner.budget = harness.Budget(0.0)
     assert runner.run("late", lambda: (True, {})).note.startswith("no time left in the speed part")
+
+
+def _long_context_part(suite, tmp_path, device: str, budget_s: float = 600.0):
+    """A runner started on the long-context part, and its context at the tiny size."""
+    gpu_suite, harness = suite
+    report = harness.Report(tmp_path / "r", {"title": "t", "command": "c"})
+    runner = harness.Runner(report, harness.Budget(budget_s, clock=lambda: 0.0), min_item_s=1.0)
+    runner.start_part("long_context")
+    args = gpu_suite.parse_args(["--size", "tiny", "--parts", "long_context"])
+    return runner, harness.SuiteContext(args, torch.device(device), tmp_path)
+
+
+def test_the_long_context_part_records_each_systems_longest_sequence_within_the_time_box(suite, tmp_path, monkeypatch):
+    """The part's own logic, its probes stood in for by a rule (a real one is a process training a model: the slow
+    rehearsal above runs those): each system starts where the last one ended, its search stops within its share of
+    the time box, and its row says how far beyond the plain one it got."""
+    import long_context
+    import suite_long_context
+
+    limits, seen = {"plain": 256, "zero3_tiled": 2048, "ulysses_sp2": 4096}, []
+
+    def probe(system, length, cap, device="cpu", timeout=None, model=None):
+        seen.append((system, length, timeout, model))
+        return long_context.Probe(length, length <= limits[system], 2**20, None, 0.5, 1.0)
+
+    monkeypatch.setattr(long_context, "probe", probe)
+    monkeypatch.setattr(
+        suite_long_context,
+        "LONG_CONTEXT_SIZES",
+        {"tiny": suite_long_context.LongContextSize(1.0, 128, 8192, 0.5, suite_long_context.TINY_MODEL)},
+    )
+    runner, context = _long_context_part(suite, tmp_path, "cpu")
+    suite_long_context.run_long_context(runner, context)
+    items = {item.name: item for item in runner.report.items}
+    assert [item.status for item in items.values()] == ["pass"] * 3, items
+    figures = {name.removeprefix("longest sequence "): item.metrics for name, item in items.items()}
+    assert {system: f["length"] for system, f in figures.items()} == limits
+    assert figures["ulysses_sp2"]["x_plain"] == 16 and figures["plain"]["tokens_per_s"] == 512
+    first = {system: next(length for s, length, *_ in seen if s == system) for system in limits}
+    assert first == {"plain": 128, "zero3_tiled": 256, "ulysses_sp2": 2048}  # each from the last one's length
+    # every probe's timeout fits in its system's share of the 600 s (a third, a half, all of what is left)
+    assert all(timeout <= 600 * 0.85 for _, _, timeout, _ in seen)
+    assert {model["hidden_size"] for *_, model in seen} == {64}
+
+
+def test_the_long_context_part_skips_ulysses_on_one_gpu_and_calls_a_search_cut_short_overran(
+    suite, tmp_path, monkeypatch
+):
+    import long_context
+    import suite_long_context
+
+    monkeypatch.setattr(long_context, "_cuda_count", lambda: 1)
+
+    def probe(system, length, cap, device="cpu", timeout=None, model=None):
+        assert device == "cuda"
+        return long_context.Probe(length, False, reason=f"timed out after {timeout:.0f} s waiting for rank(s) [0]")
+
+    monkeypatch.setattr(long_context, "probe", probe)
+    clock = itertools.count(step=1000.0)  # a probe takes longer than a search's whole time limit
+    monkeypatch.setattr(long_context.time, "monotonic", lambda: next(clock))
+    runner, context = _long_context_part(suite, tmp_path, "cuda")
+    suite_long_context.run_long_context(runner, context)
+    status = {item.name: (item.status, item.note) for item in runner.report.items}
+    assert status["longest sequence ulysses_sp2"] == ("skipped", "needs 2 CUDA devices, 1 here")
+    assert (
+        status["longest sequence plain"][0] == "overran"
+        and "before any length fit" in status["longest sequence plain"][1]
+    )
+    assert not runner.report.failed

@@ -93,17 +93,14 @@ def test_keep_gathered_false_is_accepted_below_stage_3():
     assert ZeroConfig(stage=1, pipeline_keep_gathered=False).pipeline_keep_gathered is False
 
 
-def test_pipelining_with_ulysses_is_refused():
+def test_pipelining_with_ulysses_is_accepted_and_a_tiled_loss_with_it_refused():
+    config = ZeroConfig(pipeline_parallel_size=2, sequence_parallel_size=2)
+    assert (config.pipeline_parallel_size, config.sequence_parallel_size) == (2, 2)
     with pytest.raises(
-        ZeroConfigError,
-        match=re.escape(
-            "ZeroConfig.pipeline_parallel_size=2 is not allowed with sequence_parallel_size=2; "
-            "pipelining and Ulysses do not combine yet"
-        ),
+        ZeroConfigError, match=re.escape("ZeroConfig.tiled_loss=True is not allowed with pipeline_parallel_size=2")
     ) as caught:
-        ZeroConfig(pipeline_parallel_size=2, sequence_parallel_size=2)
-    assert caught.value.field == "pipeline_parallel_size"
-    assert ZeroConfig(pipeline_parallel_size=2, sequence_parallel_size=1).pipeline_parallel_size == 2
+        ZeroConfig(pipeline_parallel_size=2, tiled_loss=True)
+    assert caught.value.field == "tiled_loss"
 
 
 # Schedule names

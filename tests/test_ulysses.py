@@ -8,6 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import run_ranks
 
+from ds_strategy.config import ZeroConfig
 from ds_strategy.models import GPT, GPTConfig
 from ds_strategy.parallel.ulysses import (
     attend_with_ulysses,
@@ -20,6 +21,7 @@ from ds_strategy.parallel.ulysses import (
     ulysses_attention,
     ulysses_sdpa,
 )
+from ds_strategy.sequence_tiling import apply_sequence_tiling, remove_sequence_tiling
 
 SP = 2
 RTOL = 1e-5
@@ -86,13 +88,14 @@ def _refusal(call) -> str:
 def _refusals(rank, world_size):
     group = dist.group.WORLD
     ids = torch.zeros(1, 16, dtype=torch.long)
+    left_padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 13, dtype=torch.long)], dim=1)
     return {
         "odd_heads": _refusal(lambda: ulysses_sdpa(group)(*[torch.zeros(1, 3, 4, 2)] * 3)),
         "odd_kv_heads": _refusal(
             lambda: ulysses_sdpa(group)(torch.zeros(1, 6, 4, 2), *[torch.zeros(1, 3, 4, 2)] * 2, enable_gqa=True)
         ),
         "odd_length": _refusal(lambda: shard_sequence({"input_ids": ids[:, :15]}, group)),
-        "padding_mask": _refusal(lambda: shard_sequence({"input_ids": ids, "attention_mask": ids}, group)),
+        "padding_mask": _refusal(lambda: shard_sequence({"input_ids": ids, "attention_mask": left_padded}, group)),
         # 2 heads, 1 per tensor-parallel rank: nothing left to split over sp=2
         "tp_heads": _refusal(
             lambda: attend_with_ulysses(hf_models.build("llama", num_key_value_heads=2), group, tensor_parallel_size=2)
@@ -150,8 +153,8 @@ def test_a_sequence_that_does_not_split_over_sp_is_refused_with_the_length_to_pa
     assert "sequence length 15 is not divisible by the sequence-parallel size sp=2; pad it to 16" in message
 
 
-def test_a_padding_mask_is_refused(primitive_runs):
-    assert "takes no padding mask" in primitive_runs[0]["refusals"]["padding_mask"]
+def test_a_mask_of_padding_on_the_left_is_refused(primitive_runs):
+    assert "exact for padding on the right only" in primitive_runs[0]["refusals"]["padding_mask"]
 
 
 def _llama_batches() -> dict[str, dict[str, torch.Tensor]]:
@@ -159,7 +162,14 @@ def _llama_batches() -> dict[str, dict[str, torch.Tensor]]:
     uneven = ids.clone()
     uneven[0, 5:] = -100  # rank 1 holds no labelled token of row 0, rank 0 four
     uneven[1, :3] = -100
-    return {"all_labelled": {"input_ids": ids, "labels": ids}, "uneven_ignored": {"input_ids": ids, "labels": uneven}}
+    mask = torch.ones_like(ids)
+    mask[0, 11:] = 0  # padded on the right: dropped by shard_sequence, exact under causal attention
+    padded = ids.masked_fill(mask == 0, -100)
+    return {
+        "all_labelled": {"input_ids": ids, "labels": ids},
+        "uneven_ignored": {"input_ids": ids, "labels": uneven},
+        "right_padded": {"input_ids": ids, "labels": padded, "attention_mask": mask},
+    }
 
 
 def _llama(rank, world_size):
@@ -187,6 +197,18 @@ def _llama(rank, world_size):
             "mean_of_rank_means": naive.item() / world_size,
             "grad_errors": {name: _relative_error(grads[name], reference_grads[name]) for name in grads},
         }
+        if case == "uneven_ignored":  # a tiled loss in a user's loop: the model's summed loss, combined the same way
+            apply_sequence_tiling(model, ZeroConfig(tiled_loss=True, tile_tokens=3).activation_policy)
+            model.zero_grad()
+            summed = model(**local, labels=local["shift_labels"], num_items_in_batch=1).loss
+            tiled = sequence_parallel_loss(summed, local["shift_labels"], group)
+            tiled.backward()
+            grads = _mean_over_group_times_scale(model, world_size)
+            results["tiled_loss"] = {
+                "loss": (tiled.item(), reference_loss.item()),
+                "grad_errors": {name: _relative_error(grads[name], reference_grads[name]) for name in grads},
+            }
+            remove_sequence_tiling(model)
     return results
 
 
@@ -228,7 +250,7 @@ def llama_runs(model_runs):
     return [rank["llama"] for rank in model_runs]
 
 
-@pytest.mark.parametrize("case", ["all_labelled", "uneven_ignored"])
+@pytest.mark.parametrize("case", ["all_labelled", "uneven_ignored", "right_padded", "tiled_loss"])
 def test_llama_with_ulysses_attention_has_the_full_sequence_loss(llama_runs, case):
     for rank in llama_runs:
         got, expected = rank[case]["loss"]
@@ -241,7 +263,7 @@ def test_the_uneven_batch_tells_token_weighting_from_averaging_rank_means(llama_
     assert rank["mean_of_rank_means"] != pytest.approx(rank["loss"][1], rel=10 * RTOL)
 
 
-@pytest.mark.parametrize("case", ["all_labelled", "uneven_ignored"])
+@pytest.mark.parametrize("case", ["all_labelled", "uneven_ignored", "right_padded", "tiled_loss"])
 def test_llama_gradients_after_the_ulysses_rule_equal_the_full_sequence_gradients(llama_runs, case):
     for rank in llama_runs:
         errors = rank[case]["grad_errors"]

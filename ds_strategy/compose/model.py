@@ -12,6 +12,8 @@ Note: [The order of composition]
      (already split) pieces, the engine flattens local shards.
   2. Ulysses attention: the attention function swapped for one that all-to-alls over the sequence-parallel group.
      After tensor parallelism (it splits the heads that rank holds) and before the cut (the cut must not drop it).
+     Then sequence tiling (:mod:`ds_strategy.sequence_tiling`): MLPs and the causal-LM loss over tiles of the
+     sequence; after tensor parallelism too (a tensor-parallel LM head is refused), and it moves no parameter.
   3. The pipeline cut: this rank keeps its stages' pieces and deletes the rest, in place; tied copies are marked
      for the engine (:mod:`ds_strategy.zero.tied_copies`). Before placement, so that pieces other ranks own are
      never moved or converted, and before the optimizer is built (Lightning's ``configure_optimizers``), so that it
@@ -47,6 +49,7 @@ from ..offload import step_runner_for
 from ..parallel.mesh import ParallelMesh, build_parallel_mesh
 from ..parallel.pipeline_split import StagePlan, cut_to_stages, plan_stages
 from ..parallel.ulysses import attend_with_ulysses, gradient_divide_factor
+from ..sequence_tiling import apply_sequence_tiling
 from ..zero.engine import ZeroEngine
 from ..zero.groups import EngineGroups
 from ..zero.sharded_optimizers import as_optimizer_list
@@ -117,6 +120,8 @@ def compose_model(
         inner = _uncompiled(model)
         if mesh is not None and mesh.sp_group is not None:
             attend_with_ulysses(inner, mesh.sp_group, tensor_parallel_size=mesh.tp_size)
+        if config.tiled_mlp or config.tiled_loss:
+            apply_sequence_tiling(inner, config.activation_policy)
         stage_plan = _cut_for_pipeline(inner, config, mesh)
         return model
 

@@ -22,8 +22,10 @@ class PipelineLayout:
 
     ``blocks``: the ModuleList (or Sequential) of repeated blocks. ``before`` / ``after``: the modules the first /
     last stage owns besides its blocks. ``helpers``: parameterless modules every stage calls (rotary embeddings).
-    ``embed(x)``, ``run_block(block, h)`` and ``head(h)`` are what a stage calls; ``prepare(h)`` gives the keyword
-    arguments every block of a stage takes (positions, masks), computed on each stage from its input.
+    ``embed(x, offset)``, ``run_block(block, h)`` and ``head(h)`` are what a stage calls; ``prepare(h, offset)``
+    gives the keyword arguments every block of a stage takes (positions, masks), computed on each stage from its
+    input. ``offset`` is the position of the input's first token in the whole sequence: 0, or under Ulysses the
+    start of this rank's slice (Note: [Positions of a sequence slice on every stage] in ``compose.pipeline_runner``).
     """
 
     kind: str
@@ -31,10 +33,10 @@ class PipelineLayout:
     before: tuple[str, ...]
     after: tuple[str, ...]
     helpers: tuple[str, ...]
-    embed: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+    embed: Callable[[nn.Module, torch.Tensor, int], torch.Tensor]
     run_block: Callable[[nn.Module, torch.Tensor, dict], torch.Tensor]
     head: Callable[[nn.Module, torch.Tensor], torch.Tensor]
-    prepare: Callable[[nn.Module, torch.Tensor], dict]
+    prepare: Callable[[nn.Module, torch.Tensor, int], dict]
 
 
 def _get(root: nn.Module, name: str) -> nn.Module:
@@ -45,8 +47,13 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _no_kwargs(root: nn.Module, h: torch.Tensor) -> dict:
+def _no_kwargs(root: nn.Module, h: torch.Tensor, offset: int) -> dict:
     return {}
+
+
+def _positions(h: torch.Tensor, offset: int) -> torch.Tensor:
+    """The absolute positions of ``h``'s tokens (dimension 1), its first at ``offset``, as a [1, seq] row."""
+    return torch.arange(offset, offset + h.shape[1], device=h.device).unsqueeze(0)
 
 
 def _hf_decoder(root: nn.Module, prefix: str, base: str) -> PipelineLayout:
@@ -54,11 +61,11 @@ def _hf_decoder(root: nn.Module, prefix: str, base: str) -> PipelineLayout:
     ``base.rotary_emb``, ``lm_head``): Llama, Mistral, Qwen2/3, Mixtral and their relatives."""
     base_path = _join(prefix, base)
 
-    def prepare(root, h):
+    def prepare(root, h, offset):
         from transformers.masking_utils import create_causal_mask  # only models from transformers get here
 
         model = _get(root, base_path)
-        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        positions = _positions(h, offset)
         mask = create_causal_mask(
             config=model.config, inputs_embeds=h, attention_mask=None, cache=None, position_ids=positions
         )
@@ -78,7 +85,7 @@ def _hf_decoder(root: nn.Module, prefix: str, base: str) -> PipelineLayout:
         before=(_join(base_path, "embed_tokens"),),
         after=(_join(base_path, "norm"), _join(prefix, "lm_head")),
         helpers=(_join(base_path, "rotary_emb"),),
-        embed=lambda root, ids: _get(root, _join(base_path, "embed_tokens"))(ids),
+        embed=lambda root, ids, offset: _get(root, _join(base_path, "embed_tokens"))(ids),
         run_block=run_block,
         head=lambda root, h: _get(root, _join(prefix, "lm_head"))(_get(root, _join(base_path, "norm"))(h)),
         prepare=prepare,
@@ -93,7 +100,7 @@ def _our_gpt(root: nn.Module, prefix: str) -> PipelineLayout:
         before=(_join(prefix, "embed"),),
         after=(_join(prefix, "ln_f"), _join(prefix, "lm_head")),
         helpers=(),
-        embed=lambda root, idx: _get(root, _join(prefix, "embed"))(idx),
+        embed=lambda root, idx, offset: _get(root, _join(prefix, "embed"))(idx, _positions(idx, offset)[0]),
         run_block=lambda block, h, kwargs: block(h),
         head=lambda root, h: _get(root, _join(prefix, "lm_head"))(_get(root, _join(prefix, "ln_f"))(h)),
         prepare=_no_kwargs,
@@ -108,7 +115,7 @@ def _sequential(root: nn.Module, prefix: str) -> PipelineLayout:
         before=(),
         after=(),
         helpers=(),
-        embed=lambda root, x: x,
+        embed=lambda root, x, offset: x,
         run_block=lambda block, h, kwargs: block(h),
         head=lambda root, h: h,
         prepare=_no_kwargs,

@@ -173,8 +173,10 @@ def shard_sequence(
     are given, ``shift_labels``, the next-token labels (see Note: [Shift labels before slicing]).
 
     ``position_ids`` default to 0..seq-1; each rank keeps the global positions of its slice, which rotary and
-    learned position embeddings need. An ``attention_mask`` of all ones is dropped; one that masks anything is
-    refused, since Ulysses attention masks causally over the full sequence and takes no mask.
+    learned position embeddings need. An ``attention_mask`` is dropped when it masks only padding on the right
+    (each row ones, then zeros): causal attention never lets a token see the positions after it, so masking them
+    changes nothing that is labelled. Padding on the left, or holes, are refused: Ulysses attention masks causally
+    over the full sequence and takes no mask.
 
     Note: [Shift labels before slicing]
     Token t predicts label t+1, so the last token of rank r's slice predicts the first token of rank r+1's. A
@@ -195,9 +197,7 @@ def shard_sequence(
             f"sequence length {seq} is not divisible by the sequence-parallel size sp={sp}; pad it to "
             f"{-(-seq // sp) * sp} with labels {ignore_index}"
         )
-    mask = batch.get("attention_mask")
-    if mask is not None and not bool(mask.all()):
-        raise ValueError("Ulysses attention takes no padding mask; pad on the right and set those labels to -100")
+    check_right_padded(batch.get("attention_mask"))
     positions = batch.get("position_ids")
     if positions is None:
         positions = torch.arange(seq, device=input_ids.device).expand_as(input_ids)
@@ -206,6 +206,16 @@ def shard_sequence(
         labels = batch["labels"]
         full["shift_labels"] = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], ignore_index)], dim=1)
     return {name: t.chunk(sp, dim=1)[rank] for name, t in full.items()}
+
+
+def check_right_padded(mask: torch.Tensor | None) -> None:
+    """Raise unless ``mask`` ([batch, seq], or None) masks nothing or only a run of positions at the end of a row."""
+    if mask is not None and bool((mask[:, 1:] > mask[:, :-1]).any()):
+        raise ValueError(
+            "Ulysses attention takes no attention mask: it masks causally over the whole sequence, which is exact "
+            "for padding on the right only; this attention_mask masks positions before unmasked ones (padding on "
+            "the left, or packed rows): pad on the right, with labels -100"
+        )
 
 
 def sequence_parallel_loss(

@@ -49,6 +49,9 @@ def sharded_from_pretrained(model_class: Any, *args: Any, **kwargs: Any) -> Any:
     meta device, its weights read sharded when a ``ZeroAccelerator`` or ``ZeroTrainer`` prepares it; see the
     module docstring."""
     capture = _LoadCapture()
+    # transformers >= 5.25 swaps layers for the Hub's kernels after every load unless told not to; a model on the meta
+    # device cannot be (kernels refuses the device), so it loads as with USE_HUB_KERNELS=0
+    kwargs.setdefault("use_kernels", False)
     with building_sharded(), capture.installed():
         loaded = model_class.from_pretrained(*args, **kwargs)
     model = loaded[0] if isinstance(loaded, tuple) else loaded

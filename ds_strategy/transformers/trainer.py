@@ -19,7 +19,10 @@ what the Trainer would do with a module whose parameters are shards:
   sharded;
 - other models the trainer prepares for evaluation (TRL's reference and reward models) are sharded at stage 3 by
   engines without an optimizer, and kept whole below it, as TRL's ``prepare_deepspeed`` does (see
-  :mod:`.frozen_models`).
+  :mod:`.frozen_models`);
+- with ``sequence_parallel_size > 1`` (or ``TrainingArguments.parallelism_config.sp_size``) each rank of a
+  DeepSpeed-Ulysses group trains on its slice of the group's batch, and the group's loss is logged and
+  differentiated (see :mod:`.sequence_parallel`).
 
 ``ZeroTrainerMixin`` carries all of it, so any Trainer subclass composes: ``class MyTrainer(ZeroTrainerMixin,
 MyBaseTrainer)``; ``ZeroSFTTrainer`` is TRL's ``SFTTrainer`` composed so.
@@ -47,7 +50,8 @@ from ..checkpoint import CheckpointError
 from ..config import ZeroConfig
 from . import build_hook
 from .frozen_models import TrainerAccelerator
-from .trainer_config import TrainerZeroConfig, detach_deepspeed, trainer_zero_config
+from .sequence_parallel import combine_over_group, slice_for_rank
+from .trainer_config import TrainerZeroConfig, detach_deepspeed, sequence_parallel_size, trainer_zero_config
 
 logger = logging.getLogger(__name__)
 SCHEDULER_NAME = "scheduler.pt"  # transformers.trainer's name for it
@@ -59,6 +63,10 @@ class ZeroTrainerMixin:
     ``zero_config``: a DeepSpeed JSON (path or dict), ZeroConfig fields, or a ZeroConfig; the default is
     ``TrainingArguments.deepspeed``, then ``$DS_STRATEGY_CONFIG``, then ZeroConfig's defaults (stage 2).
     """
+
+    # Whether the trainer's loss is a sum over tokens that a Ulysses group can split (Note: [The Trainer's loss over
+    # a sequence-parallel group]); a loss of whole sequences (DPO's) is not.
+    supports_sequence_parallel = True
 
     def __init__(self, *args: Any, zero_config: Any = None, **kwargs: Any):
         self._zero_source = zero_config
@@ -85,6 +93,7 @@ class ZeroTrainerMixin:
             from_args if from_args is not None else self._zero_source, self.args
         )
         _refuse_synced_reference(self.args, self.zero_settings.zero)
+        self._refuse_unsliceable_loss()
         build = functools.partial(TrainerAccelerator, self.zero_settings.zero, trained_model=lambda: self.model)
         with _trainer_accelerator_class(build):
             super().create_accelerator_and_postprocess()
@@ -128,6 +137,57 @@ class ZeroTrainerMixin:
                 "train(); train first and evaluate after, or build a new ZeroTrainer for training"
             )
         return super().train(*args, **kwargs)
+
+    def _refuse_unsliceable_loss(self) -> None:
+        sp = sequence_parallel_size(self.zero_settings.zero, self.args)
+        if sp == 1:
+            return
+        if not self.supports_sequence_parallel:
+            raise ValueError(
+                f"sequence_parallel_size={sp} under {type(self).__name__}: its loss compares whole sequences, which "
+                f"the ranks of a Ulysses group hold a slice each of; use ZeroTrainer or ZeroSFTTrainer, or 1"
+            )
+        if self.args.label_smoothing_factor:
+            raise ValueError(
+                f"label_smoothing_factor={self.args.label_smoothing_factor} with sequence_parallel_size={sp}: the "
+                f"label smoother shifts labels within each rank's slice; use 0 (or sequence_parallel_size=1)"
+            )
+
+    # -- the loss ---------------------------------------------------------------------------------------------
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The trainer's loss; under Ulysses over this rank's slice of the batch, combined over its group (Note:
+        [The Trainer's loss over a sequence-parallel group])."""
+        group = self._sequence_group()
+        if group is None:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if not model.training and self.compute_metrics is not None:
+            raise ValueError(
+                "compute_metrics with sequence parallelism: each rank holds the logits of its slice of the sequence "
+                "only; evaluate the loss (compute_metrics=None), or evaluate without sequence parallelism"
+            )
+        local = slice_for_rank(inputs, group)
+        loss, outputs = super().compute_loss(model, local, True, num_items_in_batch)
+        loss = combine_over_group(loss, local.get("shift_labels"), num_items_in_batch, group)
+        return (loss, outputs) if return_outputs else loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """Trainer's; under Ulysses only with labels, whose loss ``compute_loss`` slices the batch for (without them
+        Trainer calls the model on whole sequences, which Ulysses attention would take for slices)."""
+        if self._sequence_group() is not None and inputs.get("labels") is None:
+            raise ValueError(
+                "prediction without labels under sequence parallelism: the model attends over a sequence sliced "
+                "across the group, and only the loss path slices it; give labels (or evaluate without it)"
+            )
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+
+    def _sequence_group(self):
+        """The Ulysses group of this rank, or None without sequence parallelism."""
+        mesh = getattr(self.accelerator, "parallel_mesh", None)
+        return mesh.sp_group if mesh is not None else None
+
+    def get_total_train_batch_size(self, args) -> int:
+        """Trainer's, counting each Ulysses group once: its ranks read one batch."""
+        return super().get_total_train_batch_size(args) // sequence_parallel_size(self.zero_settings.zero, args)
 
     @property
     def zero_engine(self):

@@ -81,28 +81,27 @@ def trainer_zero_config(source: Any, args: Any) -> TrainerZeroConfig:
         zero = source if isinstance(source, ZeroConfig) else ZeroConfig.from_dict(options or {})
         result = TrainerZeroConfig(zero)
         _check_owned_by_trainer(zero, args)
-    _refuse_sequence_and_pipeline_parallel(result.zero, args)
+    _refuse_pipeline_parallel(result.zero)
     owned = dict(gradient_accumulation_steps=1, gradient_clipping=0.0, train_batch_size=None)
     return dataclasses.replace(result, zero=result.zero.replace(**owned, train_micro_batch_size_per_gpu=None))
 
 
-def _refuse_sequence_and_pipeline_parallel(zero: ZeroConfig, args: Any) -> None:
-    """The Trainer's loop calls ``model(**inputs)`` on whole batches. Ulysses needs each rank's slice of the
-    sequence and the loss over all of them (``shard_sequence``, ``sequence_parallel_loss``): without them every rank
-    of a sequence-parallel group would train on copies of one sequence, with gradients scaled for slices, silently
-    wrong. Pipelining needs a schedule in place of the forward (``pipeline_step``). Both are refused here, once."""
-    parallelism = getattr(args, "parallelism_config", None)
-    sizes = {
-        "sequence_parallel_size": max(zero.sequence_parallel_size, getattr(parallelism, "sp_size", None) or 1),
-        "pipeline_parallel_size": zero.pipeline_parallel_size,
-    }
-    used = ", ".join(f"{name}={size}" for name, size in sizes.items() if size > 1)
-    if used:
+def _refuse_pipeline_parallel(zero: ZeroConfig) -> None:
+    """The Trainer's loop calls ``model(**inputs)`` on whole batches; pipelining needs a schedule in place of the
+    forward (``pipeline_step``). Refused here, once. (Ulysses is served: :mod:`.sequence_parallel`.)"""
+    if zero.pipeline_parallel_size > 1:
         raise ValueError(
-            f"{used} is not supported under the Hugging Face Trainer, whose loop runs the whole model on whole "
-            f"sequences; use 1, or train with ZeroAccelerator, Lightning or Fabric, whose loops call shard_sequence/"
-            f"sequence_parallel_loss (Ulysses) and pipeline_step (pipelining)"
+            f"pipeline_parallel_size={zero.pipeline_parallel_size} is not supported under the Hugging Face Trainer, "
+            f"whose loop runs the whole model on each batch; use 1, or train with ZeroAccelerator, Lightning or "
+            f"Fabric, whose loops call pipeline_step"
         )
+
+
+def sequence_parallel_size(zero: ZeroConfig, args: Any) -> int:
+    """The Ulysses group size a Trainer run asks for: ``sequence_parallel_size`` in the ZeRO config or
+    ``TrainingArguments.parallelism_config.sp_size`` (the accelerator checks that they agree)."""
+    parallelism = getattr(args, "parallelism_config", None)
+    return max(zero.sequence_parallel_size, getattr(parallelism, "sp_size", None) or 1)
 
 
 def fill_from_training_args(options: Mapping[str, Any], args: Any) -> dict[str, Any]:
