@@ -12,10 +12,10 @@ Note: [The order of composition]
      (already split) pieces, the engine flattens local shards.
   2. Ulysses attention: the attention function swapped for one that all-to-alls over the sequence-parallel group.
      After tensor parallelism (it splits the heads that rank holds) and before the cut (the cut must not drop it).
-  3. The pipeline cut: this rank keeps its stages' pieces and deletes the rest, in place; tied copies are marked
-     for the engine (:mod:`ds_strategy.zero.tied_copies`). Before placement, so that pieces other ranks own are
-     never moved or converted, and before the optimizer is built (Lightning's ``configure_optimizers``), so that it
-     holds this rank's parameters only.
+  3. The pipeline cut: this rank keeps its stages' pieces and deletes the rest, in place; the stage plan it
+     returns says what the engine must know of the whole model (:mod:`ds_strategy.zero.model_part`). Before
+     placement, so that pieces other ranks own are never moved or converted, and before the optimizer is built
+     (Lightning's ``configure_optimizers``), so that it holds this rank's parameters only.
   4. Placement and dtype, one rule for every adapter: under a "-true" precision the module becomes 16-bit; the whole
      module moves to the device unless the engine places it itself, one unit at a time (stage 3, or a model built on
      the meta device, which it initialises shard by shard): the whole model is never materialised on the device.
@@ -49,8 +49,8 @@ from ..parallel.pipeline_split import StagePlan, cut_to_stages, plan_stages
 from ..parallel.ulysses import attend_with_ulysses, gradient_divide_factor
 from ..zero.engine import ZeroEngine
 from ..zero.groups import EngineGroups
+from ..zero.model_part import CutPiece, ModelPart
 from ..zero.sharded_optimizers import as_optimizer_list
-from ..zero.tied_copies import mark_tied_copy
 from ..zero.wrap_policy import select_unit_modules
 from .early_optimizer import rebind_optimizer
 from .pipeline_runner import PipelineRunner
@@ -164,12 +164,12 @@ def _engine_and_runner(
     groups = EngineGroups()
     if mesh is not None:
         groups = EngineGroups(zero=mesh.zero_group, tensor_parallel=mesh.tp_group, pipeline=mesh.pp_group)
-    engine = ZeroEngine(inner, optimizer, config, groups, device=device, step_runner=step_runner_for(config))
+    part = _model_part(inner, stage_plan)
+    engine = ZeroEngine(inner, optimizer, config, groups, device=device, step_runner=step_runner_for(config), part=part)
     if mesh is not None and mesh.sp_size > 1:
         engine.set_gradient_divide_factor(gradient_divide_factor(engine.world_size, mesh.sp_size))
     pipeline = None
     if stage_plan is not None:
-        engine.set_state_dict_names(stage_plan.whole_names)
         pipeline = PipelineRunner(
             inner, engine.driven_by_schedule(), stage_plan, mesh, config.parallelism_policy, device
         )
@@ -219,16 +219,20 @@ def _tensor_parallel(
 
 
 def _cut_for_pipeline(module: nn.Module, config: ZeroConfig, mesh: ParallelMesh | None) -> StagePlan | None:
-    """Step 3: plan the stages (a split that cannot be made raises before anything is cut), cut ``module`` down to
-    this rank's in place, and mark the tied copies it keeps of parameters another stage owns."""
+    """Step 3: plan the stages (a split that cannot be made raises before anything is cut) and cut ``module`` down
+    to this rank's in place; the plan returned carries the meta pieces cut."""
     if config.pipeline_parallel_size == 1:
         return None
     plan = plan_stages(module, mesh.pp_size, mesh.pp_rank, config.pipeline_schedule, config.pipeline_split)
-    cut_to_stages(module, plan)
-    present = dict(module.named_parameters())
-    for name, owner in plan.tied_copies(module).items():
-        mark_tied_copy(present[name], owner)
-    return plan
+    return cut_to_stages(module, plan)
+
+
+def _model_part(module: nn.Module, plan: StagePlan | None) -> ModelPart | None:
+    """What the engine must know of the whole model that ``module``, cut by ``plan``, is part of."""
+    if plan is None:
+        return None
+    pieces = tuple(CutPiece(*piece) for piece in plan.cut_pieces)
+    return ModelPart(plan.whole_names, plan.tied_copies(module), pieces)
 
 
 def _place(module: nn.Module, config: ZeroConfig, device: torch.device, place: bool) -> None:

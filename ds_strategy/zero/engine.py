@@ -28,6 +28,7 @@ from .grad_reducer import GradReducer
 from .groups import EngineGroups
 from .hpz import WeightGather, hpz_collectives
 from .memory_report import WorkingSetPeak, memory_report, unit_bounded_sizes, whole_tensor_ownership
+from .model_part import ModelPart
 from .param_gatherer import ParamGatherer
 from .param_types import check_shardable
 from .placement import place_units
@@ -35,7 +36,6 @@ from .schedule_interface import ScheduleInterface
 from .sharded_init import materialise_sharded
 from .sharded_optimizers import ShardedOptimizers, as_optimizer_list
 from .step_runner import DeviceStep, StepContext, StepRunner, StepRunnerFactory
-from .tied_copies import tied_copy_owner
 from .unit import ShardedState, Unit
 from .wrap_policy import select_unit_modules
 
@@ -111,17 +111,19 @@ class ZeroEngine:
         groups: EngineGroups | None = None,
         device: torch.device | str | None = None,
         step_runner: StepRunnerFactory | None = None,
+        part: ModelPart | None = None,
     ):
         """``optimizer``: the optimizer that trains ``module``, several (each holding its own parameters), or None.
         ``groups``: the process groups the engine spans (see :class:`.groups.EngineGroups`; None: ZeRO over the
         default group, nothing else). ``step_runner``: where the optimizer step runs (see :mod:`.step_runner`); by
         default on the device. A config that offloads needs the runner passed (``ds_strategy.offload.
         step_runner_for(config)``; the composition function does it): the engine never reaches for offload itself.
+        ``part``: what the engine must know of a larger model ``module`` is part of (a pipeline stage's share: the
+        whole model's names, tied copies, pieces cut away; see :mod:`.model_part`), or None for a whole model.
 
         What other features need from the engine they set through public methods after construction, as torch's
-        pipeline stages drive FSDP2: :meth:`set_gradient_divide_factor` (Ulysses), :meth:`set_state_dict_names`
-        (checkpoint order under pipelining) and :meth:`driven_by_schedule` (a pipeline schedule hands gradients
-        over); parameters another pipeline stage owns are marked before construction (:mod:`.tied_copies`).
+        pipeline stages drive FSDP2: :meth:`set_gradient_divide_factor` (Ulysses) and :meth:`driven_by_schedule`
+        (a pipeline schedule hands gradients over).
 
         The order below is the order of construction: communication first (units gather through it), then units
         and their flat buffers, placed or initialised on the device; then the step runner, which may move shards
@@ -144,8 +146,9 @@ class ZeroEngine:
         self.tp_collectives = _collectives_over(groups.tensor_parallel, config)
         self.pp_collectives = _collectives_over(groups.pipeline, config)
         self.model_parallel = tuple(c for c in (self.tp_collectives, self.pp_collectives) if c is not None)
-        self.tied_copies: dict[str, str] = {}  # filled by _build_units from the marks of .tied_copies
-        self.whole_model_names: tuple[str, ...] = ()  # see set_state_dict_names
+        self.part = part or ModelPart()
+        self.tied_copies: dict[str, str] = {}  # the trainable ones, by _build_units (Note: [Tied copies])
+        self.whole_model_names: tuple[str, ...] = self.part.whole_names
         self._setup_weight_gathering()
         factory = _step_runner_factory(step_runner, config)
         global_rank = dist.get_rank() if dist.is_initialized() else 0
@@ -232,7 +235,7 @@ class ZeroEngine:
                     f"freeze it (requires_grad=False) or add it to the optimizer"
                 )
             where = owners.get(id(p), [])
-            owner = tied_copy_owner(p)
+            owner = self.part.copy_owners.get(name)
             if owner is not None:
                 self.tied_copies[name] = owner
             members[where[0] + 1 if len(where) == 1 else 0].append((owner or name, p))
@@ -347,7 +350,9 @@ class ZeroEngine:
             if not self.config.sync_module_states:
                 self._check_ranks_built_alike(built_on_meta)
             if built_on_meta and not self.config.sync_module_states:
-                materialise_sharded(self.module, self.units, broadcast, self.device, self.config.param_init_fn)
+                materialise_sharded(
+                    self.module, self.units, broadcast, self.device, self.config.param_init_fn, self.part.cut_pieces
+                )
                 return
             place_units(self.module, self.units, self.device, broadcast)
 
@@ -404,11 +409,6 @@ class ZeroEngine:
         if factor <= 0:
             raise ValueError(f"gradient divide factor must be positive, got {factor}")
         self.reducer.divide_factor = factor
-
-    def set_state_dict_names(self, names: tuple[str, ...]) -> None:
-        """The uncut model's ``state_dict`` names in order, by which checkpoints order every pipeline stage's
-        entries (a stage's module holds only its own)."""
-        self.whole_model_names = tuple(names)
 
     def driven_by_schedule(self) -> ScheduleInterface:
         """Remove the autograd and stage-3 forward hooks and hand back the interface through which a pipeline
