@@ -47,13 +47,12 @@ from ..offload import step_runner_for
 from ..parallel.mesh import ParallelMesh, build_parallel_mesh
 from ..parallel.pipeline_split import StagePlan, cut_to_stages, plan_stages
 from ..parallel.ulysses import attend_with_ulysses, gradient_divide_factor
+from ..pipeline import PipelineRunner, model_part
 from ..zero.engine import ZeroEngine
 from ..zero.groups import EngineGroups
-from ..zero.model_part import CutPiece, ModelPart
 from ..zero.sharded_optimizers import as_optimizer_list
 from ..zero.wrap_policy import select_unit_modules
 from .early_optimizer import rebind_optimizer
-from .pipeline_runner import PipelineRunner
 from .tensor_parallel import apply_tensor_parallelism
 
 Unparallelized = Literal["require", "replicate", "auto"]
@@ -164,7 +163,7 @@ def _engine_and_runner(
     groups = EngineGroups()
     if mesh is not None:
         groups = EngineGroups(zero=mesh.zero_group, tensor_parallel=mesh.tp_group, pipeline=mesh.pp_group)
-    part = _model_part(inner, stage_plan)
+    part = model_part(inner, stage_plan)
     engine = ZeroEngine(inner, optimizer, config, groups, device=device, step_runner=step_runner_for(config), part=part)
     if mesh is not None and mesh.sp_size > 1:
         engine.set_gradient_divide_factor(gradient_divide_factor(engine.world_size, mesh.sp_size))
@@ -225,14 +224,6 @@ def _cut_for_pipeline(module: nn.Module, config: ZeroConfig, mesh: ParallelMesh 
         return None
     plan = plan_stages(module, mesh.pp_size, mesh.pp_rank, config.pipeline_schedule, config.pipeline_split)
     return cut_to_stages(module, plan)
-
-
-def _model_part(module: nn.Module, plan: StagePlan | None) -> ModelPart | None:
-    """What the engine must know of the whole model that ``module``, cut by ``plan``, is part of."""
-    if plan is None:
-        return None
-    pieces = tuple(CutPiece(*piece) for piece in plan.cut_pieces)
-    return ModelPart(plan.whole_names, plan.tied_copies(module), pieces)
 
 
 def _place(module: nn.Module, config: ZeroConfig, device: torch.device, place: bool) -> None:

@@ -413,7 +413,7 @@ class ZeroEngine:
     def driven_by_schedule(self) -> ScheduleInterface:
         """Remove the autograd and stage-3 forward hooks and hand back the interface through which a pipeline
         schedule gathers units and hands gradients over itself (Note: [Pipeline gradients] in
-        :mod:`ds_strategy.compose.pipeline_runner`)."""
+        :mod:`ds_strategy.pipeline.runner`)."""
         self.reducer.remove_hooks()
         if self.gatherer is not None:
             self.gatherer.remove_hooks()

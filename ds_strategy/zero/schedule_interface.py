@@ -1,12 +1,12 @@
 """What a pipeline schedule may do with the engine of its stages: the one interface
-:class:`~ds_strategy.compose.pipeline_runner.PipelineRunner` uses, so the runner never reaches into the reducer, the
+:class:`~ds_strategy.pipeline.runner.PipelineRunner` uses, so the runner never reaches into the reducer, the
 units or the gatherer.
 
 A schedule runs one backward per micro-batch, interleaved with other micro-batches' forwards, so the engine's own
 hooks (reduce when a gradient is ready, gather before a unit's forward) do not fit it:
 :meth:`ZeroEngine.driven_by_schedule` removes them and returns this interface, through which the schedule gathers and
 releases stage-3 units around each piece of work and hands gradients over at the boundaries it knows (Note: [Pipeline
-gradients] in :mod:`ds_strategy.compose.pipeline_runner`).
+gradients] in :mod:`ds_strategy.pipeline.runner`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Pipeline parallelism: torch.distributed.pipelining's schedules running stages that a ZeRO engine shards.
 
 Each rank runs one stage (two for the interleaved and zero-bubble schedules) of a model cut by
-:mod:`.pipeline_split`; one :class:`~ds_strategy.zero.engine.ZeroEngine` per rank shards all of its stages'
-parameters, gradients and optimizer state over the rank's data-parallel group, at any ZeRO stage. The schedule
-is torch's; :class:`ZeroPipelineStage` is its ``PipelineStage`` told where micro-batches end.
+:mod:`ds_strategy.parallel.pipeline_split`; one :class:`~ds_strategy.zero.engine.ZeroEngine` per rank shards all
+of its stages' parameters, gradients and optimizer state over the rank's data-parallel group, at any ZeRO stage.
+The schedule is torch's; :class:`~.stage.ZeroPipelineStage` is its ``PipelineStage`` telling this runner where
+micro-batches end.
 
 Note: [Pipeline gradients]
   Schedules do not run one backward per optimizer step: every stage runs one per micro-batch, interleaved with
@@ -48,7 +49,6 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
 
 from ..comm.group_collectives import collectives_for
 from ..config_policies import ParallelismPolicy
@@ -57,52 +57,7 @@ from ..parallel.mesh import ParallelMesh
 from ..parallel.pipeline_schedules import schedule_class, stages_per_rank
 from ..parallel.pipeline_split import StagePlan
 from ..zero.schedule_interface import ScheduleInterface
-
-
-class StageModule(nn.Module):
-    """One stage's forward: the embedding on the first stage, its blocks, the norm and head on the last.
-
-    Its children are the model's own modules (no copies), so ``parameters()``, which the schedule's weight
-    backward differentiates, is exactly this stage's parameters."""
-
-    def __init__(self, root: nn.Module, plan: StagePlan, stage: int):
-        super().__init__()
-        self.layout = plan.layout
-        self.first, self.last = stage == 0, stage == plan.num_stages - 1
-        owned = [plan.block_names[i] for i in plan.blocks_of[stage]]
-        owned += list(plan.layout.before if self.first else ()) + list(plan.layout.after if self.last else ())
-        self.parts = nn.ModuleDict({name.replace(".", "/"): root.get_submodule(name) for name in owned})
-        self.blocks = [root.get_submodule(plan.block_names[i]) for i in plan.blocks_of[stage]]
-        self._root = [root]  # not a child: the root is not this stage's
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        root = self._root[0]
-        h = self.layout.embed(root, x) if self.first else x
-        kwargs = self.layout.prepare(root, h)
-        for block in self.blocks:
-            h = self.layout.run_block(block, h, kwargs)
-        return self.layout.head(root, h) if self.last else h
-
-
-class ZeroPipelineStage(PipelineStage):
-    """A ``PipelineStage`` that tells its :class:`PipelineRunner` where each micro-batch's forward and backward
-    run (Notes: [Pipeline gradients], [Stage-3 weights under a pipeline schedule]); DDP and FSDP get the same
-    from torch's own stage by ``isinstance`` checks."""
-
-    def __init__(self, module: StageModule, stage: int, num_stages: int, device, group, runner: PipelineRunner):
-        super().__init__(module, stage, num_stages, device, group=group)
-        self.runner = runner
-
-    def forward_one_chunk(self, *args, **kwargs):
-        with self.runner.weights_for(self.stage_index, free_after=True, keep_for_backward=True):
-            return super().forward_one_chunk(*args, **kwargs)
-
-    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
-        with self.runner.weights_for(self.stage_index, free_after=backward_type != "input"):
-            result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-        if backward_type != "input":
-            self.runner.after_microbatch_backward(self.stage_index)
-        return result
+from .stage import StageModule, ZeroPipelineStage
 
 
 class PipelineRunner:
