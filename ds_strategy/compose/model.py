@@ -169,9 +169,7 @@ def _engine_and_runner(
         engine.set_gradient_divide_factor(gradient_divide_factor(engine.world_size, mesh.sp_size))
     pipeline = None
     if stage_plan is not None:
-        pipeline = PipelineRunner(
-            inner, engine.driven_by_schedule(), stage_plan, mesh, config.parallelism_policy, device
-        )
+        pipeline = PipelineRunner(inner, engine, stage_plan, mesh, config.parallelism_policy, device)
     log(engine.summary())
     return Composed(module, engine, stage_plan, pipeline)
 

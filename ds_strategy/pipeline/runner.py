@@ -56,7 +56,8 @@ from ..parallel.dtensor_params import local_tensor
 from ..parallel.mesh import ParallelMesh
 from ..parallel.pipeline_schedules import schedule_class, stages_per_rank
 from ..parallel.pipeline_split import StagePlan
-from ..zero.schedule_interface import ScheduleInterface
+from ..zero.engine import ZeroEngine
+from ..zero.schedule_interface import GradientBuffer, ScheduleInterface
 from .stage import StageModule, ZeroPipelineStage
 
 
@@ -65,26 +66,30 @@ class PipelineRunner:
 
     ``train_step`` returns the mean loss over the batch's micro-batches, the same on every rank (the last stage's,
     broadcast over the pipeline group); the gradients are in the engine, which steps as without pipelining. The
-    engine is driven through its :class:`~ds_strategy.zero.schedule_interface.ScheduleInterface` only; the pipeline
+    engine is driven through the :class:`~ds_strategy.zero.schedule_interface.ScheduleInterface` it hands over for
+    this rank's stages only; the pipeline
     group's own traffic (the loss, tied weights and their gradients) goes through :class:`Collectives` too.
     """
 
     def __init__(
         self,
         root: nn.Module,
-        engine: ScheduleInterface,
+        engine: ZeroEngine,
         plan: StagePlan,
         mesh: ParallelMesh,
         policy: ParallelismPolicy,
         device: torch.device,
     ):
-        self.engine = engine
+        self.root = root
         self.plan = plan
         self.policy = policy
         self.num_microbatches = policy.microbatch_count
         self.pp = collectives_for(mesh.pp_group)  # its timeout set by compose_model
         self.last_stage_rank = plan.rank_of_stage[-1]
         self.modules = {s: StageModule(root, plan, s) for s in plan.stage_ids}
+        stage_params = {s: list(module.parameters()) for s, module in self.modules.items()}
+        tied_names = frozenset(tied.name for tied in plan.tied)  # their gradients are summed after the schedule
+        self.engine: ScheduleInterface = engine.driven_by_schedule(stage_params, tied_names)
         stages = [
             ZeroPipelineStage(self.modules[s], s, plan.num_stages, device, mesh.pp_group, self) for s in plan.stage_ids
         ]
@@ -95,34 +100,16 @@ class PipelineRunner:
             loss_fn=self._scaled_loss,
             scale_grads=False,
         )
-        self._units_of = {s: self._units_in(self.modules[s]) for s in plan.stage_ids}
-        self._alone_in = {s: self._flat_params_only_in(s) for s in plan.stage_ids}
-        self._params_of = {s: [p for fp in self._alone_in[s] for p in fp.params] for s in plan.stage_ids}
-        self._reduced: set[int] = set()
-        self._regather = engine.gathers_units and not policy.pipeline_keep_gathered
+        self._alone_in = {
+            s: self.engine.buffers_only_in(s) if policy.pipeline_grad_reduction == "per_microbatch" else []
+            for s in plan.stage_ids
+        }
+        self._reduced: set[GradientBuffer] = set()
+        self._regather = self.engine.gathers_units and not policy.pipeline_keep_gathered
         self._last_run_trained: bool | None = None  # torch re-infers shapes on the first run and on every switch
         self._microbatch_shape: tuple[int, ...] | None = None
         self._scale = 1.0
         self._tie_copies_to_owner()
-
-    # -- bookkeeping built once ------------------------------------------------------------------------------------
-    def _units_in(self, module: StageModule) -> list:
-        return self.engine.units_holding(module.parameters())
-
-    def _flat_params_only_in(self, stage: int) -> list:
-        """The flat buffers whose parameters this stage alone uses (reduced after each of its micro-batches under
-        ``per_microbatch``), in the engine's reduction order."""
-        if self.policy.pipeline_grad_reduction != "per_microbatch":
-            return []
-        mine = {id(p) for p in self.modules[stage].parameters()}
-        others = {id(p) for s, m in self.modules.items() if s != stage for p in m.parameters()}
-        return [
-            fp
-            for fp in self.engine.reduction_order()
-            if not fp.tied_copy
-            and all(id(p) in mine and id(p) not in others for p in fp.params)
-            and not any(t.name in {slot.name for slot in fp.slots} for t in self.plan.tied)
-        ]
 
     # -- what the stages call ---------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -133,19 +120,17 @@ class PipelineRunner:
         if not self._regather:
             yield
             return
-        units = self._units_of[stage]  # not the root, which stays gathered (Note: [Stage-3 weights under ...])
-        self.engine.gather(units)
+        self.engine.gather_stage(stage)  # not the root, which stays gathered (Note: [Stage-3 weights under ...])
         yield
         if free_after:
-            self.engine.release(units, keep_for_backward)
+            self.engine.release_stage(stage, keep_for_backward)
 
     def after_microbatch_backward(self, stage: int) -> None:
         """Reduce the buffers this stage alone uses, under ``per_microbatch`` (Note: [Pipeline gradients])."""
-        fps = self._alone_in[stage]
-        if fps:
-            self.engine.take_gradients(self._params_of[stage], self._scale)
-            self.engine.reduce(fps)
-            self._reduced.update(fp.index for fp in fps)
+        buffers = self._alone_in[stage]
+        if buffers:
+            self.engine.reduce(buffers, self._scale)
+            self._reduced.update(buffers)
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self.engine.scale_loss(self._loss_fn(output, target))
@@ -193,9 +178,8 @@ class PipelineRunner:
         self._reduced.clear()
         loss = self._run(True, inputs, target, loss_fn)
         self._sum_tied_gradients()
-        remaining = [fp for fp in self.engine.reduction_order() if fp.index not in self._reduced]
-        self.engine.take_gradients([p for fp in remaining for p in fp.params], self._scale)
-        self.engine.reduce(remaining)
+        remaining = [buffer for buffer in self.engine.buffers() if buffer not in self._reduced]
+        self.engine.reduce(remaining, self._scale)
         self.engine.finish_gradients()
         return loss
 
@@ -227,21 +211,18 @@ class PipelineRunner:
         copies = set(self.engine.tied_copies.values())
         for tied in self.plan.tied:
             value = torch.zeros(math.prod(tied.shape), dtype=torch.float32, device=self.engine.device)
-            pieces = self.engine.master_pieces(tied.name)
             if tied.name not in copies:
-                for _, view, start in pieces:
-                    value.narrow(0, start, view.numel()).copy_(view)
+                self.engine.read_master(tied.name, value)
             self.engine.sum_over_zero_group(value)
             self.pp.all_reduce(value, label=f"tied {tied.name}").wait()
             if tied.name in copies:
-                for _, view, start in pieces:
-                    view.copy_(value.narrow(0, start, view.numel()))
+                self.engine.write_master(tied.name, value)
         if self.plan.tied:
             self.engine.refresh_from_masters()
 
     def _sum_tied_gradients(self) -> None:
         """Sum each tied parameter's gradient over the pipeline group (zeros where a rank holds no copy)."""
-        present = dict(self.engine.module.named_parameters(remove_duplicate=False))
+        present = dict(self.root.named_parameters(remove_duplicate=False))
         for tied in self.plan.tied:
             held = [present[n] for n in tied.names if n in present]
             param = held[0] if held else None

@@ -6,7 +6,7 @@ import contextlib
 import functools
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -410,14 +410,17 @@ class ZeroEngine:
             raise ValueError(f"gradient divide factor must be positive, got {factor}")
         self.reducer.divide_factor = factor
 
-    def driven_by_schedule(self) -> ScheduleInterface:
+    def driven_by_schedule(
+        self, stages: Mapping[int, Iterable[nn.Parameter]], finished_later: frozenset[str] = frozenset()
+    ) -> ScheduleInterface:
         """Remove the autograd and stage-3 forward hooks and hand back the interface through which a pipeline
-        schedule gathers units and hands gradients over itself (Note: [Pipeline gradients] in
-        :mod:`ds_strategy.pipeline.runner`)."""
+        schedule running ``stages`` (each with its parameters) gathers units and hands gradients over itself
+        (Note: [Pipeline gradients] in :mod:`ds_strategy.pipeline.runner`); ``finished_later``: see
+        :class:`ScheduleInterface`."""
         self.reducer.remove_hooks()
         if self.gatherer is not None:
             self.gatherer.remove_hooks()
-        return ScheduleInterface(self)
+        return ScheduleInterface(self, stages, finished_later)
 
     def master_pieces(self, name: str) -> list[tuple[FlatParam, torch.Tensor, int]]:
         """(flat buffer, view of its master, start within the parameter's local flattening) for each piece of the
