@@ -44,7 +44,6 @@ Note: [Stage-3 weights under a pipeline schedule]
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable
 
 import torch
@@ -52,13 +51,13 @@ from torch import nn
 
 from ..comm.group_collectives import collectives_for
 from ..config_policies import ParallelismPolicy
-from ..parallel.dtensor_params import local_tensor
 from ..parallel.mesh import ParallelMesh
 from ..parallel.pipeline_schedules import schedule_class, stages_per_rank
 from ..parallel.pipeline_split import StagePlan
 from ..zero.engine import ZeroEngine
 from ..zero.schedule_interface import GradientBuffer, ScheduleInterface
 from .stage import StageModule, ZeroPipelineStage
+from .tied_weights import TiedWeights
 
 
 class PipelineRunner:
@@ -80,7 +79,6 @@ class PipelineRunner:
         policy: ParallelismPolicy,
         device: torch.device,
     ):
-        self.root = root
         self.plan = plan
         self.policy = policy
         self.num_microbatches = policy.microbatch_count
@@ -104,12 +102,15 @@ class PipelineRunner:
             s: self.engine.buffers_only_in(s) if policy.pipeline_grad_reduction == "per_microbatch" else []
             for s in plan.stage_ids
         }
+        self._buffers = self.engine.buffers()
         self._reduced: set[GradientBuffer] = set()
+        self._holds_last = plan.num_stages - 1 in plan.stage_ids
         self._regather = self.engine.gathers_units and not policy.pipeline_keep_gathered
         self._last_run_trained: bool | None = None  # torch re-infers shapes on the first run and on every switch
         self._microbatch_shape: tuple[int, ...] | None = None
         self._scale = 1.0
-        self._tie_copies_to_owner()
+        self.tied = TiedWeights(root, plan, self.engine, self.pp)
+        self.tied.make_copies_equal()
 
     # -- what the stages call ---------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -177,8 +178,8 @@ class PipelineRunner:
         self._scale = grad_scale / self.num_microbatches
         self._reduced.clear()
         loss = self._run(True, inputs, target, loss_fn)
-        self._sum_tied_gradients()
-        remaining = [buffer for buffer in self.engine.buffers() if buffer not in self._reduced]
+        self.tied.sum_gradients()
+        remaining = [buffer for buffer in self._buffers if buffer not in self._reduced]
         self.engine.reduce(remaining, self._scale)
         self.engine.finish_gradients()
         return loss
@@ -193,45 +194,10 @@ class PipelineRunner:
     def _mean_loss(self, losses: list[torch.Tensor], loss_scale: float) -> torch.Tensor:
         """The schedule's micro-batch losses (times ``scale_loss``'s factor ``loss_scale``) as their unscaled mean,
         broadcast from the last stage."""
-        holds_last = self.plan.num_stages - 1 in self.plan.stage_ids
-        device = self.engine.device
         loss = (
             torch.stack([x.detach().float() for x in losses]).mean() / loss_scale
-            if holds_last
-            else torch.zeros((), device=device)
+            if self._holds_last
+            else torch.zeros((), device=self.engine.device)
         )
         self.pp.broadcast(loss, src=self.last_stage_rank, label="pipeline loss").wait()
         return loss
-
-    @torch.no_grad()
-    def _tie_copies_to_owner(self) -> None:
-        """Give every tied copy its owner's master values: stages initialise their pieces on their own (a model
-        built on the meta device gives an LM head its Linear init, not the embedding's). The owner's data-parallel
-        ranks each hold a piece of its master; a sum over dp, then over the pipeline group, puts it whole everywhere."""
-        copies = set(self.engine.tied_copies.values())
-        for tied in self.plan.tied:
-            value = torch.zeros(math.prod(tied.shape), dtype=torch.float32, device=self.engine.device)
-            if tied.name not in copies:
-                self.engine.read_master(tied.name, value)
-            self.engine.sum_over_zero_group(value)
-            self.pp.all_reduce(value, label=f"tied {tied.name}").wait()
-            if tied.name in copies:
-                self.engine.write_master(tied.name, value)
-        if self.plan.tied:
-            self.engine.refresh_from_masters()
-
-    def _sum_tied_gradients(self) -> None:
-        """Sum each tied parameter's gradient over the pipeline group (zeros where a rank holds no copy)."""
-        present = dict(self.root.named_parameters(remove_duplicate=False))
-        for tied in self.plan.tied:
-            held = [present[n] for n in tied.names if n in present]
-            param = held[0] if held else None
-            summed = torch.zeros(tied.shape, dtype=torch.float32, device=self.engine.device)  # one dtype everywhere
-            if param is not None and param.grad is not None:
-                summed.copy_(local_tensor(param.grad))
-            self.pp.all_reduce(summed, label=f"tied gradient {tied.name}").wait()
-            if param is None:
-                continue
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            local_tensor(param.grad).copy_(summed)
