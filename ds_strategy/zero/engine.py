@@ -144,8 +144,8 @@ class ZeroEngine:
         )
         self.rank, self.world_size = self.collectives.rank, self.collectives.world_size
         self.tp_collectives = _collectives_over(groups.tensor_parallel, config)
-        self.pp_collectives = _collectives_over(groups.pipeline, config)
-        self.model_parallel = tuple(c for c in (self.tp_collectives, self.pp_collectives) if c is not None)
+        norm_spans = (self.tp_collectives, _collectives_over(groups.pipeline, config))
+        self.model_parallel = tuple(c for c in norm_spans if c is not None)  # each holds a different part of the model
         self.part = part or ModelPart()
         self.tied_copies: dict[str, str] = {}  # the trainable ones, by _build_units (Note: [Tied copies])
         self.whole_model_names: tuple[str, ...] = self.part.whole_names

@@ -30,11 +30,13 @@ class CutPiece:
 
 @dataclasses.dataclass(frozen=True)
 class ModelPart:
-    """``whole_names``: the whole model's ``state_dict`` names in order, by which checkpoints order every part's
-    entries (this module holds only its own). ``copy_owners``: this module's names of tied copies (its first name
-    for each), mapped to the name their owner saves them under (Note: [Tied copies]). ``cut_pieces``: the meta
-    pieces cut away from it."""
+    """``pipeline_size``: how many ranks the whole model is spread over, one part each (the pipeline's size, by which
+    checkpoints know to gather every part's entries). ``whole_names``: the whole model's ``state_dict`` names in order,
+    by which checkpoints order every part's entries (this module holds only its own). ``copy_owners``: this module's
+    names of tied copies (its first name for each), mapped to the name their owner saves them under
+    (Note: [Tied copies]). ``cut_pieces``: the meta pieces cut away from it."""
 
+    pipeline_size: int = 1
     whole_names: tuple[str, ...] = ()
     copy_owners: Mapping[str, str] = dataclasses.field(default_factory=dict)
     cut_pieces: tuple[CutPiece, ...] = ()
