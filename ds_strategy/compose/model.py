@@ -163,8 +163,16 @@ def _engine_and_runner(
     groups = EngineGroups()
     if mesh is not None:
         groups = EngineGroups(zero=mesh.zero_group, tensor_parallel=mesh.tp_group, pipeline=mesh.pp_group)
-    part = model_part(inner, stage_plan)
-    engine = ZeroEngine(inner, optimizer, config, groups, device=device, step_runner=step_runner_for(config), part=part)
+    engine = ZeroEngine(
+        inner,
+        optimizer,
+        config,
+        groups,
+        device=device,
+        step_runner=step_runner_for(config),
+        part=model_part(inner, stage_plan),
+        unit_modules=units,
+    )
     if mesh is not None and mesh.sp_size > 1:
         engine.set_gradient_divide_factor(gradient_divide_factor(engine.world_size, mesh.sp_size))
     pipeline = None

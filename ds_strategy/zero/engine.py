@@ -112,6 +112,7 @@ class ZeroEngine:
         device: torch.device | str | None = None,
         step_runner: StepRunnerFactory | None = None,
         part: ModelPart | None = None,
+        unit_modules: Sequence[tuple[str, nn.Module]] | None = None,
     ):
         """``optimizer``: the optimizer that trains ``module``, several (each holding its own parameters), or None.
         ``groups``: the process groups the engine spans (see :class:`.groups.EngineGroups`; None: ZeRO over the
@@ -120,6 +121,9 @@ class ZeroEngine:
         step_runner_for(config)``; the composition function does it): the engine never reaches for offload itself.
         ``part``: what the engine must know of a larger model ``module`` is part of (a pipeline stage's share: the
         whole model's names, tied copies, pieces cut away; see :mod:`.model_part`), or None for a whole model.
+        ``unit_modules``: the (name, module) pairs that become units, as the caller chose them (the composition
+        function, which checkpoints the same modules); None: chosen here by the config's unit policy
+        (:func:`.wrap_policy.select_unit_modules`).
 
         What other features need from the engine they set through public methods after construction, as torch's
         pipeline stages drive FSDP2: :meth:`set_gradient_divide_factor` (Ulysses) and :meth:`driven_by_schedule`
@@ -153,7 +157,9 @@ class ZeroEngine:
         factory = _step_runner_factory(step_runner, config)
         global_rank = dist.get_rank() if dist.is_initialized() else 0
         shard_store = factory.shard_store(config.offload_policy, global_rank)
-        self.units = self._build_units(shard_store)
+        if unit_modules is None:
+            unit_modules = select_unit_modules(module, config.unit_modules, config.unit_min_params)
+        self.units = self._build_units(list(unit_modules), shard_store)
         self.flat_params = [fp for unit in self.units for fp in unit.flat_params]
         self._norm_weights = self._weights_in_norm()
         self._materialise()
@@ -210,11 +216,10 @@ class ZeroEngine:
         ]
 
     # -- construction -------------------------------------------------------------------------------------------
-    def _build_units(self, shard_store) -> list[Unit]:
+    def _build_units(self, chosen: list[tuple[str, nn.Module]], shard_store) -> list[Unit]:
         """Root first, then the unit modules in module order; a parameter shared by two units, or by a unit and a
         module outside every unit (a tied LM head beside an embeddings unit), goes to the root: a unit is gathered
         only for its own forward, the root for the whole step."""
-        chosen = select_unit_modules(self.module, self.config.unit_modules, self.config.unit_min_params)
         owners: dict[int, list[int]] = {}
         for i, (_, module) in enumerate(chosen):
             for p in module.parameters():
