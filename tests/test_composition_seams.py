@@ -57,8 +57,11 @@ def test_no_adapter_composes_by_itself():
 
 
 def test_the_engine_constructor_takes_only_what_zero_needs():
-    """Pipelining, Ulysses and checkpoint order reach the engine through public methods and the groups object."""
+    """Pipelining and Ulysses reach the engine through public methods, the groups object and what it must know of a
+    model it holds part of (``ModelPart``: names, tied copies, pieces cut away), given once at construction; the
+    units are the ones composition chose (and checkpointed), not chosen a second time."""
     parameters = list(inspect.signature(ZeroEngine.__init__).parameters)
-    assert parameters == ["self", "module", "optimizer", "config", "groups", "device", "step_runner"]
-    for method in ("set_gradient_divide_factor", "set_state_dict_names", "driven_by_schedule"):
+    expected = ["self", "module", "optimizer", "config", "groups", "device", "step_runner", "part", "unit_modules"]
+    assert parameters == expected
+    for method in ("set_gradient_divide_factor", "driven_by_schedule"):
         assert callable(getattr(ZeroEngine, method))

@@ -1,5 +1,5 @@
-"""Dependencies point one way: offload -> zero (never back), adapters -> core (never back), and no package reaches
-itself through a chain of imports.
+"""Dependencies point one way: offload -> zero (never back), compose -> pipeline -> zero (never back), adapters ->
+core (never back), and no package reaches itself through a chain of imports.
 
 Read from the source with ``ast``, so imports inside functions and under ``TYPE_CHECKING`` count too: a lazy import
 is still a dependency. See Note: [One-way dependency between the engine and offload] in
@@ -59,6 +59,17 @@ def test_zero_imports_nothing_from_offload():
     files = sorted((ROOT / "zero").rglob("*.py"))
     assert len(files) > 10
     assert _offenders(files, ("ds_strategy.offload",)) == {}
+
+
+def test_pipelining_sits_above_the_engine_and_below_composition():
+    """The engine knows only ZeRO: pipelining drives it from above (ARCHITECTURE.md), and is itself one of the steps
+    composition calls, never the other way round."""
+    zero = sorted((ROOT / "zero").rglob("*.py"))
+    assert _offenders(zero, ("ds_strategy.pipeline", "ds_strategy.compose")) == {}
+    pipeline = sorted((ROOT / "pipeline").rglob("*.py"))
+    assert len(pipeline) >= 4
+    assert "ds_strategy.zero.schedule_interface" in set().union(*(_imports(path) for path in pipeline))
+    assert _offenders(pipeline, ("ds_strategy.compose",)) == {}
 
 
 def test_core_imports_nothing_from_the_adapters():

@@ -21,10 +21,10 @@ from torch.optim import Optimizer
 
 from ..checkpoint.pretrained import WeightSource, load_weights
 from ..compose import Composed, build_mesh, compose_model, recompose_engine
-from ..compose.pipeline_step import pipeline_step, ran_its_backward
 from ..config import ZeroConfig
 from ..engine_owner import backward_through_loss_scale
 from ..parallel.mesh import ACCELERATE_NAMES, ParallelMesh
+from ..pipeline.step import pipeline_step, ran_its_backward
 from ..precision import autocast_for
 from ..precision_flag import ACCELERATE_MIXED_PRECISION, reconcile_precision
 from ..zero.engine import ZeroEngine
@@ -375,7 +375,7 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
         divided by ``gradient_accumulation_steps``, as :meth:`backward` divides a loss), otherwise forward only. The
         loss is the mean over the micro-batches on the last stage, the same on every rank, without a graph:
         ``accelerator.backward`` of it does nothing. Without pipelining it is ``loss_fn(model(inputs), target)``
-        with its graph (see :func:`~ds_strategy.compose.pipeline_step.pipeline_step`)."""
+        with its graph (see :func:`~ds_strategy.pipeline.step.pipeline_step`)."""
         composed = self._composed_of(model)
         if composed is None:
             raise ValueError(f"accelerator.pipeline_step: this {type(model).__name__} was not prepared by it")

@@ -46,7 +46,7 @@ def described(
     if engine is None:
         return entries, kinds
     owned = with_optimizer and any(fp.regions is not None for fp in engine.flat_params)
-    if engine.pp_collectives is None:
+    if engine.part.pipeline_size == 1:
         if not owned:
             return entries, kinds
         group = waiting_as_long_as_the_group(engine.process_group)

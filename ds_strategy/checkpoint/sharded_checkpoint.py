@@ -64,7 +64,7 @@ def manifest_for(module: nn.Module, engine: ZeroEngine | None, with_optimizer: b
         saved_by = {
             "world_size": engine.world_size,
             "tensor_parallel_size": engine.tp_collectives.world_size if engine.tp_collectives is not None else 1,
-            "pipeline_parallel_size": engine.pp_collectives.world_size if engine.pp_collectives is not None else 1,
+            "pipeline_parallel_size": engine.part.pipeline_size,
             "stage": engine.config.stage,
             "precision": engine.config.precision,
         }
@@ -174,7 +174,7 @@ def _checkpoint_group(engine: ZeroEngine | None):
     """The ranks that write and read a checkpoint together: the engine's, or every rank under tensor parallelism
     (each tensor-parallel rank holds different pieces of the same data-parallel shard) or pipeline parallelism
     (each stage's ranks hold different parameters)."""
-    if engine is None or engine.tp_collectives is not None or engine.pp_collectives is not None:
+    if engine is None or engine.tp_collectives is not None or engine.part.pipeline_size > 1:
         return None
     return engine.process_group
 

@@ -14,10 +14,10 @@ Note: [The order of composition]
      After tensor parallelism (it splits the heads that rank holds) and before the cut (the cut must not drop it).
      Then sequence tiling (:mod:`ds_strategy.sequence_tiling`): MLPs and the causal-LM loss over tiles of the
      sequence; after tensor parallelism too (a tensor-parallel LM head is refused), and it moves no parameter.
-  3. The pipeline cut: this rank keeps its stages' pieces and deletes the rest, in place; tied copies are marked
-     for the engine (:mod:`ds_strategy.zero.tied_copies`). Before placement, so that pieces other ranks own are
-     never moved or converted, and before the optimizer is built (Lightning's ``configure_optimizers``), so that it
-     holds this rank's parameters only.
+  3. The pipeline cut: this rank keeps its stages' pieces and deletes the rest, in place; the stage plan it
+     returns says what the engine must know of the whole model (:mod:`ds_strategy.zero.model_part`). Before
+     placement, so that pieces other ranks own are never moved or converted, and before the optimizer is built
+     (Lightning's ``configure_optimizers``), so that it holds this rank's parameters only.
   4. Placement and dtype, one rule for every adapter: under a "-true" precision the module becomes 16-bit; the whole
      module moves to the device unless the engine places it itself, one unit at a time (stage 3, or a model built on
      the meta device, which it initialises shard by shard): the whole model is never materialised on the device.
@@ -49,14 +49,13 @@ from ..offload import step_runner_for
 from ..parallel.mesh import ParallelMesh, build_parallel_mesh
 from ..parallel.pipeline_split import StagePlan, cut_to_stages, plan_stages
 from ..parallel.ulysses import attend_with_ulysses, gradient_divide_factor
+from ..pipeline import PipelineRunner, model_part
 from ..sequence_tiling import apply_sequence_tiling
 from ..zero.engine import ZeroEngine
 from ..zero.groups import EngineGroups
 from ..zero.sharded_optimizers import as_optimizer_list
-from ..zero.tied_copies import mark_tied_copy
 from ..zero.wrap_policy import select_unit_modules
 from .early_optimizer import rebind_optimizer
-from .pipeline_runner import PipelineRunner
 from .tensor_parallel import apply_tensor_parallelism
 
 Unparallelized = Literal["require", "replicate", "auto"]
@@ -169,15 +168,21 @@ def _engine_and_runner(
     groups = EngineGroups()
     if mesh is not None:
         groups = EngineGroups(zero=mesh.zero_group, tensor_parallel=mesh.tp_group, pipeline=mesh.pp_group)
-    engine = ZeroEngine(inner, optimizer, config, groups, device=device, step_runner=step_runner_for(config))
+    engine = ZeroEngine(
+        inner,
+        optimizer,
+        config,
+        groups,
+        device=device,
+        step_runner=step_runner_for(config),
+        part=model_part(inner, stage_plan),
+        unit_modules=units,
+    )
     if mesh is not None and mesh.sp_size > 1:
         engine.set_gradient_divide_factor(gradient_divide_factor(engine.world_size, mesh.sp_size))
     pipeline = None
     if stage_plan is not None:
-        engine.set_state_dict_names(stage_plan.whole_names)
-        pipeline = PipelineRunner(
-            inner, engine.driven_by_schedule(), stage_plan, mesh, config.parallelism_policy, device
-        )
+        pipeline = PipelineRunner(inner, engine, stage_plan, mesh, config.parallelism_policy, device)
     log(engine.summary())
     return Composed(module, engine, stage_plan, pipeline)
 
@@ -224,16 +229,12 @@ def _tensor_parallel(
 
 
 def _cut_for_pipeline(module: nn.Module, config: ZeroConfig, mesh: ParallelMesh | None) -> StagePlan | None:
-    """Step 3: plan the stages (a split that cannot be made raises before anything is cut), cut ``module`` down to
-    this rank's in place, and mark the tied copies it keeps of parameters another stage owns."""
+    """Step 3: plan the stages (a split that cannot be made raises before anything is cut) and cut ``module`` down
+    to this rank's in place; the plan returned carries the meta pieces cut."""
     if config.pipeline_parallel_size == 1:
         return None
     plan = plan_stages(module, mesh.pp_size, mesh.pp_rank, config.pipeline_schedule, config.pipeline_split)
-    cut_to_stages(module, plan)
-    present = dict(module.named_parameters())
-    for name, owner in plan.tied_copies(module).items():
-        mark_tied_copy(present[name], owner)
-    return plan
+    return cut_to_stages(module, plan)
 
 
 def _place(module: nn.Module, config: ZeroConfig, device: torch.device, place: bool) -> None:

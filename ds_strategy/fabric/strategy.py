@@ -20,11 +20,11 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ..compose import Composed, build_mesh, compose_model
-from ..compose.pipeline_step import pipeline_step, ran_its_backward
 from ..config import ZeroConfig
 from ..deepspeed_config import config_from_deepspeed
 from ..engine_owner import EngineOwnerMixin, backward_through_loss_scale, release_engine, zero_grad_through_engine
 from ..parallel.mesh import LIGHTNING_NAMES, ParallelMesh
+from ..pipeline.step import pipeline_step, ran_its_backward
 from ..precision import autocast_for
 from ..precision.init_dtype import init_dtype_context
 from ..precision_flag import reconcile_precision
@@ -283,7 +283,7 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
         ``grad_scale``: ``1 / accumulated batches`` when the loop accumulates), otherwise forward only. The loss is
         the mean over the micro-batches on the last stage, the same on every rank, without a graph:
         ``fabric.backward`` of it does nothing. Without pipelining it is ``loss_fn(model(inputs), target)`` with
-        its graph (see :func:`~ds_strategy.compose.pipeline_step.pipeline_step`)."""
+        its graph (see :func:`~ds_strategy.pipeline.step.pipeline_step`)."""
         inner, _ = _unwrap_compiled(model._forward_module if isinstance(model, _FabricModule) else model)
         engine = self.engine_of(inner, "fabric.strategy.pipeline_step")
         runner = next(composed.pipeline for composed in self.composed if composed.engine is engine)

@@ -18,14 +18,14 @@ from ..comm.accounting import StepCommMeter
 from ..comm.process_exit import destroy_process_groups_at_exit
 from ..comm.rank_failure import report_failure
 from ..compose import build_mesh, compose_model
-from ..compose.pipeline_runner import PipelineRunner
-from ..compose.pipeline_step import pipeline_step
 from ..config import ZeroConfig
 from ..deepspeed.optimizer_section import OptimizerSections
 from ..deepspeed_config import read_deepspeed_config
 from ..engine_owner import EngineOwnerMixin, zero_grad_through_engine
 from ..micro_batch import check_micro_batch
 from ..parallel.mesh import LIGHTNING_NAMES, ParallelMesh
+from ..pipeline.runner import PipelineRunner
+from ..pipeline.step import pipeline_step
 from ..precision_flag import reconcile_precision
 from ..zero.engine import ZeroEngine
 from ..zero.meta_parameters import parameters_on_meta
@@ -208,7 +208,7 @@ class ZeroStrategyMixin(EngineOwnerMixin):
     def pipeline_step(self, inputs: torch.Tensor, target: Any, loss_fn: Callable[[torch.Tensor, Any], torch.Tensor]):
         """The loss of ``loss_fn(model output, target)`` on this batch, for a LightningModule's training, validation
         and test steps to return or log; the same step code runs with and without pipelining (see
-        :func:`ds_strategy.compose.pipeline_step.pipeline_step`): in training, forward and backward with gradients
+        :func:`ds_strategy.pipeline.step.pipeline_step`): in training, forward and backward with gradients
         divided by ``accumulate_grad_batches``, in validation and test forward only; under pipelining the loss
         carries no graph and :meth:`backward` does nothing. The LightningModule's ``forward`` must return what the
         last stage returns (the logits of a causal LM).

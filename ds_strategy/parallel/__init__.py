@@ -2,7 +2,7 @@
 buffers (``dtensor_params``), automatic tensor-parallel plans (``auto_plan``) and the styles torch lacks
 (``tp_styles``), DeepSpeed-Ulysses sequence parallelism (``ulysses``), and pipeline parallelism: where a model's
 pieces are (``pipeline_layout``), which stage owns which (``pipeline_split``), torch's schedules by name
-(``pipeline_schedules``); running them over ZeRO-sharded stages is ``ds_strategy.compose.pipeline_runner``'s, above
+(``pipeline_schedules``); running them over ZeRO-sharded stages is ``ds_strategy.pipeline``'s, above
 the engine."""
 
 from ds_strategy.parallel.auto_plan import STYLE_NAMES, apply_tensor_parallel_plan, tensor_parallel_plan

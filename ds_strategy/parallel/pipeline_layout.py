@@ -25,7 +25,7 @@ class PipelineLayout:
     ``embed(x, offset)``, ``run_block(block, h)`` and ``head(h)`` are what a stage calls; ``prepare(h, offset)``
     gives the keyword arguments every block of a stage takes (positions, masks), computed on each stage from its
     input. ``offset`` is the position of the input's first token in the whole sequence: 0, or under Ulysses the
-    start of this rank's slice (Note: [Positions of a sequence slice on every stage] in ``compose.pipeline_runner``).
+    start of this rank's slice (Note: [Positions of a sequence slice on every stage] in ``pipeline.runner``).
     """
 
     kind: str

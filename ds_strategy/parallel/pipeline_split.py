@@ -7,11 +7,8 @@ module) fails at once with the allowed values.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
-import weakref
-from collections.abc import Iterator
 
 from torch import nn
 
@@ -43,6 +40,7 @@ class StagePlan:
     tied: tuple[TiedParameter, ...]  # shared by stages on different ranks
     block_class: type
     whole_names: tuple[str, ...]  # the uncut model's state_dict names in order, which no single rank sees after
+    cut_pieces: tuple[tuple[nn.Module, str, nn.Module], ...] = ()  # (parent, attribute, piece) cut on meta
 
     @property
     def num_stages(self) -> int:
@@ -201,15 +199,10 @@ def _tied_across_ranks(root: nn.Module, plan: StagePlan) -> tuple[TiedParameter,
     return tuple(tied)
 
 
-# The meta pieces cut from a root: (parent, attribute, piece), kept until the root is materialised or dropped.
-_CUT_META_PIECES: weakref.WeakKeyDictionary[nn.Module, list[tuple[nn.Module, str, nn.Module]]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def cut_to_stages(root: nn.Module, plan: StagePlan) -> None:
+def cut_to_stages(root: nn.Module, plan: StagePlan) -> StagePlan:
     """Set every piece none of this rank's stages owns to None in its parent, keeping the others' global names.
-    Pieces built on the meta device are remembered for :func:`cut_pieces_restored` (they hold no memory)."""
+    Returns ``plan`` carrying the pieces that were built on the meta device (they hold no memory), which the
+    engine's initialisation of a meta build puts back for the duration (``ModelPart.cut_pieces``)."""
     layout = plan.layout
     blocks = root.get_submodule(layout.blocks) if layout.blocks else root
     owned_blocks = {i for s in plan.stage_ids for i in plan.blocks_of[s]}
@@ -225,20 +218,4 @@ def cut_to_stages(root: nn.Module, plan: StagePlan) -> None:
         if all(t.is_meta for t in [*piece.parameters(), *piece.buffers()]):
             on_meta.append((parent, attr, piece))
         setattr(parent, attr, None)
-    if on_meta:
-        _CUT_META_PIECES.setdefault(root, []).extend(on_meta)
-
-
-@contextlib.contextmanager
-def cut_pieces_restored(root: nn.Module) -> Iterator[list[nn.Module]]:
-    """Inside, the meta pieces :func:`cut_to_stages` cut from ``root`` are back in place (yielded, [] if none),
-    so that code walking the model sees the whole model in its order; on exit they are cut again and
-    forgotten. See Note: [A sharded build equals a normal build] in :mod:`ds_strategy.zero.sharded_init`."""
-    pieces = _CUT_META_PIECES.pop(root, [])
-    for parent, attr, piece in pieces:
-        setattr(parent, attr, piece)
-    try:
-        yield [piece for _, _, piece in pieces]
-    finally:
-        for parent, attr, _ in pieces:
-            setattr(parent, attr, None)
+    return dataclasses.replace(plan, cut_pieces=tuple(on_meta))

@@ -6,7 +6,7 @@ import contextlib
 import functools
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,7 @@ from .grad_reducer import GradReducer
 from .groups import EngineGroups
 from .hpz import WeightGather, hpz_collectives
 from .memory_report import WorkingSetPeak, memory_report, unit_bounded_sizes, whole_tensor_ownership
+from .model_part import ModelPart
 from .param_gatherer import ParamGatherer
 from .param_types import check_shardable
 from .placement import place_units
@@ -35,7 +36,6 @@ from .schedule_interface import ScheduleInterface
 from .sharded_init import materialise_sharded
 from .sharded_optimizers import ShardedOptimizers, as_optimizer_list
 from .step_runner import DeviceStep, StepContext, StepRunner, StepRunnerFactory
-from .tied_copies import tied_copy_owner
 from .unit import ShardedState, Unit
 from .wrap_policy import select_unit_modules
 
@@ -111,17 +111,23 @@ class ZeroEngine:
         groups: EngineGroups | None = None,
         device: torch.device | str | None = None,
         step_runner: StepRunnerFactory | None = None,
+        part: ModelPart | None = None,
+        unit_modules: Sequence[tuple[str, nn.Module]] | None = None,
     ):
         """``optimizer``: the optimizer that trains ``module``, several (each holding its own parameters), or None.
         ``groups``: the process groups the engine spans (see :class:`.groups.EngineGroups`; None: ZeRO over the
         default group, nothing else). ``step_runner``: where the optimizer step runs (see :mod:`.step_runner`); by
         default on the device. A config that offloads needs the runner passed (``ds_strategy.offload.
         step_runner_for(config)``; the composition function does it): the engine never reaches for offload itself.
+        ``part``: what the engine must know of a larger model ``module`` is part of (a pipeline stage's share: the
+        whole model's names, tied copies, pieces cut away; see :mod:`.model_part`), or None for a whole model.
+        ``unit_modules``: the (name, module) pairs that become units, as the caller chose them (the composition
+        function, which checkpoints the same modules); None: chosen here by the config's unit policy
+        (:func:`.wrap_policy.select_unit_modules`).
 
         What other features need from the engine they set through public methods after construction, as torch's
-        pipeline stages drive FSDP2: :meth:`set_gradient_divide_factor` (Ulysses), :meth:`set_state_dict_names`
-        (checkpoint order under pipelining) and :meth:`driven_by_schedule` (a pipeline schedule hands gradients
-        over); parameters another pipeline stage owns are marked before construction (:mod:`.tied_copies`).
+        pipeline stages drive FSDP2: :meth:`set_gradient_divide_factor` (Ulysses) and :meth:`driven_by_schedule`
+        (a pipeline schedule hands gradients over).
 
         The order below is the order of construction: communication first (units gather through it), then units
         and their flat buffers, placed or initialised on the device; then the step runner, which may move shards
@@ -142,15 +148,18 @@ class ZeroEngine:
         )
         self.rank, self.world_size = self.collectives.rank, self.collectives.world_size
         self.tp_collectives = _collectives_over(groups.tensor_parallel, config)
-        self.pp_collectives = _collectives_over(groups.pipeline, config)
-        self.model_parallel = tuple(c for c in (self.tp_collectives, self.pp_collectives) if c is not None)
-        self.tied_copies: dict[str, str] = {}  # filled by _build_units from the marks of .tied_copies
-        self.whole_model_names: tuple[str, ...] = ()  # see set_state_dict_names
+        norm_spans = (self.tp_collectives, _collectives_over(groups.pipeline, config))
+        self.model_parallel = tuple(c for c in norm_spans if c is not None)  # each holds a different part of the model
+        self.part = part or ModelPart()
+        self.tied_copies: dict[str, str] = {}  # the trainable ones, by _build_units (Note: [Tied copies])
+        self.whole_model_names: tuple[str, ...] = self.part.whole_names
         self._setup_weight_gathering()
         factory = _step_runner_factory(step_runner, config)
         global_rank = dist.get_rank() if dist.is_initialized() else 0
         shard_store = factory.shard_store(config.offload_policy, global_rank)
-        self.units = self._build_units(shard_store)
+        if unit_modules is None:
+            unit_modules = select_unit_modules(module, config.unit_modules, config.unit_min_params)
+        self.units = self._build_units(list(unit_modules), shard_store)
         self.flat_params = [fp for unit in self.units for fp in unit.flat_params]
         self._norm_weights = self._weights_in_norm()
         self._materialise()
@@ -207,11 +216,10 @@ class ZeroEngine:
         ]
 
     # -- construction -------------------------------------------------------------------------------------------
-    def _build_units(self, shard_store) -> list[Unit]:
+    def _build_units(self, chosen: list[tuple[str, nn.Module]], shard_store) -> list[Unit]:
         """Root first, then the unit modules in module order; a parameter shared by two units, or by a unit and a
         module outside every unit (a tied LM head beside an embeddings unit), goes to the root: a unit is gathered
         only for its own forward, the root for the whole step."""
-        chosen = select_unit_modules(self.module, self.config.unit_modules, self.config.unit_min_params)
         owners: dict[int, list[int]] = {}
         for i, (_, module) in enumerate(chosen):
             for p in module.parameters():
@@ -232,7 +240,7 @@ class ZeroEngine:
                     f"freeze it (requires_grad=False) or add it to the optimizer"
                 )
             where = owners.get(id(p), [])
-            owner = tied_copy_owner(p)
+            owner = self.part.copy_owners.get(name)
             if owner is not None:
                 self.tied_copies[name] = owner
             members[where[0] + 1 if len(where) == 1 else 0].append((owner or name, p))
@@ -347,7 +355,9 @@ class ZeroEngine:
             if not self.config.sync_module_states:
                 self._check_ranks_built_alike(built_on_meta)
             if built_on_meta and not self.config.sync_module_states:
-                materialise_sharded(self.module, self.units, broadcast, self.device, self.config.param_init_fn)
+                materialise_sharded(
+                    self.module, self.units, broadcast, self.device, self.config.param_init_fn, self.part.cut_pieces
+                )
                 return
             place_units(self.module, self.units, self.device, broadcast)
 
@@ -405,19 +415,17 @@ class ZeroEngine:
             raise ValueError(f"gradient divide factor must be positive, got {factor}")
         self.reducer.divide_factor = factor
 
-    def set_state_dict_names(self, names: tuple[str, ...]) -> None:
-        """The uncut model's ``state_dict`` names in order, by which checkpoints order every pipeline stage's
-        entries (a stage's module holds only its own)."""
-        self.whole_model_names = tuple(names)
-
-    def driven_by_schedule(self) -> ScheduleInterface:
+    def driven_by_schedule(
+        self, stages: Mapping[int, Iterable[nn.Parameter]], finished_later: frozenset[str] = frozenset()
+    ) -> ScheduleInterface:
         """Remove the autograd and stage-3 forward hooks and hand back the interface through which a pipeline
-        schedule gathers units and hands gradients over itself (Note: [Pipeline gradients] in
-        :mod:`ds_strategy.compose.pipeline_runner`)."""
+        schedule running ``stages`` (each with its parameters) gathers units and hands gradients over itself
+        (Note: [Pipeline gradients] in :mod:`ds_strategy.pipeline.runner`); ``finished_later``: see
+        :class:`ScheduleInterface`."""
         self.reducer.remove_hooks()
         if self.gatherer is not None:
             self.gatherer.remove_hooks()
-        return ScheduleInterface(self)
+        return ScheduleInterface(self, stages, finished_later)
 
     def master_pieces(self, name: str) -> list[tuple[FlatParam, torch.Tensor, int]]:
         """(flat buffer, view of its master, start within the parameter's local flattening) for each piece of the

@@ -185,7 +185,7 @@ class GradReducer:
     def collect(self, params, scale: float) -> None:
         """Add ``scale`` times each parameter's ``.grad`` into its flat buffer's accumulation region and drop the
         ``.grad``, for gradients autograd's hooks did not deliver (Note: [Pipeline gradients] in
-        :mod:`ds_strategy.compose.pipeline_runner`). At stage 2/3 that region is the scratch buffer the next
+        :mod:`ds_strategy.pipeline.runner`). At stage 2/3 that region is the scratch buffer the next
         :meth:`reduce` of its flat buffer reduce-scatters, at stage 0/1 ``grad_full``. A reduction still reading
         one of those regions (the previous micro-batch's) is finished first."""
         params = list(params)

@@ -23,15 +23,15 @@ scratch tensors of the global shape, so a random initialiser draws what it draws
 shard every tensor-parallel rank would draw the same numbers: identical halves); when the unit's last initialiser
 has run, ``distribute_tensor`` keeps this rank's piece of tensor-parallel rank 0's tensor (as
 ``parallelize_module`` does for a normal build) and the scratch goes, so memory stays one unit, counted whole.
-(2) Every initialiser of the whole model runs, in the whole model's order: the meta pieces a pipeline cut away
-are put back for the duration (``cut_pieces_restored``), and while an initialiser runs, the cut tensors it writes
-(its module's own, or its subtree's for a ``reset_parameters`` that initialises a whole subtree) are whole scratch
-tensors too, dropped right after, so the generator advances exactly as in a normal build, also across an
+(2) Every initialiser of the whole model runs, in the whole model's order: the meta pieces a pipeline cut away are put
+back for the duration (``ModelPart.cut_pieces``, which the engine is handed), and while an initialiser runs, the cut
+tensors it writes (its module's own, or its subtree's for a ``reset_parameters`` that initialises a whole subtree) are
+whole scratch tensors too, dropped right after, so the generator advances exactly as in a normal build, also across an
 initialiser that writes a kept unit and a cut piece at once (our GPT's embeddings when the tied head is on the last
-stage). Memory: those tensors of one initialiser, at most what a normal build's initialiser touches. Hugging Face
-passes restore their own recorded generator state besides (Note: [Equal to a normal Hugging Face build]), so a
-pass reaching into a cut child (GPT-2's ``c_proj``) changes nothing after it. Ranks must start from the same seed,
-as for a normal build (the broadcasts make data-parallel ranks agree regardless).
+stage). Memory: those tensors of one initialiser, at most what a normal build's initialiser touches. Hugging Face passes
+restore their own recorded generator state besides (Note: [Equal to a normal Hugging Face build]), so a pass reaching
+into a cut child (GPT-2's ``c_proj``) changes nothing after it. Ranks must start from the same seed, as for a normal
+build (the broadcasts make data-parallel ranks agree regardless).
 
 Note: [Values built before the meta build]
 Part of a model may arrive with values: a LightningModule whose ``__init__`` built (or loaded) the backbone and whose
@@ -58,8 +58,8 @@ from torch import nn
 from torch.distributed.tensor import distribute_tensor
 
 from ..parallel.dtensor_params import local_tensor, point_param_at
-from ..parallel.pipeline_split import cut_pieces_restored
 from .hf_init import Initialiser, hf_initialisers, outermost_hf_models
+from .model_part import CutPiece
 from .param_types import parameter_like
 from .rng_replay import set_generator_state
 from .unit import Unit
@@ -139,11 +139,13 @@ def materialise_sharded(
     broadcast,
     device: torch.device,
     param_init_fn: Callable[[nn.Module], None] | None = None,
+    cut_pieces: tuple[CutPiece, ...] = (),
 ) -> None:
     """Run the whole model's initialisers unit by unit; ``broadcast(tensor)`` makes every rank hold rank 0's
-    values. See Note: [A sharded build equals a normal build]."""
-    with cut_pieces_restored(root) as cut_away:
-        _materialise(root, units, broadcast, device, param_init_fn, tuple(cut_away))
+    values; ``cut_pieces``: the meta pieces a pipeline cut from ``root``. See Note: [A sharded build equals a
+    normal build]."""
+    with _restored(cut_pieces):
+        _materialise(root, units, broadcast, device, param_init_fn, tuple(piece.module for piece in cut_pieces))
     _move_valued_loose_tensors(root, device)
     still_meta = [name for name, t in [*root.named_buffers(), *root.named_parameters()] if t.is_meta]
     if still_meta:
@@ -151,6 +153,19 @@ def materialise_sharded(
             f"no initialiser gave storage to {still_meta[:5]}{' ...' if len(still_meta) > 5 else ''} "
             f"(built on the meta device); create them on a real device or pass param_init_fn"
         )
+
+
+@contextlib.contextmanager
+def _restored(pieces: tuple[CutPiece, ...]) -> Iterator[None]:
+    """Inside, ``pieces`` are back in their parents, so that code walking the model sees the whole model in its
+    order; on exit they are cut again."""
+    for piece in pieces:
+        setattr(piece.parent, piece.name, piece.module)
+    try:
+        yield
+    finally:
+        for piece in pieces:
+            setattr(piece.parent, piece.name, None)
 
 
 def _materialise(

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .pipeline_runner import PipelineRunner
+from .runner import PipelineRunner
 
 
 def pipeline_step(

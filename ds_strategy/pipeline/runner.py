@@ -1,9 +1,10 @@
 """Pipeline parallelism: torch.distributed.pipelining's schedules running stages that a ZeRO engine shards.
 
 Each rank runs one stage (two for the interleaved and zero-bubble schedules) of a model cut by
-:mod:`.pipeline_split`; one :class:`~ds_strategy.zero.engine.ZeroEngine` per rank shards all of its stages'
-parameters, gradients and optimizer state over the rank's data-parallel group, at any ZeRO stage. The schedule
-is torch's; :class:`ZeroPipelineStage` is its ``PipelineStage`` told where micro-batches end.
+:mod:`ds_strategy.parallel.pipeline_split`; one :class:`~ds_strategy.zero.engine.ZeroEngine` per rank shards all
+of its stages' parameters, gradients and optimizer state over the rank's data-parallel group, at any ZeRO stage.
+The schedule is torch's; :class:`~.stage.ZeroPipelineStage` is its ``PipelineStage`` telling this runner where
+micro-batches end.
 
 Note: [Pipeline gradients]
   Schedules do not run one backward per optimizer step: every stage runs one per micro-batch, interleaved with
@@ -53,69 +54,20 @@ Note: [Positions of a sequence slice on every stage]
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
 
 from ..comm.group_collectives import collectives_for
 from ..config_policies import ParallelismPolicy
-from ..parallel.dtensor_params import local_tensor
 from ..parallel.mesh import ParallelMesh
 from ..parallel.pipeline_schedules import schedule_class, stages_per_rank
 from ..parallel.pipeline_split import StagePlan
-from ..zero.schedule_interface import ScheduleInterface
-
-
-class StageModule(nn.Module):
-    """One stage's forward: the embedding on the first stage, its blocks, the norm and head on the last.
-
-    Its children are the model's own modules (no copies), so ``parameters()``, which the schedule's weight
-    backward differentiates, is exactly this stage's parameters. ``sequence_rank``: this rank's place in its
-    Ulysses group, whose slice's tokens it positions (Note: [Positions of a sequence slice on every stage])."""
-
-    def __init__(self, root: nn.Module, plan: StagePlan, stage: int, sequence_rank: int = 0):
-        super().__init__()
-        self.layout = plan.layout
-        self.sequence_rank = sequence_rank
-        self.first, self.last = stage == 0, stage == plan.num_stages - 1
-        owned = [plan.block_names[i] for i in plan.blocks_of[stage]]
-        owned += list(plan.layout.before if self.first else ()) + list(plan.layout.after if self.last else ())
-        self.parts = nn.ModuleDict({name.replace(".", "/"): root.get_submodule(name) for name in owned})
-        self.blocks = [root.get_submodule(plan.block_names[i]) for i in plan.blocks_of[stage]]
-        self._root = [root]  # not a child: the root is not this stage's
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        root = self._root[0]
-        offset = self.sequence_rank * x.shape[1]  # ids or hidden states: dimension 1 is the slice's tokens
-        h = self.layout.embed(root, x, offset) if self.first else x
-        kwargs = self.layout.prepare(root, h, offset)
-        for block in self.blocks:
-            h = self.layout.run_block(block, h, kwargs)
-        return self.layout.head(root, h) if self.last else h
-
-
-class ZeroPipelineStage(PipelineStage):
-    """A ``PipelineStage`` that tells its :class:`PipelineRunner` where each micro-batch's forward and backward
-    run (Notes: [Pipeline gradients], [Stage-3 weights under a pipeline schedule]); DDP and FSDP get the same
-    from torch's own stage by ``isinstance`` checks."""
-
-    def __init__(self, module: StageModule, stage: int, num_stages: int, device, group, runner: PipelineRunner):
-        super().__init__(module, stage, num_stages, device, group=group)
-        self.runner = runner
-
-    def forward_one_chunk(self, *args, **kwargs):
-        with self.runner.weights_for(self.stage_index, free_after=True, keep_for_backward=True):
-            return super().forward_one_chunk(*args, **kwargs)
-
-    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
-        with self.runner.weights_for(self.stage_index, free_after=backward_type != "input"):
-            result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-        if backward_type != "input":
-            self.runner.after_microbatch_backward(self.stage_index)
-        return result
+from ..zero.engine import ZeroEngine
+from ..zero.schedule_interface import GradientBuffer, ScheduleInterface
+from .stage import StageModule, ZeroPipelineStage
+from .tied_weights import TiedWeights
 
 
 class PipelineRunner:
@@ -123,26 +75,29 @@ class PipelineRunner:
 
     ``train_step`` returns the mean loss over the batch's micro-batches, the same on every rank (the last stage's,
     broadcast over the pipeline group); the gradients are in the engine, which steps as without pipelining. The
-    engine is driven through its :class:`~ds_strategy.zero.schedule_interface.ScheduleInterface` only; the pipeline
+    engine is driven through the :class:`~ds_strategy.zero.schedule_interface.ScheduleInterface` it hands over for
+    this rank's stages only; the pipeline
     group's own traffic (the loss, tied weights and their gradients) goes through :class:`Collectives` too.
     """
 
     def __init__(
         self,
         root: nn.Module,
-        engine: ScheduleInterface,
+        engine: ZeroEngine,
         plan: StagePlan,
         mesh: ParallelMesh,
         policy: ParallelismPolicy,
         device: torch.device,
     ):
-        self.engine = engine
         self.plan = plan
         self.policy = policy
         self.num_microbatches = policy.microbatch_count
         self.pp = collectives_for(mesh.pp_group)  # its timeout set by compose_model
         self.last_stage_rank = plan.rank_of_stage[-1]
         self.modules = {s: StageModule(root, plan, s, mesh.sp_rank) for s in plan.stage_ids}
+        stage_params = {s: list(module.parameters()) for s, module in self.modules.items()}
+        tied_names = frozenset(tied.name for tied in plan.tied)  # their gradients are summed after the schedule
+        self.engine: ScheduleInterface = engine.driven_by_schedule(stage_params, tied_names)
         stages = [
             ZeroPipelineStage(self.modules[s], s, plan.num_stages, device, mesh.pp_group, self) for s in plan.stage_ids
         ]
@@ -153,34 +108,19 @@ class PipelineRunner:
             loss_fn=self._scaled_loss,
             scale_grads=False,
         )
-        self._units_of = {s: self._units_in(self.modules[s]) for s in plan.stage_ids}
-        self._alone_in = {s: self._flat_params_only_in(s) for s in plan.stage_ids}
-        self._params_of = {s: [p for fp in self._alone_in[s] for p in fp.params] for s in plan.stage_ids}
-        self._reduced: set[int] = set()
-        self._regather = engine.gathers_units and not policy.pipeline_keep_gathered
+        self._alone_in = {
+            s: self.engine.buffers_only_in(s) if policy.pipeline_grad_reduction == "per_microbatch" else []
+            for s in plan.stage_ids
+        }
+        self._buffers = self.engine.buffers()
+        self._reduced: set[GradientBuffer] = set()
+        self._holds_last = plan.num_stages - 1 in plan.stage_ids
+        self._regather = self.engine.gathers_units and not policy.pipeline_keep_gathered
         self._last_run_trained: bool | None = None  # torch re-infers shapes on the first run and on every switch
         self._microbatch_shape: tuple[int, ...] | None = None
         self._scale = 1.0
-        self._tie_copies_to_owner()
-
-    # -- bookkeeping built once ------------------------------------------------------------------------------------
-    def _units_in(self, module: StageModule) -> list:
-        return self.engine.units_holding(module.parameters())
-
-    def _flat_params_only_in(self, stage: int) -> list:
-        """The flat buffers whose parameters this stage alone uses (reduced after each of its micro-batches under
-        ``per_microbatch``), in the engine's reduction order."""
-        if self.policy.pipeline_grad_reduction != "per_microbatch":
-            return []
-        mine = {id(p) for p in self.modules[stage].parameters()}
-        others = {id(p) for s, m in self.modules.items() if s != stage for p in m.parameters()}
-        return [
-            fp
-            for fp in self.engine.reduction_order()
-            if not fp.tied_copy
-            and all(id(p) in mine and id(p) not in others for p in fp.params)
-            and not any(t.name in {slot.name for slot in fp.slots} for t in self.plan.tied)
-        ]
+        self.tied = TiedWeights(root, plan, self.engine, self.pp)
+        self.tied.make_copies_equal()
 
     # -- what the stages call ---------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -191,19 +131,17 @@ class PipelineRunner:
         if not self._regather:
             yield
             return
-        units = self._units_of[stage]  # not the root, which stays gathered (Note: [Stage-3 weights under ...])
-        self.engine.gather(units)
+        self.engine.gather_stage(stage)  # not the root, which stays gathered (Note: [Stage-3 weights under ...])
         yield
         if free_after:
-            self.engine.release(units, keep_for_backward)
+            self.engine.release_stage(stage, keep_for_backward)
 
     def after_microbatch_backward(self, stage: int) -> None:
         """Reduce the buffers this stage alone uses, under ``per_microbatch`` (Note: [Pipeline gradients])."""
-        fps = self._alone_in[stage]
-        if fps:
-            self.engine.take_gradients(self._params_of[stage], self._scale)
-            self.engine.reduce(fps)
-            self._reduced.update(fp.index for fp in fps)
+        buffers = self._alone_in[stage]
+        if buffers:
+            self.engine.reduce(buffers, self._scale)
+            self._reduced.update(buffers)
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self.engine.scale_loss(self._loss_fn(output, target))
@@ -250,10 +188,9 @@ class PipelineRunner:
         self._scale = grad_scale / self.num_microbatches
         self._reduced.clear()
         loss = self._run(True, inputs, target, loss_fn)
-        self._sum_tied_gradients()
-        remaining = [fp for fp in self.engine.reduction_order() if fp.index not in self._reduced]
-        self.engine.take_gradients([p for fp in remaining for p in fp.params], self._scale)
-        self.engine.reduce(remaining)
+        self.tied.sum_gradients()
+        remaining = [buffer for buffer in self._buffers if buffer not in self._reduced]
+        self.engine.reduce(remaining, self._scale)
         self.engine.finish_gradients()
         return loss
 
@@ -267,48 +204,10 @@ class PipelineRunner:
     def _mean_loss(self, losses: list[torch.Tensor], loss_scale: float) -> torch.Tensor:
         """The schedule's micro-batch losses (times ``scale_loss``'s factor ``loss_scale``) as their unscaled mean,
         broadcast from the last stage."""
-        holds_last = self.plan.num_stages - 1 in self.plan.stage_ids
-        device = self.engine.device
         loss = (
             torch.stack([x.detach().float() for x in losses]).mean() / loss_scale
-            if holds_last
-            else torch.zeros((), device=device)
+            if self._holds_last
+            else torch.zeros((), device=self.engine.device)
         )
         self.pp.broadcast(loss, src=self.last_stage_rank, label="pipeline loss").wait()
         return loss
-
-    @torch.no_grad()
-    def _tie_copies_to_owner(self) -> None:
-        """Give every tied copy its owner's master values: stages initialise their pieces on their own (a model
-        built on the meta device gives an LM head its Linear init, not the embedding's). The owner's data-parallel
-        ranks each hold a piece of its master; a sum over dp, then over the pipeline group, puts it whole everywhere."""
-        copies = set(self.engine.tied_copies.values())
-        for tied in self.plan.tied:
-            value = torch.zeros(math.prod(tied.shape), dtype=torch.float32, device=self.engine.device)
-            pieces = self.engine.master_pieces(tied.name)
-            if tied.name not in copies:
-                for _, view, start in pieces:
-                    value.narrow(0, start, view.numel()).copy_(view)
-            self.engine.sum_over_zero_group(value)
-            self.pp.all_reduce(value, label=f"tied {tied.name}").wait()
-            if tied.name in copies:
-                for _, view, start in pieces:
-                    view.copy_(value.narrow(0, start, view.numel()))
-        if self.plan.tied:
-            self.engine.refresh_from_masters()
-
-    def _sum_tied_gradients(self) -> None:
-        """Sum each tied parameter's gradient over the pipeline group (zeros where a rank holds no copy)."""
-        present = dict(self.engine.module.named_parameters(remove_duplicate=False))
-        for tied in self.plan.tied:
-            held = [present[n] for n in tied.names if n in present]
-            param = held[0] if held else None
-            summed = torch.zeros(tied.shape, dtype=torch.float32, device=self.engine.device)  # one dtype everywhere
-            if param is not None and param.grad is not None:
-                summed.copy_(local_tensor(param.grad))
-            self.pp.all_reduce(summed, label=f"tied gradient {tied.name}").wait()
-            if param is None:
-                continue
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            local_tensor(param.grad).copy_(summed)
