@@ -3,8 +3,9 @@ Ulysses swaps a sequence split for a head split with, and the two sums over rank
 need (Megatron's f and g). Each runs through its group's :func:`~.group_collectives.collectives_for`, in forward
 and in backward, so it is timed out, names a failed rank and is counted by kind ("all_to_all", "all_reduce").
 
-``group`` is a process group, or None for the default one; ``label`` names the collective in profiler ranges,
-counters and errors.
+``group`` is a :class:`~.collectives.Collectives` (the mesh's, which composition hands the model: counted in
+``comm_stats``), or a bare process group, or None for the default one; ``label`` names the collective in profiler
+ranges, counters and errors.
 
 They are ``autograd.Function``s that wait on the collective in Python, where torch's functional collectives
 (``all_to_all_single_autograd``) would be traced: a model compiled by ``torch.compile`` breaks its graph at each of

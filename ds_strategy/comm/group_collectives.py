@@ -1,8 +1,9 @@
-"""One :class:`~.collectives.Collectives` per process group and purpose, for collectives issued by code that holds
-a group and not an engine: the model's own (Ulysses all-to-alls, tensor-parallel sums, partitioned activations, all
-inside forward and backward), and checkpoint-time exchanges. Going through a ``Collectives`` times them out, names a
-failed rank and counts them; keeping one per group makes each group's counters add up everything issued over it
-here, apart from an engine's own counters (``ZeroEngine.comm_stats``), which measure training traffic.
+"""The :class:`~.collectives.Collectives` for code handed a bare process group: a user's own loop (Lightning's
+``self.device_mesh["sequence_parallel"].get_group()`` given to ``sequence_parallel_loss``) and checkpoint-time
+exchanges. Composition hands model code the mesh's own ``Collectives`` instead (``ParallelMesh.collectives``: the
+configured timeout, counted in ``comm_stats``), and every function taking a ``group`` takes one of those as well.
+Going through a ``Collectives`` times a collective out, names a failed rank and counts it; keeping one per bare group
+here makes its counters add up what was issued over that group by such code, apart from ``comm_stats``.
 """
 
 from __future__ import annotations
@@ -19,14 +20,12 @@ from .process_exit import destroy_process_groups_at_exit
 _BY_GROUP: dict = {}
 
 
-def collectives_for(group=None, timeout: float | None = None) -> Collectives:
-    """The ``Collectives`` of ``group`` (None: the default group), made on first use with ``Collectives``'
-    default timeout. A ``timeout`` replaces the group's from now on: an adapter sets the configured one at setup,
-    and model code that asks later for the group alone gets the same object."""
-    collectives = _cached(group, "", lambda: Collectives(group))
-    if timeout is not None:
-        collectives.timeout = timeout
-    return collectives
+def collectives_for(group=None) -> Collectives:
+    """``group`` itself when it is a ``Collectives`` (the mesh's); for a bare process group (None: the default one),
+    the one kept here for it, made on first use with ``Collectives``' default timeout."""
+    if isinstance(group, Collectives):
+        return group
+    return _cached(group, "", lambda: Collectives(group))
 
 
 def waiting_as_long_as_the_group(group=None) -> Collectives:

@@ -50,7 +50,6 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
-from ..comm.group_collectives import collectives_for
 from ..config_policies import ParallelismPolicy
 from ..parallel.dtensor_params import local_tensor
 from ..parallel.mesh import ParallelMesh
@@ -127,7 +126,7 @@ class PipelineRunner:
         self.plan = plan
         self.policy = policy
         self.num_microbatches = policy.microbatch_count
-        self.pp = collectives_for(mesh.pp_group)  # its timeout set by compose_model
+        self.pp = mesh.pp_collectives
         self.last_stage_rank = plan.rank_of_stage[-1]
         self.modules = {s: StageModule(root, plan, s) for s in plan.stage_ids}
         stages = [

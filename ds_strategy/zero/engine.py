@@ -52,11 +52,9 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-def _collectives_over(group, config: ZeroConfig) -> Collectives | None:
-    """A model-parallel group's collectives (norms and overflow checks span it), or None for no group or one rank."""
-    if group is None or dist.get_world_size(group) == 1:
-        return None
-    return Collectives(group, timeout=config.collective_timeout)
+def _model_parallel(collectives: Collectives | None) -> Collectives | None:
+    """A model-parallel dimension's collectives, or None for none or one rank."""
+    return None if collectives is None or collectives.world_size == 1 else collectives
 
 
 def _step_runner_factory(step_runner: StepRunnerFactory | None, config: ZeroConfig) -> StepRunnerFactory:
@@ -141,12 +139,12 @@ class ZeroEngine:
             timeout=config.collective_timeout,
         )
         self.rank, self.world_size = self.collectives.rank, self.collectives.world_size
-        self.tp_collectives = _collectives_over(groups.tensor_parallel, config)
-        self.pp_collectives = _collectives_over(groups.pipeline, config)
+        self.tp_collectives = _model_parallel(groups.tensor_parallel)
+        self.pp_collectives = _model_parallel(groups.pipeline)
         self.model_parallel = tuple(c for c in (self.tp_collectives, self.pp_collectives) if c is not None)
         self.tied_copies: dict[str, str] = {}  # filled by _build_units from the marks of .tied_copies
         self.whole_model_names: tuple[str, ...] = ()  # see set_state_dict_names
-        self._setup_weight_gathering()
+        self._setup_weight_gathering(_model_parallel(groups.sequence_parallel))
         factory = _step_runner_factory(step_runner, config)
         global_rank = dist.get_rank() if dist.is_initialized() else 0
         shard_store = factory.shard_store(config.offload_policy, global_rank)
@@ -251,12 +249,14 @@ class ZeroEngine:
             first += len(flat)
         return units
 
-    def _setup_weight_gathering(self) -> None:
-        """ZeRO++ groups and weight gathering (qwZ and hpZ), which the units are built with."""
+    def _setup_weight_gathering(self, sequence_parallel: Collectives | None) -> None:
+        """The groups ``comm_stats`` counts (the model-parallel ones carry the model's traffic too), ZeRO++ groups
+        and weight gathering (qwZ and hpZ), which the units are built with."""
         cfg = self.config
         self.comm_groups = {"world": self.collectives}
-        if self.tp_collectives is not None:
-            self.comm_groups["tp"] = self.tp_collectives
+        for name, collectives in (("tp", self.tp_collectives), ("sp", sequence_parallel), ("pp", self.pp_collectives)):
+            if collectives is not None:
+                self.comm_groups[name] = collectives
         if cfg.zero_hpz_partition_size > 1 and self.world_size > 1:
             self.comm_groups["hpz"] = hpz_collectives(self.collectives, cfg.zero_hpz_partition_size)
         self.weight_gather = None
@@ -809,6 +809,8 @@ class ZeroEngine:
     def remove_hooks(self) -> None:
         """Detach the engine from the module (teardown); also removes this rank's offload files."""
         self.step_runner.close()
+        if self.sequence_check is not None:
+            self.sequence_check.close()
         self.reducer.remove_hooks()
         if self.gatherer is not None:
             self.gatherer.remove_hooks()
