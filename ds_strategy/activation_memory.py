@@ -221,7 +221,8 @@ def apply_activation_checkpointing(
             f"time; set model.config.use_cache = False for training (Hugging Face's own checkpointing forces it)",
             stacklevel=2,
         )
-    if not (policy.partition_activations and group is not None and collectives_for(group).world_size > 1):
+    group = collectives_for(group) if policy.partition_activations and group is not None else None
+    if group is not None and group.world_size == 1:
         group = None
     names = []
     for name, unit in checkpointed_units(module, policy, units):

@@ -55,11 +55,6 @@ ALLOWED = {
     # The sequence check's own process groups, one per partition of the ranks: a new group must be made on every
     # rank alike and once (Note: [Creating groups inside a sub-group]), whichever engine asks first.
     "ds_strategy.comm.sequence_check._MONITOR_GROUPS",
-    # One Collectives per *bare* process group, for code a user hands a group (sequence_parallel_loss over
-    # self.device_mesh["sequence_parallel"].get_group()) and for checkpoint-time waits. It has no setter: what it
-    # returns depends on the group alone, never on which caller came first. Composition hands model code the mesh's
-    # own Collectives instead (ParallelMesh.collectives).
-    "ds_strategy.comm.group_collectives._BY_GROUP",
     # Being removed by issue 36 item 4 (helper h36pipe: the stage plan carries the cut pieces to the engine as an
     # argument); the lead deletes this line after merging that branch.
     "ds_strategy.parallel.pipeline_split._CUT_META_PIECES",

@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..comm.differentiable import SumGradOverRanks, SumOverRanks
+from ..comm.group_collectives import collectives_for
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -183,7 +184,7 @@ class FusedExpertsParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         distribute_module(module, device_mesh, self._partition)
-        group = device_mesh.get_group()
+        group = collectives_for(device_mesh.get_group())  # made once: every forward sums over it
         names = ("gate_up_proj", "down_proj")
         held: dict[str, nn.Parameter] = {}
 

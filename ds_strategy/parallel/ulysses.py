@@ -279,8 +279,9 @@ def attend_with_ulysses(module: torch.nn.Module, group: Group, tensor_parallel_s
     if transformers is None:
         return
     models = [model for model in module.modules() if isinstance(model, transformers.PreTrainedModel)]
+    group = collectives_for(group)
     for model in models:
-        _check_model_heads(model.config, collectives_for(group).world_size, tensor_parallel_size)
+        _check_model_heads(model.config, group.world_size, tensor_parallel_size)
     name = register_hf_attention(group)
     for model in models:
         if model.config._attn_implementation != name:

@@ -781,8 +781,10 @@ class ZeroEngine:
 
     def comm_stats(self, group: str | None = None) -> dict[str, dict[str, float]]:
         """Calls, bytes and seconds waited per collective kind, summed over the groups that carry training data
-        ("world" and, under hpZ, "hpz"), or for one of ``comm_groups``, which also holds "monitor" (the per-step
-        sequence check's all-gather of 16 bytes per rank, left out of the sum)."""
+        ("world"; under hpZ, "hpz"; and the mesh's model-parallel groups "tp", "sp", "pp", whose counters include the
+        model's own traffic over them: tensor-parallel sums, Ulysses all-to-alls, pipeline losses and tied weights),
+        or for one of ``comm_groups``, which also holds "monitor" (the per-step sequence check's all-gather of 16
+        bytes per rank, left out of the sum)."""
         if group is not None:
             return self.comm_groups[group].stats.as_dict()
         return combined(c.stats for name, c in self.comm_groups.items() if name != "monitor")
