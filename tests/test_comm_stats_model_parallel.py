@@ -1,7 +1,8 @@
-"""``comm_stats()`` counts the model's own traffic over the mesh's model-parallel groups: a Hugging Face Llama composed
-on 4 gloo ranks with tensor parallelism inside Ulysses (tp=2 x sp=2) and partitioned activation checkpointing runs one
-step, and the engine's totals include the Ulysses all-to-alls (attention and loss) and the tensor-parallel all-gathers
-of checkpoint inputs, because the mesh owns one ``Collectives`` per dimension and everything takes them from it."""
+"""``comm_stats()`` counts the model's own traffic over the mesh's model-parallel groups: a Hugging Face Mixtral
+composed on 4 gloo ranks with tensor parallelism inside Ulysses (tp=2 x sp=2) and partitioned activation
+checkpointing runs one step, and the engine's totals include the Ulysses all-to-alls (attention), the fused experts'
+tensor-parallel sums and the all-gathers of checkpoint inputs, because the mesh owns one ``Collectives`` per
+dimension and everything takes them from it."""
 
 import hf_models
 import pytest
@@ -14,7 +15,8 @@ from ds_strategy.parallel.ulysses import sequence_parallel_loss, shard_sequence
 
 pytestmark = pytest.mark.slow  # 4 ranks building a Llama: tens of seconds on 2 cores
 
-LLAMA = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "use_cache": False}
+MIXTRAL = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "use_cache": False}
+LAYERS = 2  # hf_models' configs: each attends once (4 all-to-alls: q, k, v, out) and sums its experts once
 
 
 def _one_step(rank: int, world_size: int) -> dict:
@@ -28,7 +30,7 @@ def _one_step(rank: int, world_size: int) -> dict:
         collective_timeout=55.0,
     )
     mesh = build_mesh(config, "cpu")
-    model = hf_models.build("llama", **LLAMA)
+    model = hf_models.build("mixtral", **MIXTRAL)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     engine = compose_model(
         model, config, mesh=mesh, device=torch.device("cpu"), log=lambda _: None, optimizers=[optimizer]
@@ -37,11 +39,13 @@ def _one_step(rank: int, world_size: int) -> dict:
     ids = hf_models.batches(1, 1)[0]
     local = shard_sequence({"input_ids": ids, "labels": ids}, mesh.sp_collectives)
     logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
+    forward = {"sp": engine.comm_stats("sp"), "tp": engine.comm_stats("tp")}
     engine.backward(sequence_parallel_loss(logits, local["shift_labels"], mesh.sp_collectives))
     engine.step()
     after = engine.comm_stats()
     return {
         "total": {kind: after[kind]["calls"] - before[kind]["calls"] for kind in after},
+        "forward": {group: {kind: calls["calls"] for kind, calls in stats.items()} for group, stats in forward.items()},
         "sp": engine.comm_stats("sp"),
         "tp": engine.comm_stats("tp"),
         "timeouts": {dim: c.timeout for dim, c in mesh.collectives.items()},
@@ -56,12 +60,13 @@ def runs():
 
 def test_ulysses_all_to_alls_are_in_comm_stats(runs):
     for run in runs:
-        assert run["sp"]["all_to_all"]["calls"] > 0
+        assert run["forward"]["sp"]["all_to_all"] == 4 * LAYERS
         assert run["total"]["all_to_all"] == run["sp"]["all_to_all"]["calls"]  # the ZeRO group issues none
 
 
 def test_tensor_parallel_traffic_is_in_comm_stats(runs):
     for run in runs:
+        assert run["forward"]["tp"]["all_reduce"] == LAYERS  # the experts' partial outputs, summed
         assert run["tp"]["all_gather"]["calls"] > 0  # partitioned checkpoint inputs, gathered in backward
         assert run["total"]["all_gather"] >= run["tp"]["all_gather"]["calls"]
         assert run["same"]

@@ -36,7 +36,7 @@ def apply_tensor_parallelism(
         plan = default_plan
     if plan is not None:
         resolved = tensor_parallel_plan(module, mesh.tp_size, sequence_parallel=policy.sequence_parallel, plan=plan)
-        apply_tensor_parallel_plan(module, mesh.tp_mesh, resolved)
+        apply_tensor_parallel_plan(module, mesh.tp_mesh, resolved, mesh.tp_collectives)
     if _is_parallelized(module):
         return
     if not replicate_unparallelized:
