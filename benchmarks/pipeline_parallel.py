@@ -260,8 +260,8 @@ def train_dp(variant: Variant, recipe: Recipe, batches: list, mesh, clock: Stage
     model = _seeded_gpt(recipe)
     psi_local = unique_numel(model)  # before stage 3 empties the parameters
     engine = compose_model(
-        model, _adamw(model, recipe), ZeroConfig(stage=variant.stage, param_persistence_threshold=0),
-        mesh=mesh, device=torch.device("cpu"), log=lambda _: None,
+        model, ZeroConfig(stage=variant.stage, param_persistence_threshold=0),
+        mesh=mesh, device=torch.device("cpu"), log=lambda _: None, optimizers=[_adamw(model, recipe)],
     ).engine  # fmt: skip
 
     def step(x, y) -> tuple[torch.Tensor, float, float]:
@@ -289,13 +289,16 @@ def train_pipeline(variant: Variant, recipe: Recipe, batches: list, mesh, clock:
     )
     psi_local = 0
 
-    def optimizer() -> torch.optim.Optimizer:  # compose_model builds it once the model is cut to this rank's stages
+    def optimizers() -> list[torch.optim.Optimizer]:  # compose_model builds them once the model is cut to this rank's
+        # stages
         nonlocal psi_local
         gc.collect()  # the blocks of other ranks' stages
         psi_local = unique_numel(model)  # this rank's stages, before stage 3 empties the parameters
-        return _adamw(model, recipe)
+        return [_adamw(model, recipe)]
 
-    composed = compose_model(model, optimizer, config, mesh=mesh, device=torch.device("cpu"), log=lambda _: None)
+    composed = compose_model(
+        model, config, mesh=mesh, device=torch.device("cpu"), log=lambda _: None, build_optimizers=optimizers
+    )
     engine, runner = composed.engine, composed.pipeline
     schedule_end = [0.0]
     run_schedule = runner.schedule.step

@@ -192,7 +192,7 @@ def train_zero(variant: Variant, recipe: Recipe, batches: list, mesh) -> dict:
         partition_activations=variant.partition_activations,
     )
     engine = compose_model(
-        model, _adamw(model, recipe), config, mesh=mesh, device=torch.device("cpu"), log=lambda _: None
+        model, config, mesh=mesh, device=torch.device("cpu"), log=lambda _: None, optimizers=[_adamw(model, recipe)]
     ).engine
     losses, seconds, states = [], [], {}
     try:

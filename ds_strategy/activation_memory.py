@@ -31,7 +31,6 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import (
     CheckpointPolicy,
@@ -93,13 +92,14 @@ class _SavedInput(NamedTuple):
 
 
 class SavedInputHooks:
-    """The pack/unpack pair that partitions a unit's checkpoint input over ``group`` and/or keeps it on the host."""
+    """The pack/unpack pair that partitions a unit's checkpoint input over ``group`` (the mesh's tensor-parallel
+    ``Collectives``, or a process group) and/or keeps it on the host."""
 
     def __init__(self, unit_name: str, group: Any, to_host: bool, counts: SavedInputCounts):
         self.unit_name = unit_name
-        self.group = group
-        self.world = dist.get_world_size(group) if group is not None else 1
-        self.rank = dist.get_rank(group) if group is not None else 0
+        self.collectives = collectives_for(group) if group is not None else None
+        self.world = self.collectives.world_size if group is not None else 1
+        self.rank = self.collectives.rank if group is not None else 0
         self.to_host = to_host
         self.counts = counts
 
@@ -133,7 +133,7 @@ class SavedInputHooks:
             kept = saved.kept.to(saved.device, non_blocking=True)
             if saved.partitioned:
                 whole = kept.new_empty(kept.numel() * self.world)
-                collectives_for(self.group).all_gather(whole, kept, label=self.unit_name).wait()
+                self.collectives.all_gather(whole, kept, label=self.unit_name).wait()
                 kept = whole.narrow(0, 0, saved.shape.numel())
             self.counts.restored += 1
             return kept.view(saved.shape)
@@ -207,9 +207,9 @@ def apply_activation_checkpointing(
 
     ``units``: (name, module) of the units the engine will build, ``select_unit_modules`` under the config's unit
     policy, chosen before stage 3 shards the module: the checkpointed units must be the engine's own.
-    ``group``: the process group to partition checkpoint inputs over when ``policy.partition_activations``
-    (the tensor-parallel group; see Note: [Partitioned checkpoint inputs]); None or a group of one rank keeps
-    them whole, as DeepSpeed does without a model-parallel unit.
+    ``group``: the collectives (or process group) to partition checkpoint inputs over when
+    ``policy.partition_activations`` (the mesh's tensor-parallel ones; see Note: [Partitioned checkpoint inputs]);
+    None or a group of one rank keeps them whole, as DeepSpeed does without a model-parallel unit.
     """
     remove_activation_checkpointing(module)
     counts = SavedInputCounts()
@@ -221,7 +221,8 @@ def apply_activation_checkpointing(
             f"time; set model.config.use_cache = False for training (Hugging Face's own checkpointing forces it)",
             stacklevel=2,
         )
-    if not (policy.partition_activations and group is not None and dist.get_world_size(group) > 1):
+    group = collectives_for(group) if policy.partition_activations and group is not None else None
+    if group is not None and group.world_size == 1:
         group = None
     names = []
     for name, unit in checkpointed_units(module, policy, units):

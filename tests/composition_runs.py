@@ -432,7 +432,9 @@ def _engine_entry(
     model = _make(build, rank, layout, lambda: torch.device("meta"))
     built = _as_built(model)
     build_optimizers = lambda: optimizers(model)  # noqa: E731  over this rank's stages only
-    composed = compose_model(model, build_optimizers, config, mesh=mesh, device=torch.device("cpu"), log=lambda _: None)
+    composed = compose_model(
+        model, config, mesh=mesh, device=torch.device("cpu"), log=lambda _: None, build_optimizers=build_optimizers
+    )
     engine, runner = composed.engine, composed.pipeline
     if build.pretrained_seed is not None:
         load_weights(engine, pretrained)

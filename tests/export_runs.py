@@ -116,7 +116,9 @@ def engine_run(rank: int, tmp: Path, name: str, stage: int, precision: str, dtyp
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     config = ZeroConfig(stage=stage, precision=precision, param_persistence_threshold=0, **fields)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    engine = compose_model(model, optimizer, config, mesh=None, device=torch.device("cpu"), log=lambda _: None).engine
+    engine = compose_model(
+        model, config, mesh=None, device=torch.device("cpu"), log=lambda _: None, optimizers=[optimizer]
+    ).engine
     at_start = engine.full_state_dict(rank0_only=False)
     stepped = []
     for step in range(STEPS):

@@ -33,7 +33,7 @@ def build(model_name: str, pp: int, tp: int = 1, stage: int = 1, schedule: str =
     model = MODELS[model_name](4)
     mesh = build_mesh(config, "cpu")
     opt = optimizer_for(model, "adamw")
-    composed = compose_model(model, opt, config, mesh=mesh, device=torch.device("cpu"), log=lambda _: None)
+    composed = compose_model(model, config, mesh=mesh, device=torch.device("cpu"), log=lambda _: None, optimizers=[opt])
     return model, composed.engine, None, mesh
 
 

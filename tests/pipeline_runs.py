@@ -95,11 +95,11 @@ def build_pipeline(model_name: str, optimizer: str = "sgd", blocks: int = 4, **f
     mesh = build_mesh(config, "cpu")
     composed = compose_model(
         model,
-        lambda: optimizer_for(model, optimizer),
         config,
         mesh=mesh,
         device=torch.device("cpu"),
         log=lambda _: None,
+        build_optimizers=lambda: [optimizer_for(model, optimizer)],
     )
     return model, composed.engine, composed.pipeline, mesh
 

@@ -114,7 +114,7 @@ def build_tensor_parallel(
         model,
         _optimizer(model, optimizer),
         config,
-        EngineGroups(zero=mesh.dp_group, tensor_parallel=mesh.tp_group),
+        EngineGroups(zero=mesh.dp_group, tensor_parallel=mesh.tp_collectives),
         step_runner=step_runner_for(config),
     )
     return model, engine, mesh
@@ -290,7 +290,7 @@ def train_auto_plan(
         model, mesh.tp_mesh, tensor_parallel_plan(model, tp, sequence_parallel=sequence_parallel)
     )
     optimizer = torch.optim.AdamW(weight_decay_groups(model, 0.1), lr=1e-2, betas=(0.9, 0.99), eps=1e-6)
-    engine = ZeroEngine(model, optimizer, ZeroConfig(stage=stage), EngineGroups(mesh.dp_group, mesh.tp_group))
+    engine = ZeroEngine(model, optimizer, ZeroConfig(stage=stage), EngineGroups(mesh.dp_group, mesh.tp_collectives))
     per_rank, losses, norms = 2, [], []
     for tokens in _token_batches(steps, per_rank * mesh.dp_size):
         loss = _token_loss(name, model, tokens[mesh.dp_rank * per_rank : (mesh.dp_rank + 1) * per_rank])

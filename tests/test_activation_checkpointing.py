@@ -61,7 +61,9 @@ def _two_steps(rank: int, world_size: int, stage: int, zero: dict) -> dict:
     model = models.TinyGPT()
     optimizer = torch.optim.AdamW(models.param_groups(model), lr=1e-2)
     config = ZeroConfig(stage=stage, param_persistence_threshold=0, **zero)
-    engine = compose_model(model, optimizer, config, mesh=None, device=torch.device("cpu"), log=lambda _: None).engine
+    engine = compose_model(
+        model, config, mesh=None, device=torch.device("cpu"), log=lambda _: None, optimizers=[optimizer]
+    ).engine
     generator = torch.Generator().manual_seed(1)
     result = {"losses": [], "grads": [], "flops": [], "gathers": []}
     for _ in range(2):

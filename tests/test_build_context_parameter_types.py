@@ -112,10 +112,12 @@ def _train_built_in_context(model: nn.Module, rank: int) -> dict:
     from ds_strategy.compose import compose_model
     from ds_strategy.config import ZeroConfig
 
-    def optimizer():
-        return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    def optimizers():
+        return [torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)]
 
-    composed = compose_model(model, optimizer, ZeroConfig(stage=3), mesh=None, device=torch.device("cpu"), log=print)
+    composed = compose_model(
+        model, ZeroConfig(stage=3), mesh=None, device=torch.device("cpu"), log=print, build_optimizers=optimizers
+    )
     types = {name: type(p).__name__ for name, p in model.named_parameters()}
     initial = _plain(composed.engine.full_state_dict(rank0_only=False))
     for x in _batches():
@@ -139,7 +141,7 @@ def _trainable_quantized_engine() -> None:
 
     model = nn.Linear(2, 2)
     model.q = nn.Parameter(Int8Weight.quantize(torch.ones(2, 2)), requires_grad=True)
-    compose_model(model, None, ZeroConfig(stage=1), mesh=None, device=torch.device("cpu"), log=print)
+    compose_model(model, ZeroConfig(stage=1), mesh=None, device=torch.device("cpu"), log=print)
 
 
 def _peft_in_configure_model() -> None:
@@ -153,7 +155,7 @@ def _peft_in_configure_model() -> None:
     holder.model = tiny_llama(2, 2)
     with parameters_on_meta(existing=holder):
         holder.model = get_peft_model(holder.model, LoraConfig(r=2, target_modules=["q_proj"]))
-    compose_model(holder, None, ZeroConfig(stage=3), mesh=None, device=torch.device("cpu"), log=print)
+    compose_model(holder, ZeroConfig(stage=3), mesh=None, device=torch.device("cpu"), log=print)
 
 
 def _run(rank: int, world_size: int) -> dict:

@@ -1,22 +1,19 @@
 """The collectives model code and checkpoints issue outside an engine (``ds_strategy.comm.differentiable``,
 ``objects``, ``group_collectives``) compute what torch's would, differentiate as they should, and are counted per
-kind on their group's ``Collectives``, on 2 gloo ranks."""
+kind on the ``Collectives`` they are given (the mesh's, under composition), on 2 gloo ranks."""
 
 import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_ranks
 
+from ds_strategy.comm.collectives import Collectives
 from ds_strategy.comm.differentiable import AllToAll, SumGradOverRanks, SumOverRanks
 from ds_strategy.comm.group_collectives import collectives_for
 from ds_strategy.comm.objects import all_gather_object, broadcast_object
 from ds_strategy.parallel.ulysses import heads_to_seq, seq_to_heads
 
 WORLD = 2
-
-
-def _calls(kind: str, group=None) -> int:
-    return collectives_for(group).stats.kinds[kind].calls
 
 
 def _differentiable(rank: int) -> dict:
@@ -40,11 +37,11 @@ def _differentiable(rank: int) -> dict:
 
 
 def _counted_by_ulysses() -> dict:
-    """Calls per kind that one Ulysses exchange and its backward add to the group's counters."""
-    before = {kind: _calls(kind) for kind in ("all_to_all", "all_reduce")}
+    """Calls per kind that one Ulysses exchange and its backward add to the counters of the collectives given."""
+    world = Collectives(dist.group.WORLD)
     x = torch.randn(1, 2, 4, 3, requires_grad=True)
-    heads_to_seq(seq_to_heads(x, dist.group.WORLD), dist.group.WORLD).sum().backward()
-    return {kind: _calls(kind) - count for kind, count in before.items()}
+    heads_to_seq(seq_to_heads(x, world), world).sum().backward()
+    return {kind: world.stats.kinds[kind].calls for kind in ("all_to_all", "all_reduce")}
 
 
 def _objects(rank: int) -> dict:
@@ -60,9 +57,17 @@ def _run(rank: int, world_size: int) -> dict:
         "differentiable": _differentiable(rank),
         "ulysses_calls": _counted_by_ulysses(),
         "objects": _objects(rank),
-        "same_object": collectives_for(None) is collectives_for(dist.group.WORLD),
-        "timeout": collectives_for(timeout=7.0).timeout,
+        "bare_group": collectives_for(dist.group.WORLD).world_size,
+        "given_back": _given_back(),
     }
+
+
+def _given_back() -> bool:
+    """A ``Collectives`` handed in (the mesh's) is used as it is, with its own timeout and counters."""
+    mine = Collectives(dist.group.WORLD, timeout=7.0)
+    x = torch.randn(1, 2, 4, 3)
+    heads_to_seq(seq_to_heads(x, mine), mine)
+    return collectives_for(mine) is mine and mine.stats.kinds["all_to_all"].calls == 2
 
 
 @pytest.fixture(scope="module")
@@ -106,10 +111,10 @@ def test_objects_of_different_sizes_are_gathered_and_broadcast(runs):
         assert run["objects"]["broadcast"]["rank"] == 1
 
 
-def test_one_collectives_per_group_whose_timeout_an_adapter_sets(runs):
+def test_a_given_collectives_is_used_as_it_is_and_a_bare_group_gets_one(runs):
     for run in runs:
-        assert run["same_object"]
-        assert run["timeout"] == 7.0
+        assert run["given_back"]
+        assert run["bare_group"] == WORLD
 
 
 def test_without_a_process_group_the_collectives_act_on_one_rank():

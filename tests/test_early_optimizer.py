@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from ds_strategy.compose.early_optimizer import rebind_optimizer
+from ds_strategy.compose.early_optimizer import names_of_parameters, rebind_optimizers
 
 
 class Tied(nn.Module):
@@ -26,6 +26,14 @@ class Compiled(nn.Module):
     def __init__(self, module: nn.Module):
         super().__init__()
         self._orig_mod = module
+
+
+def rebind_optimizer(module: nn.Module, optimizers: list, change) -> nn.Module:
+    """Steps 1 and 5 of the composition around ``change`` (what steps 2-4 do to the model)."""
+    names = names_of_parameters(module, optimizers)
+    changed = change(module)
+    rebind_optimizers(optimizers, names, changed)
+    return changed
 
 
 def _held(optimizer) -> list[torch.Tensor]:

@@ -19,14 +19,15 @@ ADAPTERS = ("lightning", "fabric", "accelerate", "hydra", "transformers")
 TOOLS = ("cli", "autotune")
 
 
-def _module_name(path: Path) -> str:
-    parts = ("ds_strategy",) + path.relative_to(ROOT).with_suffix("").parts
+def _module_name(path: Path, root: Path = ROOT) -> str:
+    parts = ("ds_strategy",) + path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path) -> set[str]:
+def _imports(path: Path, root: Path = ROOT) -> set[str]:
     """Every module ``path`` imports, as absolute dotted names (``from x import y`` also yields ``x.y``)."""
-    package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
+    module = _module_name(path, root)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -84,12 +85,12 @@ def test_core_imports_nothing_from_the_adapters():
     assert _offenders(files, tuple(f"ds_strategy.{name}" for name in ADAPTERS)) == {}
 
 
-def _package_of(module: str) -> str | None:
+def _package_of(module: str, root: Path = ROOT) -> str | None:
     """The top-level subpackage or module of ds_strategy that ``module`` lies in; None outside them (the root)."""
     parts = module.split(".")
     if parts[0] != "ds_strategy" or len(parts) < 2:
         return None
-    return parts[1] if (ROOT / parts[1]).is_dir() or (ROOT / f"{parts[1]}.py").is_file() else None
+    return parts[1] if (root / parts[1]).is_dir() or (root / f"{parts[1]}.py").is_file() else None
 
 
 def _package_edges() -> dict[tuple[str, str], list[str]]:

@@ -57,8 +57,10 @@ def _built(rank: int, world_size: int, model: str, meta: bool, user_plan: dict |
         from torch.distributed.tensor.parallel import parallelize_module
 
         parallelize_module(module, mesh.tp_mesh, user_plan)
-    optimizer = lambda: torch.optim.SGD(module.parameters(), lr=0.1)  # noqa: E731  over this rank's stages only
-    engine = compose_model(module, optimizer, config, mesh=mesh, device=torch.device("cpu"), log=lambda _: None).engine
+    optimizer = lambda: [torch.optim.SGD(module.parameters(), lr=0.1)]  # noqa: E731  over this rank's stages only
+    engine = compose_model(
+        module, config, mesh=mesh, device=torch.device("cpu"), log=lambda _: None, build_optimizers=optimizer
+    ).engine
     next_draw = torch.rand(4)
     return {"state": engine.full_state_dict(rank0_only=False), "next_draw": next_draw}
 

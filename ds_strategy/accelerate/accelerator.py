@@ -244,12 +244,12 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
         with _generators_from(deferred, self.device):
             composed = compose_model(
                 model,
-                optimizers,
                 self.zero_config,
                 mesh=self.parallel_mesh,
                 device=self.device,
                 log=self.print,
-                unparallelized="auto",
+                optimizers=optimizers,
+                default_plan="auto",  # a model that arrives unsplit gets the automatic tensor-parallel plan
                 place=self.device_placement if placement is None else placement,
             )
         model, engine = composed.module, composed.engine  # the same module: Accelerate takes no parallelize_fn

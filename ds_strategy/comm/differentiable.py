@@ -1,10 +1,12 @@
 """Collectives that autograd differentiates, for the model parallelism that exchanges activations: the all-to-all
 Ulysses swaps a sequence split for a head split with, and the two sums over ranks tensor and sequence parallelism
-need (Megatron's f and g). Each runs through its group's :func:`~.group_collectives.collectives_for`, in forward
-and in backward, so it is timed out, names a failed rank and is counted by kind ("all_to_all", "all_reduce").
+need (Megatron's f and g). Each runs through the ``Collectives`` it is given (:func:`~.group_collectives.
+collectives_for`), in forward and in backward, so it is timed out, names a failed rank and is counted by kind
+("all_to_all", "all_reduce").
 
-``group`` is a process group, or None for the default one; ``label`` names the collective in profiler ranges,
-counters and errors.
+``group`` is a :class:`~.collectives.Collectives` (the mesh's, which composition hands the model: counted in
+``comm_stats``), or a bare process group, or None for the default one (a ``Collectives`` is then made for the call:
+code that issues many holds one); ``label`` names the collective in profiler ranges, counters and errors.
 
 They are ``autograd.Function``s that wait on the collective in Python, where torch's functional collectives
 (``all_to_all_single_autograd``) would be traced: a model compiled by ``torch.compile`` breaks its graph at each of
@@ -50,7 +52,7 @@ class SumGradOverRanks(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, group, label: str = "sum_grad_over_ranks") -> torch.Tensor:
-        ctx.group, ctx.label = group, label
+        ctx.group, ctx.label = collectives_for(group), label
         return tensor.view_as(tensor)
 
     @staticmethod
@@ -65,8 +67,8 @@ class AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, group, label: str = "all_to_all") -> torch.Tensor:
-        ctx.group, ctx.label = group, label
-        return _exchanged(tensor, group, label)
+        ctx.group, ctx.label = collectives_for(group), label
+        return _exchanged(tensor, ctx.group, label)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -52,6 +52,7 @@ def destroy_process_groups_at_exit(release=None) -> None:
         atexit.register(_destroy_process_groups)
         _registered = True
     if release is not None:
+        _releases[:] = [reference for reference in _releases if reference() is not None]  # holders since gone
         _releases.append(weakref.WeakMethod(release) if isinstance(release, types.MethodType) else lambda: release)
 
 

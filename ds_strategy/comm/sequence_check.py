@@ -62,8 +62,15 @@ class CollectiveSequenceCheck:
         self.rank = primary.rank
         self.checks = 0
         self._reset()
+        self._sources = sources
         for source in sources:
             source.observers.append(self._observe)
+
+    def close(self) -> None:
+        """Stop observing the sources, which may outlive this check (a mesh's collectives outlive an engine)."""
+        for source in self._sources:
+            source.observers.remove(self._observe)
+        self._sources = []
 
     def _reset(self) -> None:
         self.count = 0

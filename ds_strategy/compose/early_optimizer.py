@@ -12,45 +12,53 @@ for an old tensor would not fit the local shard that replaced it, so such an opt
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
 
 from torch import nn
 from torch.optim import Optimizer
 
+# Each of a model's parameters (by id) under every name it has (a tied weight has several), before composition.
+ParameterNames = dict[int, list[str]]
 
-def rebind_optimizer(
-    module: nn.Module, optimizers: list[Optimizer], change: Callable[[nn.Module], nn.Module]
-) -> nn.Module:
-    """``change(module)``, the model it returns, with every one of ``optimizers``' param groups holding that model's
-    parameters: each parameter still in it, or else the one now under any of its names (see Note: [An optimizer
-    built before composition]); a parameter none of whose names is left was cut away and is dropped."""
+
+def names_of_parameters(module: nn.Module, optimizers: Sequence[Optimizer]) -> ParameterNames:
+    """Every name of each of ``module``'s parameters, taken before composition replaces or deletes any, so that
+    ``optimizers`` can be rebound afterwards (:func:`rebind_optimizers`); nothing when there is no optimizer. An
+    optimizer that has stepped is refused here, before anything changes (Note: [An optimizer built before
+    composition])."""
     if not optimizers:
-        return change(module)
-    groups = [group for optimizer in optimizers for group in optimizer.param_groups]
+        return {}
     if any(o.state.get(p) for o in optimizers for group in o.param_groups for p in group["params"]):
         raise ValueError(
             "the optimizer has already stepped (it holds state); setup may replace the parameters it updates "
             "(tensor parallelism, the pipeline cut), so build it fresh before setup (see Note: [An optimizer built "
             "before composition])"
         )
-    names_of: dict[int, list[str]] = {}
+    names: ParameterNames = {}
     for name, p in module.named_parameters(remove_duplicate=False):  # a tied weight under each of its names
-        names_of.setdefault(id(p), []).append(_plain(name))
-    changed = change(module)
-    now = {_plain(name): p for name, p in changed.named_parameters(remove_duplicate=False)}
+        names.setdefault(id(p), []).append(_plain(name))
+    return names
+
+
+def rebind_optimizers(optimizers: Sequence[Optimizer], names: ParameterNames, module: nn.Module) -> None:
+    """Point every one of ``optimizers``' param groups at ``module``'s parameters now: each parameter still in it,
+    or else the one now under any of the ``names`` it had (see Note: [An optimizer built before composition]); a
+    parameter none of whose names is left was cut away and is dropped."""
+    if not optimizers:
+        return
+    now = {_plain(name): p for name, p in module.named_parameters(remove_duplicate=False)}
     kept = {id(p) for p in now.values()}
-    for group in groups:
+    for group in (group for optimizer in optimizers for group in optimizer.param_groups):
         rebound = []
         for p in group["params"]:
-            names = names_of.get(id(p))
-            if id(p) in kept or names is None:  # unchanged, or not the model's (the engine names it)
+            had = names.get(id(p))
+            if id(p) in kept or had is None:  # unchanged, or not the model's (the engine names it)
                 rebound.append(p)
                 continue
-            replacement = next((now[name] for name in names if name in now), None)
+            replacement = next((now[name] for name in had if name in now), None)
             if replacement is not None:
                 rebound.append(replacement)
         group["params"] = rebound
-    return changed
 
 
 def _plain(name: str) -> str:

@@ -6,35 +6,40 @@ of torchtitan's ``parallelize_llama``: one pass, in an order each step of which 
 
 Note: [The order of composition]
   0. The mesh is built once, before this function (:func:`build_mesh`): Lightning hands it to ``configure_model`` as
-     ``self.device_mesh``, and user code builds on it before any model exists.
-  1. Tensor parallelism: the user's ``parallelize_fn`` and/or the configured plan turn weights into DTensors. First,
+     ``self.device_mesh``, and user code builds on it before any model exists. It owns the collectives of each
+     model-parallel dimension, which every later step takes from it.
+  1. The names of the early optimizer's parameters (Fabric, Accelerate: built before composition), taken before
+     steps 2 and 4 replace or delete parameters; an optimizer that has stepped is refused here, before anything
+     changes (:mod:`.early_optimizer`).
+  2. Tensor parallelism: the user's ``parallelize_fn`` and/or the configured plan turn weights into DTensors. Early,
      because every later step sees parameters: Ulysses reads the local head count, the pipeline cut keeps the
      (already split) pieces, the engine flattens local shards.
-  2. Ulysses attention: the attention function swapped for one that all-to-alls over the sequence-parallel group.
+  3. Ulysses attention: the attention function swapped for one that all-to-alls over the sequence-parallel group.
      After tensor parallelism (it splits the heads that rank holds) and before the cut (the cut must not drop it).
      Then sequence tiling (:mod:`ds_strategy.sequence_tiling`): MLPs and the causal-LM loss over tiles of the
      sequence; after tensor parallelism too (a tensor-parallel LM head is refused), and it moves no parameter.
-  3. The pipeline cut: this rank keeps its stages' pieces and deletes the rest, in place; the stage plan it
+  4. The pipeline cut: this rank keeps its stages' pieces and deletes the rest, in place; the stage plan it
      returns says what the engine must know of the whole model (:mod:`ds_strategy.zero.model_part`). Before
      placement, so that pieces other ranks own are never moved or converted, and before the optimizer is built
      (Lightning's ``configure_optimizers``), so that it holds this rank's parameters only.
-  4. Placement and dtype, one rule for every adapter: under a "-true" precision the module becomes 16-bit; the whole
+  5. The early optimizer rebound, by the names of step 1, to the parameters steps 2 and 4 left.
+  6. Placement and dtype, one rule for every adapter: under a "-true" precision the module becomes 16-bit; the whole
      module moves to the device unless the engine places it itself, one unit at a time (stage 3, or a model built on
      the meta device, which it initialises shard by shard): the whole model is never materialised on the device.
-  5. The optimizer, if the adapter builds it late (Lightning); one built early (Fabric, Accelerate) was rebound to
-     the parameters steps 1 and 3 left (:mod:`.early_optimizer`).
-  6. Activation checkpointing of the engine's units: after "auto" sizes are resolved and before the engine, whose
+  7. The optimizer built, if the adapter builds it late (Lightning), over the cut and placed model.
+  8. Activation checkpointing of the engine's units: after "auto" sizes are resolved and before the engine, whose
      units are the checkpointed modules (chosen from parameter counts, which stage 3 would empty).
-  7. The engine, over the ZeRO group of the mesh, with its step runner given as an argument (offload's, when the
-     config offloads); then what other features need from it set through its public methods.
-  8. The pipeline runner, which drives the engine through its schedule interface.
+  9. The engine, over the ZeRO group of the mesh and its model-parallel collectives, with the units step 8 chose,
+     its step runner given as an argument (offload's, when the config offloads) and under pipelining what it must
+     know of the whole model, all at construction; then what Ulysses needs of it, set through a public method.
+  10. The pipeline runner, which drives the engine through its schedule interface.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,7 +48,6 @@ from torch.optim import Optimizer
 
 from ..activation_memory import apply_activation_checkpointing
 from ..auto_values import hidden_size_of
-from ..comm.group_collectives import collectives_for
 from ..config import ZeroConfig
 from ..offload import step_runner_for
 from ..parallel.mesh import ParallelMesh, build_parallel_mesh
@@ -55,10 +59,8 @@ from ..zero.engine import ZeroEngine
 from ..zero.groups import EngineGroups
 from ..zero.sharded_optimizers import as_optimizer_list
 from ..zero.wrap_policy import select_unit_modules
-from .early_optimizer import rebind_optimizer
+from .early_optimizer import names_of_parameters, rebind_optimizers
 from .tensor_parallel import apply_tensor_parallelism
-
-Unparallelized = Literal["require", "replicate", "auto"]
 
 
 @dataclasses.dataclass
@@ -75,65 +77,68 @@ class Composed:
 
 def build_mesh(config: ZeroConfig, device_type: str, names: dict[str, str] | None = None) -> ParallelMesh:
     """Step 0: the run's one mesh, its dimensions under the host framework's ``names`` (default: "pp", "dp", "sp",
-    "tp")."""
+    "tp"), owning each model-parallel dimension's collectives with the configured ``collective_timeout``."""
     return build_parallel_mesh(
         device_type,
         config.tensor_parallel_size,
         names,
         sequence_parallel_size=config.sequence_parallel_size,
         pipeline_parallel_size=config.pipeline_parallel_size,
+        collective_timeout=config.collective_timeout,
     )
 
 
 def compose_model(
     module: nn.Module,
-    optimizer: Optimizer | Sequence[Optimizer] | Callable[[], Optimizer | Sequence[Optimizer] | None] | None,
     config: ZeroConfig,
     *,
     mesh: ParallelMesh | None,
     device: torch.device,
     log: Callable[[str], Any],
+    optimizers: Sequence[Optimizer] = (),
+    build_optimizers: Callable[[], Sequence[Optimizer]] | None = None,
     parallelize_fn: Callable[[nn.Module], nn.Module] | None = None,
-    unparallelized: Unparallelized = "require",
+    default_plan: str | None = None,
+    replicate_unparallelized: bool = False,
     place: bool = True,
 ) -> Composed:
     """Compose ``module`` in the order of Note: [The order of composition].
 
-    ``optimizer``: built over ``module``'s parameters before this call (or several, each over its own parameters:
-    Muon and AdamW), or a function that builds it (or them) once the model is cut and placed (step 5), or None (an
-    engine without one: evaluation, a frozen teacher). ``mesh``: the mesh
-    from :func:`build_mesh`, or None without model parallelism. ``parallelize_fn``: the user's tensor-parallel
-    function, already bound to the mesh. ``unparallelized``: what tensor parallelism does with a model that arrives
-    with no DTensor parameters and no configured plan: "require" raises (Fabric), "replicate" runs it whole on every
-    tensor-parallel rank (Lightning's ModelParallelStrategy), "auto" applies the auto plan (Accelerate). ``place``:
-    the adapter's device placement flag (Accelerate's ``device_placement``); stage 3 and meta builds are placed by
-    the engine either way. ``log``: the framework's rank-zero logger, for the engine's summary.
+    ``mesh``: from :func:`build_mesh`, or None without model parallelism. ``log``: the framework's rank-zero logger,
+    for the engine's summary. The adapters differ only in what they pass:
+
+    - ``optimizers`` built over ``module``'s parameters before this call (Fabric, Accelerate; several, each over its
+      own parameters: Muon and AdamW), or ``build_optimizers``, which builds them once the model is cut and placed
+      (Lightning's ``configure_optimizers``), or neither (an engine without one: evaluation, a frozen teacher);
+    - ``parallelize_fn``: the user's tensor-parallel function, already bound to the mesh (Fabric);
+    - for a model that arrives with no DTensor parameters and no configured plan, under tensor parallelism:
+      ``default_plan``, the plan to apply to it (Accelerate: "auto"), or ``replicate_unparallelized``, run it whole
+      on every tensor-parallel rank (Lightning, as its ModelParallelStrategy does); neither: it is refused;
+    - ``place``: the adapter's device placement flag (Accelerate's ``device_placement``); stage 3 and meta builds
+      are placed by the engine either way.
     """
-    mesh = _model_parallel(mesh, config)
-    early = [] if optimizer is None or callable(optimizer) else as_optimizer_list(optimizer)
-    stage_plan: StagePlan | None = None
-
-    def parallelize(model: nn.Module) -> nn.Module:  # steps 1-3, which replace or delete parameters
-        nonlocal stage_plan
-        model = _tensor_parallel(model, mesh, config, parallelize_fn, unparallelized)
-        inner = _uncompiled(model)
-        if mesh is not None and mesh.sp_group is not None:
-            attend_with_ulysses(inner, mesh.sp_group, tensor_parallel_size=mesh.tp_size)
-        if config.tiled_mlp or config.tiled_loss:
-            apply_sequence_tiling(inner, config.activation_policy)
-        stage_plan = _cut_for_pipeline(inner, config, mesh)
-        return model
-
-    module = rebind_optimizer(module, early, parallelize)
-    _place(_uncompiled(module), config, device, place)
-    if callable(optimizer):  # an Optimizer (or a list) is not callable: this is the adapter's builder (step 5)
-        optimizer = optimizer()
-    return _engine_and_runner(module, optimizer, config, mesh, device, log, stage_plan)
+    mesh = _model_parallel(mesh)
+    optimizers = as_optimizer_list(optimizers)
+    names = names_of_parameters(module, optimizers)  # 1
+    module = _tensor_parallel(module, mesh, config, parallelize_fn, default_plan, replicate_unparallelized)  # 2
+    inner = _uncompiled(module)
+    _sequence(inner, config, mesh)  # 3
+    stage_plan = _cut_for_pipeline(inner, config, mesh)  # 4
+    rebind_optimizers(optimizers, names, module)  # 5
+    _place(inner, config, device, place)  # 6
+    if build_optimizers is not None:
+        optimizers = as_optimizer_list(build_optimizers())  # 7
+    config = _resolved(config, inner, stage_plan)
+    units = _checkpoint_activations(inner, config, mesh)  # 8
+    engine = _engine(inner, optimizers, config, mesh, device, stage_plan, units)  # 9
+    pipeline = _pipeline_runner(inner, engine, config, mesh, device, stage_plan)  # 10
+    log(engine.summary())
+    return Composed(module, engine, stage_plan, pipeline)
 
 
 def recompose_engine(
     module: nn.Module,
-    optimizer: Optimizer | Sequence[Optimizer] | None,
+    optimizers: Sequence[Optimizer],
     config: ZeroConfig,
     *,
     mesh: ParallelMesh | None,
@@ -141,61 +146,22 @@ def recompose_engine(
     log: Callable[[str], Any],
     stage_plan: StagePlan | None = None,
 ) -> Composed:
-    """Steps 6-8 of Note: [The order of composition] over a model :func:`compose_model` already composed (and
-    ``stage_plan``, its cut): the last part of ``compose_model``, and on its own a new engine for a model whose
-    first engine's flat buffers do not fit its optimizer (Accelerate's Note: [An optimizer prepared after its
-    model]); the caller removed the old engine's hooks."""
-    return _engine_and_runner(module, optimizer, config, _model_parallel(mesh, config), device, log, stage_plan)
-
-
-def _engine_and_runner(
-    module: nn.Module,
-    optimizer: Optimizer | Sequence[Optimizer] | None,
-    config: ZeroConfig,
-    mesh: ParallelMesh | None,
-    device: torch.device,
-    log: Callable[[str], Any],
-    stage_plan: StagePlan | None,
-) -> Composed:
-    """Steps 6-8 over ``mesh`` as :func:`_model_parallel` left it."""
-    inner = _uncompiled(module)
-    if config.has_auto_values:
-        config = config.resolve_auto(hidden_size_of(inner))
-    if stage_plan is not None and not config.unit_modules and not config.unit_min_params:
-        config = dataclasses.replace(config, unit_modules=(stage_plan.block_class,))  # a stage may hold one block
-    units = select_unit_modules(inner, config.unit_modules, config.unit_min_params)
-    apply_activation_checkpointing(inner, config.activation_policy, units, mesh.tp_group if mesh is not None else None)
-    groups = EngineGroups()
-    if mesh is not None:
-        groups = EngineGroups(zero=mesh.zero_group, tensor_parallel=mesh.tp_group, pipeline=mesh.pp_group)
-    engine = ZeroEngine(
-        inner,
-        optimizer,
-        config,
-        groups,
-        device=device,
-        step_runner=step_runner_for(config),
-        part=model_part(inner, stage_plan),
-        unit_modules=units,
-    )
-    if mesh is not None and mesh.sp_size > 1:
-        engine.set_gradient_divide_factor(gradient_divide_factor(engine.world_size, mesh.sp_size))
-    pipeline = None
-    if stage_plan is not None:
-        pipeline = PipelineRunner(inner, engine, stage_plan, mesh, config.parallelism_policy, device)
+    """Steps 8-10 of Note: [The order of composition] over a model :func:`compose_model` already composed (and
+    ``stage_plan``, its cut): a new engine for a model whose first engine's flat buffers do not fit its optimizer
+    (Accelerate's Note: [An optimizer prepared after its model]); the caller removed the old engine's hooks."""
+    mesh, inner = _model_parallel(mesh), _uncompiled(module)
+    config = _resolved(config, inner, stage_plan)
+    units = _checkpoint_activations(inner, config, mesh)
+    engine = _engine(inner, as_optimizer_list(optimizers), config, mesh, device, stage_plan, units)
+    pipeline = _pipeline_runner(inner, engine, config, mesh, device, stage_plan)
     log(engine.summary())
     return Composed(module, engine, stage_plan, pipeline)
 
 
-def _model_parallel(mesh: ParallelMesh | None, config: ZeroConfig) -> ParallelMesh | None:
-    """``mesh``, or None when it has no model-parallel dimension: ZeRO then shards over the default group. Its
-    model-parallel groups' collectives (tensor-parallel sums, Ulysses all-to-alls, the pipeline's loss and tied
-    weights) wait as long as the engine's: ``collective_timeout``."""
+def _model_parallel(mesh: ParallelMesh | None) -> ParallelMesh | None:
+    """``mesh``, or None when it has no model-parallel dimension: ZeRO then shards over the default group."""
     if mesh is None or max(mesh.tp_size, mesh.sp_size, mesh.pp_size) == 1:
         return None
-    for group in (mesh.tp_group, mesh.sp_group, mesh.pp_group):
-        if group is not None:
-            collectives_for(group, timeout=config.collective_timeout)
     return mesh
 
 
@@ -209,9 +175,10 @@ def _tensor_parallel(
     mesh: ParallelMesh | None,
     config: ZeroConfig,
     parallelize_fn: Callable[[nn.Module], nn.Module] | None,
-    unparallelized: Unparallelized,
+    default_plan: str | None,
+    replicate_unparallelized: bool,
 ) -> nn.Module:
-    """Step 1: the user's function, then the configured plan (or the check that the model is parallelized)."""
+    """Step 2: the user's function, then the configured plan (or the check that the model is parallelized)."""
     if mesh is None or mesh.tp_size == 1:
         return module
     if parallelize_fn is not None:
@@ -222,14 +189,22 @@ def _tensor_parallel(
         _uncompiled(module),
         mesh,
         config.parallelism_policy,
-        default_plan="auto" if unparallelized == "auto" else None,
-        replicate_unparallelized=unparallelized == "replicate",
+        default_plan=default_plan,
+        replicate_unparallelized=replicate_unparallelized,
     )
     return module
 
 
+def _sequence(module: nn.Module, config: ZeroConfig, mesh: ParallelMesh | None) -> None:
+    """Step 3: Ulysses attention over the mesh's sequence-parallel collectives, then sequence tiling."""
+    if mesh is not None and mesh.sp_collectives is not None:
+        attend_with_ulysses(module, mesh.sp_collectives, tensor_parallel_size=mesh.tp_size)
+    if config.tiled_mlp or config.tiled_loss:
+        apply_sequence_tiling(module, config.activation_policy)
+
+
 def _cut_for_pipeline(module: nn.Module, config: ZeroConfig, mesh: ParallelMesh | None) -> StagePlan | None:
-    """Step 3: plan the stages (a split that cannot be made raises before anything is cut) and cut ``module`` down
+    """Step 4: plan the stages (a split that cannot be made raises before anything is cut) and cut ``module`` down
     to this rank's in place; the plan returned carries the meta pieces cut."""
     if config.pipeline_parallel_size == 1:
         return None
@@ -238,10 +213,74 @@ def _cut_for_pipeline(module: nn.Module, config: ZeroConfig, mesh: ParallelMesh 
 
 
 def _place(module: nn.Module, config: ZeroConfig, device: torch.device, place: bool) -> None:
-    """Step 4: the "-true" dtype, then the device, unless the engine places the model itself (Note: [The order of
+    """Step 6: the "-true" dtype, then the device, unless the engine places the model itself (Note: [The order of
     composition])."""
     if config.plan.converts_module:
         module.to(dtype=config.plan.compute_dtype)
     built_on_meta = any(p.is_meta for p in module.parameters())
     if place and not config.plan.partitions_parameters and not built_on_meta:
         module.to(device)
+
+
+def _resolved(config: ZeroConfig, module: nn.Module, stage_plan: StagePlan | None) -> ZeroConfig:
+    """``config`` with its "auto" sizes resolved for ``module``, and under pipelining with no unit policy of its
+    own, one unit per block (a stage may hold a single block)."""
+    if config.has_auto_values:
+        config = config.resolve_auto(hidden_size_of(module))
+    if stage_plan is not None and not config.unit_modules and not config.unit_min_params:
+        config = dataclasses.replace(config, unit_modules=(stage_plan.block_class,))
+    return config
+
+
+def _checkpoint_activations(module: nn.Module, config: ZeroConfig, mesh: ParallelMesh | None) -> list[nn.Module]:
+    """Step 8: choose the engine's units, once, and checkpoint them, partitioning inputs over the tensor-parallel
+    group."""
+    units = select_unit_modules(module, config.unit_modules, config.unit_min_params)
+    apply_activation_checkpointing(
+        module, config.activation_policy, units, mesh.tp_collectives if mesh is not None else None
+    )
+    return units
+
+
+def _engine(
+    module: nn.Module,
+    optimizers: list[Optimizer],
+    config: ZeroConfig,
+    mesh: ParallelMesh | None,
+    device: torch.device,
+    stage_plan: StagePlan | None,
+    units: list[nn.Module],
+) -> ZeroEngine:
+    """Step 9: the engine over the mesh's ZeRO group and model-parallel collectives, with ``units`` and what it must
+    know of the whole model (:func:`~ds_strategy.pipeline.model_part`), then what Ulysses (the gradient divide
+    factor) needs of it."""
+    groups = EngineGroups()
+    if mesh is not None:
+        groups = EngineGroups(mesh.zero_group, mesh.tp_collectives, mesh.pp_collectives, mesh.sp_collectives)
+    engine = ZeroEngine(
+        module,
+        optimizers,
+        config,
+        groups,
+        device=device,
+        step_runner=step_runner_for(config),
+        part=model_part(module, stage_plan),
+        unit_modules=units,
+    )
+    if mesh is not None and mesh.sp_size > 1:
+        engine.set_gradient_divide_factor(gradient_divide_factor(engine.world_size, mesh.sp_size))
+    return engine
+
+
+def _pipeline_runner(
+    module: nn.Module,
+    engine: ZeroEngine,
+    config: ZeroConfig,
+    mesh: ParallelMesh | None,
+    device: torch.device,
+    stage_plan: StagePlan | None,
+) -> PipelineRunner | None:
+    """Step 10: under pipelining, the runner that drives the engine through its schedule interface."""
+    if stage_plan is None:
+        return None
+    return PipelineRunner(module, engine, stage_plan, mesh, config.parallelism_policy, device)

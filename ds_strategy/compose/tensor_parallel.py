@@ -10,7 +10,6 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..comm.group_collectives import collectives_for
 from ..config_policies import ParallelismPolicy
 from ..parallel.auto_plan import apply_tensor_parallel_plan, tensor_parallel_plan
 from ..parallel.mesh import ParallelMesh
@@ -37,7 +36,7 @@ def apply_tensor_parallelism(
         plan = default_plan
     if plan is not None:
         resolved = tensor_parallel_plan(module, mesh.tp_size, sequence_parallel=policy.sequence_parallel, plan=plan)
-        apply_tensor_parallel_plan(module, mesh.tp_mesh, resolved)
+        apply_tensor_parallel_plan(module, mesh.tp_mesh, resolved, mesh.tp_collectives)
     if _is_parallelized(module):
         return
     if not replicate_unparallelized:
@@ -53,7 +52,7 @@ def _replicate_over_tp(module: nn.Module, mesh: ParallelMesh) -> None:
     """Give every tensor-parallel rank of a replicated model tp rank 0's values, as DDP gives every rank rank 0's at
     construction: the engine reduces over dp only, so tp ranks that started apart would train apart. Tensors still on
     meta are left to the sharded build, which draws the same values on every rank."""
-    tp = collectives_for(mesh.tp_group)  # with the configured timeout: compose_model sets it first
+    tp = mesh.tp_collectives
     with torch.no_grad():
         for tensor in itertools.chain(module.parameters(), module.buffers()):
             if tensor.device.type != "meta":

@@ -200,11 +200,11 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
             parallelize_fn = lambda model: self.parallelize_fn(model, mesh)  # noqa: E731
         composed = compose_model(
             module,
-            optimizers,
             self.config,
             mesh=self.parallel_mesh,
             device=self.root_device,
             log=rank_zero_info,
+            optimizers=optimizers or (),
             parallelize_fn=parallelize_fn,
         )
         self.composed.append(composed)

@@ -152,12 +152,12 @@ class ZeroStrategyMixin(EngineOwnerMixin):
         self._check_trainer_matches(trainer, config)
         composed = compose_model(
             self.lightning_module,
-            functools.partial(self._build_optimizer, trainer),
             config,
             mesh=self.parallel_mesh,
             device=self.root_device,
             log=rank_zero_info,
-            unparallelized="replicate",  # a model without tensor-parallel layers, as under ModelParallelStrategy
+            build_optimizers=functools.partial(self._build_optimizer, trainer),
+            replicate_unparallelized=True,  # a model without tensor-parallel layers, as under ModelParallelStrategy
         )
         self.engine, self.pipeline = composed.engine, composed.pipeline
         if not self.lightning_module.automatic_optimization:

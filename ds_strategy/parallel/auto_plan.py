@@ -37,6 +37,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from ds_strategy.comm.collectives import Collectives
 from ds_strategy.parallel.tp_styles import (
     Conv1DRowwiseParallel,
     FusedExpertsParallel,
@@ -87,15 +88,24 @@ def tensor_parallel_plan(
     return _auto_plan(model, tp_size, sequence_parallel)
 
 
-def apply_tensor_parallel_plan(model: nn.Module, tp_mesh: DeviceMesh, plan: dict) -> nn.Module:
+def apply_tensor_parallel_plan(
+    model: nn.Module, tp_mesh: DeviceMesh, plan: dict, collectives: Collectives | None = None
+) -> nn.Module:
     """Shard ``model`` in place over the 1-D ``tp_mesh`` by ``plan`` (as from ``tensor_parallel_plan``); returns it.
 
     Attribute fix-ups (GPT-2's per-rank ``split_size``) are styles in the plan, so this is ``parallelize_module``
-    after the same checks as a dict plan gets.
+    after the same checks as a dict plan gets. ``collectives``: the mesh's tensor-parallel ``Collectives``, through
+    which the styles that issue collectives of their own (fused experts' sums) run them.
     """
     if tp_mesh.ndim != 1:
         raise ValueError(f"tp_mesh must be 1-D (the tensor-parallel dimension), got a {tp_mesh.ndim}-D mesh")
-    return parallelize_module(model, tp_mesh, resolve_plan(model, plan))
+    resolved = resolve_plan(model, plan)
+    if collectives is not None:
+        resolved = {
+            key: style.over(collectives) if isinstance(style, FusedExpertsParallel) else style
+            for key, style in resolved.items()
+        }
+    return parallelize_module(model, tp_mesh, resolved)
 
 
 def resolve_plan(model: nn.Module, plan: dict) -> dict[str, ParallelStyle]:

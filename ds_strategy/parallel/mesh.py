@@ -10,6 +10,12 @@ DeepSpeed (``pipe, data, model``) and torchtitan: stages exchange one activation
 so they may span nodes; each stage's ranks form its own data-parallel groups. The dimension names are the host
 framework's: Lightning's ModelParallelStrategy calls them "data_parallel" and "tensor_parallel", and users index
 ``self.device_mesh`` by those names (and "sequence_parallel") in ``configure_model`` and ``training_step``.
+
+The mesh owns one :class:`~ds_strategy.comm.collectives.Collectives` per model-parallel dimension (pp, sp, tp, when
+above 1), made with the run's ``collective_timeout``: tensor parallelism, Ulysses, partitioned activations, the
+pipeline runner and the engine's norms all issue their collectives through these, so each dimension's traffic is
+counted once, in one place, and ``comm_stats()`` adds it up. The data-parallel traffic is ZeRO's: the engine builds
+the ``Collectives`` of its group itself, since it picks the algorithm (Note: [Algorithms per backend]).
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import dataclasses
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ..comm.collectives import Collectives
 
 PP, DP, SP, TP = "pp", "dp", "sp", "tp"
 LIGHTNING_NAMES = {PP: "pipeline_parallel", DP: "data_parallel", SP: "sequence_parallel", TP: "tensor_parallel"}
@@ -55,11 +63,27 @@ def mesh_shape(
 
 @dataclasses.dataclass(frozen=True)
 class ParallelMesh:
-    """A ``DeviceMesh`` ([pipeline parallel,] data parallel, [sequence parallel,] tensor parallel) and the names its
-    dimensions have."""
+    """A ``DeviceMesh`` ([pipeline parallel,] data parallel, [sequence parallel,] tensor parallel), the names its
+    dimensions have, and the ``Collectives`` of each model-parallel dimension above size 1, by "pp", "sp", "tp"."""
 
     mesh: DeviceMesh
     names: dict[str, str] = dataclasses.field(default_factory=lambda: {PP: PP, DP: DP, SP: SP, TP: TP})
+    collectives: dict[str, Collectives] = dataclasses.field(default_factory=dict)
+
+    @property
+    def pp_collectives(self) -> Collectives | None:
+        """The pipeline group's collectives (the loss broadcast, tied weights), or None without pipelining."""
+        return self.collectives.get(PP)
+
+    @property
+    def sp_collectives(self) -> Collectives | None:
+        """The sequence-parallel group's collectives (Ulysses' all-to-alls and loss), or None without Ulysses."""
+        return self.collectives.get(SP)
+
+    @property
+    def tp_collectives(self) -> Collectives | None:
+        """The tensor-parallel group's collectives (sums, partitioned activations, norms), or None without it."""
+        return self.collectives.get(TP)
 
     @property
     def pp_mesh(self) -> DeviceMesh | None:
@@ -149,15 +173,21 @@ def build_parallel_mesh(
     names: dict[str, str] | None = None,
     sequence_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
+    collective_timeout: float = 600.0,
 ) -> ParallelMesh:
     """The mesh over the initialised default group; ``names`` maps "pp"/"dp"/"sp"/"tp" to the framework's dimension
-    names."""
+    names; each model-parallel dimension's collectives wait up to ``collective_timeout`` seconds."""
     names = {PP: PP, DP: DP, SP: SP, TP: TP, **(names or {})}
     shape = mesh_shape(dist.get_world_size(), tensor_parallel_size, sequence_parallel_size, pipeline_parallel_size)
     mesh = init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(names[dim] for dim in shape))
     if SP in shape and (shape[TP] > 1 or PP in shape):  # the ZeRO group, dp x sp, is not the world: make its groups
         mesh[names[DP], names[SP]]._flatten(_dp_sp_name(names))
-    return ParallelMesh(mesh, dict(names))
+    collectives = {
+        dim: Collectives(mesh[names[dim]].get_group(), timeout=collective_timeout)
+        for dim in (PP, SP, TP)
+        if shape.get(dim, 1) > 1
+    }
+    return ParallelMesh(mesh, dict(names), collectives)
 
 
 def _dp_sp_name(names: dict[str, str]) -> str:

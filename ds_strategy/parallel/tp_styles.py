@@ -25,7 +25,9 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from ..comm.collectives import Collectives
 from ..comm.differentiable import SumGradOverRanks, SumOverRanks
+from ..comm.group_collectives import collectives_for
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -173,7 +175,17 @@ class FusedExpertsParallel(ParallelStyle):
     expert with plain tensors, which DTensor cannot dispatch, so it runs on the local shards; their gradients still
     arrive on the DTensor parameters through ``to_local``. The inputs' gradients are partial on each rank and are
     all-reduced on the way back (Megatron's f/g pair).
+
+    ``collectives``: the tensor-parallel group's ``Collectives`` those sums run through (the mesh's, which
+    composition passes: its timeout, counted in ``comm_stats``); None: one made over the mesh it is applied with.
     """
+
+    def __init__(self, collectives: Collectives | None = None):
+        self.collectives = collectives
+
+    def over(self, collectives: Collectives) -> FusedExpertsParallel:
+        """This style, its sums running through ``collectives``."""
+        return FusedExpertsParallel(collectives)
 
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         if name:  # only the experts module's own parameters
@@ -183,7 +195,7 @@ class FusedExpertsParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         distribute_module(module, device_mesh, self._partition)
-        group = device_mesh.get_group()
+        group = self.collectives or collectives_for(device_mesh.get_group())  # made once: every forward sums over it
         names = ("gate_up_proj", "down_proj")
         held: dict[str, nn.Parameter] = {}
 

@@ -32,12 +32,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ds_strategy.comm.collectives import Collectives
 from ds_strategy.comm.differentiable import AllToAll, SumOverRanks
 from ds_strategy.comm.group_collectives import collectives_for
 from ds_strategy.profiler_ranges import profiler_range
 
 HF_ATTENTION_NAME = "ds_strategy_ulysses_sdpa"
 LAYOUTS = ("bhsd", "bshd")
+# The sequence-parallel group: the mesh's Collectives (composition passes it: counted in comm_stats, the configured
+# timeout), or the bare process group a user's loop holds (see ds_strategy.comm.group_collectives).
+Group = dist.ProcessGroup | Collectives
 
 
 def _heads_split(heads: int, kv_heads: int, sp: int) -> bool:
@@ -58,26 +62,28 @@ def check_heads_split(heads: int, kv_heads: int, sp: int, tp: int = 1) -> None:
     )
 
 
-def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def seq_to_heads(x: torch.Tensor, group: Group) -> torch.Tensor:
     """[batch, heads, seq/sp, dim] sliced by sequence -> [batch, heads/sp, seq, dim] sliced by head; differentiable.
 
     Rank r receives head block r of every rank's slice and lays the slices end to end in rank order.
     """
-    sp = dist.get_world_size(group)
+    collectives = collectives_for(group)
+    sp = collectives.world_size
     batch, heads, local_seq, dim = x.shape
     # Head block j goes to rank j: all_to_all_single sends the j-th chunk of dim 0 to rank j.
     send = x.reshape(batch, sp, heads // sp, local_seq, dim).permute(1, 0, 2, 3, 4).contiguous()
-    received = AllToAll.apply(send, group, "ulysses.seq_to_heads")
+    received = AllToAll.apply(send, collectives, "ulysses.seq_to_heads")
     # received[i] is rank i's sequence slice of my heads.
     return received.permute(1, 2, 0, 3, 4).reshape(batch, heads // sp, sp * local_seq, dim)
 
 
-def heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def heads_to_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
     """The inverse of :func:`seq_to_heads`: [batch, heads/sp, seq, dim] -> [batch, heads, seq/sp, dim]."""
-    sp = dist.get_world_size(group)
+    collectives = collectives_for(group)
+    sp = collectives.world_size
     batch, local_heads, seq, dim = x.shape
     send = x.reshape(batch, local_heads, sp, seq // sp, dim).permute(2, 0, 1, 3, 4).contiguous()
-    received = AllToAll.apply(send, group, "ulysses.heads_to_seq")
+    received = AllToAll.apply(send, collectives, "ulysses.heads_to_seq")
     # received[i] is head block i of my sequence slice.
     return received.permute(1, 0, 2, 3, 4).reshape(batch, sp * local_heads, seq // sp, dim)
 
@@ -87,7 +93,7 @@ def ulysses_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     attention_fn: Callable[..., torch.Tensor],
-    group: dist.ProcessGroup,
+    group: Group,
     *,
     layout: str = "bhsd",
     **attention_kwargs,
@@ -104,7 +110,8 @@ def ulysses_attention(
         raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
     if layout == "bshd":
         query, key, value = (t.transpose(1, 2) for t in (query, key, value))
-    sp = dist.get_world_size(group)
+    group = collectives_for(group)
+    sp = group.world_size
     check_heads_split(query.shape[1], key.shape[1], sp)
     if key.shape[1] < sp:
         key, value = (t.repeat_interleave(sp // key.shape[1], dim=1) for t in (key, value))
@@ -115,9 +122,11 @@ def ulysses_attention(
     return out.transpose(1, 2) if layout == "bshd" else out
 
 
-def ulysses_sdpa(group: dist.ProcessGroup) -> Callable[..., torch.Tensor]:
+def ulysses_sdpa(group: Group) -> Callable[..., torch.Tensor]:
     """``F.scaled_dot_product_attention`` with Ulysses over ``group``: the same call, for sequence slices."""
-    return functools.partial(ulysses_attention, attention_fn=F.scaled_dot_product_attention, group=group)
+    return functools.partial(
+        ulysses_attention, attention_fn=F.scaled_dot_product_attention, group=collectives_for(group)
+    )
 
 
 def _hf_attention(
@@ -130,7 +139,7 @@ def _hf_attention(
     scaling: float | None = None,
     is_causal: bool | None = None,
     *,
-    group: dist.ProcessGroup,
+    group: Collectives,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """A transformers attention function (the signature of its "sdpa" one): Ulysses around sdpa."""
@@ -153,7 +162,7 @@ def _hf_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-def register_hf_attention(group: dist.ProcessGroup, name: str = HF_ATTENTION_NAME) -> str:
+def register_hf_attention(group: Group, name: str = HF_ATTENTION_NAME) -> str:
     """Register Ulysses-over-sdpa with transformers' ``AttentionInterface`` under ``name``, and return the name.
 
     A model built with ``attn_implementation=name`` (or switched with ``model.set_attn_implementation(name)``)
@@ -162,12 +171,12 @@ def register_hf_attention(group: dist.ProcessGroup, name: str = HF_ATTENTION_NAM
     """
     from transformers import AttentionInterface
 
-    AttentionInterface.register(name, functools.partial(_hf_attention, group=group))
+    AttentionInterface.register(name, functools.partial(_hf_attention, group=collectives_for(group)))
     return name
 
 
 def shard_sequence(
-    batch: Mapping[str, torch.Tensor], group: dist.ProcessGroup, ignore_index: int = -100
+    batch: Mapping[str, torch.Tensor], group: Group, ignore_index: int = -100
 ) -> dict[str, torch.Tensor]:
     """This rank's slice of ``batch`` ([batch, seq] tensors): ``input_ids``, ``position_ids`` and, when ``labels``
     are given, ``shift_labels``, the next-token labels (see Note: [Shift labels before slicing]).
@@ -189,7 +198,8 @@ def shard_sequence(
     unknown = set(batch) - {"input_ids", "labels", "position_ids", "attention_mask"}
     if unknown:
         raise ValueError(f"shard_sequence does not know how to slice {sorted(unknown)}")
-    sp, rank = dist.get_world_size(group), dist.get_rank(group)
+    collectives = collectives_for(group)
+    sp, rank = collectives.world_size, collectives.rank
     input_ids = batch["input_ids"]
     seq = input_ids.shape[1]
     if seq % sp:
@@ -219,7 +229,7 @@ def check_right_padded(mask: torch.Tensor | None) -> None:
 
 
 def sequence_parallel_loss(
-    logits_or_loss_sum: torch.Tensor, labels: torch.Tensor, group: dist.ProcessGroup, ignore_index: int = -100
+    logits_or_loss_sum: torch.Tensor, labels: torch.Tensor, group: Group, ignore_index: int = -100
 ) -> torch.Tensor:
     """The mean cross-entropy over every labelled token of the full sequence, the same on every rank of ``group``.
 
@@ -241,8 +251,9 @@ def sequence_parallel_loss(
             logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=ignore_index, reduction="sum"
         )
     count = (labels != ignore_index).sum()
-    collectives_for(group).all_reduce(count, label="ulysses.token_count").wait()
-    return SumOverRanks.apply(local_sum, group, "ulysses.loss_sum") / count.clamp(min=1)
+    collectives = collectives_for(group)
+    collectives.all_reduce(count, label="ulysses.token_count").wait()
+    return SumOverRanks.apply(local_sum, collectives, "ulysses.loss_sum") / count.clamp(min=1)
 
 
 def gradient_divide_factor(zero_group_size: int, sp_size: int) -> int:
@@ -269,7 +280,7 @@ def gradient_divide_factor(zero_group_size: int, sp_size: int) -> int:
     return zero_group_size // sp_size
 
 
-def attend_with_ulysses(module: torch.nn.Module, group, tensor_parallel_size: int = 1) -> None:
+def attend_with_ulysses(module: torch.nn.Module, group: Group, tensor_parallel_size: int = 1) -> None:
     """Switch every Hugging Face model in ``module`` to Ulysses attention over ``group``: any other attention would
     attend within this rank's slice of the sequence only. Other models take ``ulysses_sdpa(group)`` themselves.
     Each model's heads are checked first, divided by ``tensor_parallel_size`` (Note: [Ulysses inside tensor
@@ -278,8 +289,9 @@ def attend_with_ulysses(module: torch.nn.Module, group, tensor_parallel_size: in
     if transformers is None:
         return
     models = [model for model in module.modules() if isinstance(model, transformers.PreTrainedModel)]
+    group = collectives_for(group)
     for model in models:
-        _check_model_heads(model.config, dist.get_world_size(group), tensor_parallel_size)
+        _check_model_heads(model.config, group.world_size, tensor_parallel_size)
     name = register_hf_attention(group)
     for model in models:
         if model.config._attn_implementation != name:

@@ -59,7 +59,6 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..comm.group_collectives import collectives_for
 from ..config_policies import ParallelismPolicy
 from ..parallel.mesh import ParallelMesh
 from ..parallel.pipeline_schedules import schedule_class, stages_per_rank
@@ -92,7 +91,7 @@ class PipelineRunner:
         self.plan = plan
         self.policy = policy
         self.num_microbatches = policy.microbatch_count
-        self.pp = collectives_for(mesh.pp_group)  # its timeout set by compose_model
+        self.pp = mesh.pp_collectives
         self.last_stage_rank = plan.rank_of_stage[-1]
         self.modules = {s: StageModule(root, plan, s, mesh.sp_rank) for s in plan.stage_ids}
         stage_params = {s: list(module.parameters()) for s, module in self.modules.items()}

@@ -52,11 +52,9 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-def _collectives_over(group, config: ZeroConfig) -> Collectives | None:
-    """A model-parallel group's collectives (norms and overflow checks span it), or None for no group or one rank."""
-    if group is None or dist.get_world_size(group) == 1:
-        return None
-    return Collectives(group, timeout=config.collective_timeout)
+def _model_parallel(collectives: Collectives | None) -> Collectives | None:
+    """A model-parallel dimension's collectives, or None for none or one rank."""
+    return None if collectives is None or collectives.world_size == 1 else collectives
 
 
 def _step_runner_factory(step_runner: StepRunnerFactory | None, config: ZeroConfig) -> StepRunnerFactory:
@@ -147,13 +145,13 @@ class ZeroEngine:
             timeout=config.collective_timeout,
         )
         self.rank, self.world_size = self.collectives.rank, self.collectives.world_size
-        self.tp_collectives = _collectives_over(groups.tensor_parallel, config)
-        norm_spans = (self.tp_collectives, _collectives_over(groups.pipeline, config))
-        self.model_parallel = tuple(c for c in norm_spans if c is not None)  # each holds a different part of the model
+        self.tp_collectives = _model_parallel(groups.tensor_parallel)
+        pp_collectives = _model_parallel(groups.pipeline)
+        self.model_parallel = tuple(c for c in (self.tp_collectives, pp_collectives) if c is not None)
         self.part = part or ModelPart()
         self.tied_copies: dict[str, str] = {}  # the trainable ones, by _build_units (Note: [Tied copies])
         self.whole_model_names: tuple[str, ...] = self.part.whole_names
-        self._setup_weight_gathering()
+        self._setup_weight_gathering(_model_parallel(groups.sequence_parallel), pp_collectives)
         factory = _step_runner_factory(step_runner, config)
         global_rank = dist.get_rank() if dist.is_initialized() else 0
         shard_store = factory.shard_store(config.offload_policy, global_rank)
@@ -259,12 +257,14 @@ class ZeroEngine:
             first += len(flat)
         return units
 
-    def _setup_weight_gathering(self) -> None:
-        """ZeRO++ groups and weight gathering (qwZ and hpZ), which the units are built with."""
+    def _setup_weight_gathering(self, sequence_parallel: Collectives | None, pipeline: Collectives | None) -> None:
+        """The groups ``comm_stats`` counts (the model-parallel ones carry the model's traffic too), ZeRO++ groups
+        and weight gathering (qwZ and hpZ), which the units are built with."""
         cfg = self.config
         self.comm_groups = {"world": self.collectives}
-        if self.tp_collectives is not None:
-            self.comm_groups["tp"] = self.tp_collectives
+        for name, collectives in (("tp", self.tp_collectives), ("sp", sequence_parallel), ("pp", pipeline)):
+            if collectives is not None:
+                self.comm_groups[name] = collectives
         if cfg.zero_hpz_partition_size > 1 and self.world_size > 1:
             self.comm_groups["hpz"] = hpz_collectives(self.collectives, cfg.zero_hpz_partition_size)
         self.weight_gather = None
@@ -789,8 +789,10 @@ class ZeroEngine:
 
     def comm_stats(self, group: str | None = None) -> dict[str, dict[str, float]]:
         """Calls, bytes and seconds waited per collective kind, summed over the groups that carry training data
-        ("world" and, under hpZ, "hpz"), or for one of ``comm_groups``, which also holds "monitor" (the per-step
-        sequence check's all-gather of 16 bytes per rank, left out of the sum)."""
+        ("world"; under hpZ, "hpz"; and the mesh's model-parallel groups "tp", "sp", "pp", whose counters include the
+        model's own traffic over them: tensor-parallel sums, Ulysses all-to-alls, pipeline losses and tied weights),
+        or for one of ``comm_groups``, which also holds "monitor" (the per-step sequence check's all-gather of 16
+        bytes per rank, left out of the sum)."""
         if group is not None:
             return self.comm_groups[group].stats.as_dict()
         return combined(c.stats for name, c in self.comm_groups.items() if name != "monitor")
@@ -817,6 +819,8 @@ class ZeroEngine:
     def remove_hooks(self) -> None:
         """Detach the engine from the module (teardown); also removes this rank's offload files."""
         self.step_runner.close()
+        if self.sequence_check is not None:
+            self.sequence_check.close()
         self.reducer.remove_hooks()
         if self.gatherer is not None:
             self.gatherer.remove_hooks()
