@@ -41,7 +41,7 @@ from torch.utils.checkpoint import (
 )
 
 from .comm.group_collectives import collectives_for
-from .config_policies import ActivationPolicy
+from .config.policies import ActivationPolicy
 from .profiler_ranges import profiler_range
 from .zero.param_gatherer import is_recomputation
 

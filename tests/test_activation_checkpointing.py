@@ -21,7 +21,7 @@ from ds_strategy.activation_memory import (
 )
 from ds_strategy.compose import compose_model
 from ds_strategy.config import ZeroConfig, ZeroConfigError
-from ds_strategy.deepspeed_config import DeepSpeedConfigWarning, config_from_deepspeed
+from ds_strategy.config.deepspeed.translate import DeepSpeedConfigWarning, config_from_deepspeed
 from ds_strategy.models import gpt_config
 from ds_strategy.zero.wrap_policy import select_unit_modules
 

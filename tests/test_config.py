@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from ds_strategy.auto_values import hidden_size_of
 from ds_strategy.config import ZeroConfig
-from ds_strategy.deepspeed_config import config_from_deepspeed
+from ds_strategy.config.auto_values import hidden_size_of
+from ds_strategy.config.deepspeed.translate import config_from_deepspeed
 
 
 class Block(torch.nn.Module):

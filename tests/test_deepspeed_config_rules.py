@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ds_strategy.config import ZeroConfig
-from ds_strategy.deepspeed.key_tables import (
+from ds_strategy.config.deepspeed.key_tables import (
     BF16,
     FP16,
     OFFLOAD_OPTIMIZER,
@@ -19,7 +19,7 @@ from ds_strategy.deepspeed.key_tables import (
     TENSOR_PARALLEL,
     ZERO_OPTIMIZATION,
 )
-from ds_strategy.deepspeed_config import (
+from ds_strategy.config.deepspeed.translate import (
     DeepSpeedConfigWarning,
     config_from_deepspeed,
     read_deepspeed_config,

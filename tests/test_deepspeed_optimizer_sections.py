@@ -14,8 +14,8 @@ from distributed import run_ranks, set_lightning_environment
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from ds_strategy import ZeroStrategy
-from ds_strategy.deepspeed.optimizer_section import read_optimizer_sections
-from ds_strategy.deepspeed_config import DeepSpeedConfigWarning
+from ds_strategy.config.deepspeed.optimizer_section import read_optimizer_sections
+from ds_strategy.config.deepspeed.translate import DeepSpeedConfigWarning
 
 STEPS = 40
 SCHEDULES = {

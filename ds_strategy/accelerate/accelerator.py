@@ -23,6 +23,7 @@ from ..checkpoint.pretrained import WeightSource, load_weights
 from ..compose import Composed, build_mesh, compose_model, recompose_engine
 from ..compose.pipeline_step import pipeline_step, ran_its_backward
 from ..config import ZeroConfig
+from ..config.sources import ENV_VAR, load_config
 from ..engine_owner import backward_through_loss_scale
 from ..parallel.mesh import ACCELERATE_NAMES, ParallelMesh
 from ..precision import autocast_for
@@ -30,7 +31,6 @@ from ..precision_flag import ACCELERATE_MIXED_PRECISION, reconcile_precision
 from ..zero.engine import ZeroEngine
 from ..zero.rng_replay import generator_state, set_generator_state
 from .checkpointing import ZeroAcceleratorCheckpointing
-from .config_source import ENV_VAR, load_config
 from .deepspeed_compat import DeepSpeedPluginView, StateWithDeepSpeedView, mark_launched_worker
 from .dummy_objects import resolve_dummies
 from .parallelism import check_no_launcher_parallelism, prepare_over_data_parallel, with_parallelism
@@ -69,11 +69,11 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
     wrapping the model in DDP.
 
     ``zero_config`` is a :class:`ZeroConfig`, a mapping of its fields, or a YAML/JSON file (see
-    :mod:`.config_source`); when omitted it is read from ``$DS_STRATEGY_CONFIG``, which ``ds-strategy launch``
-    sets. Every other argument is Accelerate's. ``backward``, ``clip_grad_norm_``/``clip_grad_value_``,
+    :func:`~ds_strategy.config.load_config`); when omitted it is read from ``$DS_STRATEGY_CONFIG``, which ``ds-strategy
+    launch`` sets. Every other argument is Accelerate's. ``backward``, ``clip_grad_norm_``/``clip_grad_value_``,
     ``no_sync``/``accumulate`` and the prepared optimizer's ``step``/``zero_grad`` go to the engine;
-    ``save_state``/``load_state`` write and read the model and optimizer as a sharded checkpoint, loadable at any
-    world size or ZeRO stage (see :mod:`.checkpointing`).
+    ``save_state``/``load_state`` write and read the model and optimizer as a sharded checkpoint, loadable at any world
+    size or ZeRO stage (see :mod:`.checkpointing`).
 
     Precision: ``mixed_precision`` ("no", "bf16", "fp16") is folded into ``ZeroConfig.precision`` and the engine
     implements it (16-bit buffers, fp32 masters, loss scaling); ``prepare`` only runs the model's forward in autocast to

@@ -48,13 +48,13 @@ def run(args: argparse.Namespace) -> int:
     with needs("accelerate", needed_by="ds-strategy launch"):  # imported here: the other commands work without it
         from accelerate.commands.launch import launch_command, launch_command_parser
 
-        from ..accelerate.config_source import (
+        from ..accelerate.deepspeed_compat import LAUNCH_MARKERS_VAR, launched_workers
+        from ..config.sources import (
             ENV_VAR,
             SECTION,
             config_from_mapping,
             read_config_file,
         )
-        from ..accelerate.deepspeed_compat import LAUNCH_MARKERS_VAR, launched_workers
 
     try:
         settings = read_config_file(args.config_file)

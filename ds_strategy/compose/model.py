@@ -40,9 +40,9 @@ from torch._dynamo.eval_frame import OptimizedModule
 from torch.optim import Optimizer
 
 from ..activation_memory import apply_activation_checkpointing
-from ..auto_values import hidden_size_of
 from ..comm.group_collectives import collectives_for
 from ..config import ZeroConfig
+from ..config.auto_values import hidden_size_of
 from ..offload import step_runner_for
 from ..parallel.mesh import ParallelMesh, build_parallel_mesh
 from ..parallel.pipeline_split import StagePlan, cut_to_stages, plan_stages

@@ -51,7 +51,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from ..comm.group_collectives import collectives_for
-from ..config_policies import ParallelismPolicy
+from ..config.policies import ParallelismPolicy
 from ..parallel.dtensor_params import local_tensor
 from ..parallel.mesh import ParallelMesh
 from ..parallel.pipeline_schedules import schedule_class, stages_per_rank

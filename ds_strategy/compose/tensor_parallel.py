@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..comm.group_collectives import collectives_for
-from ..config_policies import ParallelismPolicy
+from ..config.policies import ParallelismPolicy
 from ..parallel.auto_plan import apply_tensor_parallel_plan, tensor_parallel_plan
 from ..parallel.mesh import ParallelMesh
 

@@ -22,7 +22,7 @@ from torch.optim import Optimizer
 from ..compose import Composed, build_mesh, compose_model
 from ..compose.pipeline_step import pipeline_step, ran_its_backward
 from ..config import ZeroConfig
-from ..deepspeed_config import config_from_deepspeed
+from ..config.deepspeed.translate import config_from_deepspeed
 from ..engine_owner import EngineOwnerMixin, backward_through_loss_scale, release_engine, zero_grad_through_engine
 from ..parallel.mesh import LIGHTNING_NAMES, ParallelMesh
 from ..precision import autocast_for

@@ -18,7 +18,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from ..config import _PRECISIONS, ZeroConfig, ZeroConfigError
+from ..config import ZeroConfig, ZeroConfigError
+from ..config.zero_config import _PRECISIONS
 from ..engine_owner import PRESETS
 from ..models import gpt_config
 from ..optional_packages import needs

@@ -15,7 +15,7 @@ from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 
-from ..deepspeed.optimizer_section import OptimizerSections
+from ..config.deepspeed.optimizer_section import OptimizerSections
 
 
 def apply_optimizer_sections(strategy, sections: OptimizerSections) -> None:

@@ -21,8 +21,8 @@ from ..compose import build_mesh, compose_model
 from ..compose.pipeline_runner import PipelineRunner
 from ..compose.pipeline_step import pipeline_step
 from ..config import ZeroConfig
-from ..deepspeed.optimizer_section import OptimizerSections
-from ..deepspeed_config import read_deepspeed_config
+from ..config.deepspeed.optimizer_section import OptimizerSections
+from ..config.deepspeed.translate import read_deepspeed_config
 from ..engine_owner import EngineOwnerMixin, zero_grad_through_engine
 from ..micro_batch import check_micro_batch
 from ..parallel.mesh import LIGHTNING_NAMES, ParallelMesh

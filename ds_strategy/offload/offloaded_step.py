@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config_policies import OffloadPolicy
+from ..config.policies import OffloadPolicy
 from ..host_memory import map_large_blocks
 from ..profiler_ranges import profiler_range
 from ..zero.flat_param import FlatParam

@@ -7,7 +7,7 @@ accumulation, clipping, the optimizer section's lr/betas/eps/weight decay, the s
 come from the arguments; when training starts (:meth:`TrainerZeroConfig.build_scheduler`) ``total_num_steps`` and
 ``warmup_num_steps`` come from the step count. A concrete value that differs from the argument it mirrors is an
 error listing every such key, as in transformers. Bucket sizes left "auto" are derived from the model's hidden size
-by the engine (``ds_strategy.auto_values``).
+by the engine (``ds_strategy.config.auto_values``).
 
 Note: [Who owns accumulation, clipping and the batch under the Trainer]
 Trainer runs gradient accumulation itself (it builds its Accelerator with one accumulation step and toggles
@@ -34,10 +34,10 @@ from typing import Any
 import torch
 import transformers
 
-from ..accelerate.config_source import SECTION, config_from_mapping, read_options
 from ..config import ZeroConfig
-from ..deepspeed.optimizer_section import read_optimizer_sections
-from ..deepspeed.rule_kinds import AUTO
+from ..config.deepspeed.optimizer_section import read_optimizer_sections
+from ..config.deepspeed.rule_kinds import AUTO
+from ..config.sources import SECTION, config_from_mapping, read_options
 from . import build_hook
 
 

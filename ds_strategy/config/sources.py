@@ -18,10 +18,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..config import ZeroConfig
-from ..deepspeed.optimizer_section import read_optimizer_sections
-from ..deepspeed.rule_kinds import AUTO
-from ..deepspeed_config import config_from_deepspeed
+from .deepspeed.optimizer_section import read_optimizer_sections
+from .deepspeed.rule_kinds import AUTO
+from .deepspeed.translate import config_from_deepspeed
+from .zero_config import ZeroConfig
 
 ENV_VAR = "DS_STRATEGY_CONFIG"
 SECTION = "ds_strategy"

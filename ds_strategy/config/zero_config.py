@@ -1,6 +1,6 @@
 """ZeroConfig: the one place ZeRO's settings are defaulted and validated.
 
-Front-ends (the DeepSpeed JSON reader in ``deepspeed_config.py``, strategy constructor arguments) translate
+Front-ends (the DeepSpeed JSON reader in ``ds_strategy.config.deepspeed``, strategy constructor arguments) translate
 into this dataclass and carry no defaults of their own.
 """
 
@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
-from ds_strategy.auto_values import deepspeed_auto_values
-from ds_strategy.config_policies import (
+from ds_strategy.config.auto_values import deepspeed_auto_values
+from ds_strategy.config.plan import DTYPES, ZeroPlan
+from ds_strategy.config.policies import (
     ActivationPolicy,
     CommPolicy,
     OffloadPolicy,
@@ -28,7 +29,6 @@ from ds_strategy.config_policies import (
     policy_of,
 )
 from ds_strategy.parallel.pipeline_schedules import SCHEDULES
-from ds_strategy.zero_plan import DTYPES, ZeroPlan
 
 AUTO = "auto"
 UNITS = "units"  # a bucket or prefetch size bounded by the model's largest unit rather than by an element count
@@ -555,7 +555,7 @@ class ZeroConfig:
             self.stage, self.param_persistence_threshold, self.precision_policy, self.comm_policy, self.offload_policy
         )
 
-    # -- each component's section (see ``ds_strategy.config_policies``), built from the validated fields -------
+    # -- each component's section (see ``ds_strategy.config.policies``), built from the validated fields -------
     @functools.cached_property
     def precision_policy(self) -> PrecisionPolicy:
         return policy_of(PrecisionPolicy, self)
