@@ -107,7 +107,8 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
         _reject_other_sharding(kwargs)
         parallelism_config = kwargs.pop("parallelism_config", None)
         check_no_launcher_parallelism(parallelism_config)
-        config, self._deepspeed_sections = load_config(zero_config)
+        loaded = load_config(zero_config, environment=True)
+        config, self._deepspeed_sections = loaded.zero, loaded.written_sections
         if config.gradient_accumulation_steps != 1:
             steps = kwargs.setdefault("gradient_accumulation_steps", config.gradient_accumulation_steps)
             if steps != config.gradient_accumulation_steps:

@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         from ..config.sources import (
             ENV_VAR,
             SECTION,
-            config_from_mapping,
+            load_config,
             read_config_file,
         )
 
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         if str(settings.get("distributed_type", "")).upper() == "DEEPSPEED" or settings.get("deepspeed_config"):
             zero_section = _from_deepspeed_backend(settings, zero_section, Path(args.config_file).parent)
         _check_no_other_sharding(settings)
-        config_from_mapping(zero_section)
+        load_config(zero_section)
     except (OSError, ValueError) as error:
         print(f"ds-strategy launch: {args.config_file}: {error}", file=sys.stderr)
         return 2

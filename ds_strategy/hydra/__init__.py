@@ -19,6 +19,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from ..config import ZeroConfig, ZeroConfigError
+from ..config.sources import load_config
 from ..config.zero_config import _PRECISIONS
 from ..engine_owner import PRESETS
 from ..models import gpt_config
@@ -57,7 +58,7 @@ def zero_config(strategy: DictConfig | Mapping, precision: DictConfig | Mapping 
     for node in (strategy, precision or {}):
         options.update(OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node))
     try:
-        return ZeroConfig.from_dict(options)
+        return load_config(options).zero
     except ZeroConfigError as error:
         group = "precision" if error.field in PRECISION_FIELDS else "strategy"
         raise ValueError(f"{group}.{error.field}={options.get(error.field)!r}: {error}") from error

@@ -21,8 +21,7 @@ from ..compose import build_mesh, compose_model
 from ..compose.pipeline_runner import PipelineRunner
 from ..compose.pipeline_step import pipeline_step
 from ..config import ZeroConfig
-from ..config.deepspeed.optimizer_section import OptimizerSections
-from ..config.deepspeed.translate import read_deepspeed_config
+from ..config.sources import LoadedConfig, load_config
 from ..engine_owner import EngineOwnerMixin, zero_grad_through_engine
 from ..micro_batch import check_micro_batch
 from ..parallel.mesh import LIGHTNING_NAMES, ParallelMesh
@@ -55,7 +54,7 @@ class ZeroStrategyMixin(EngineOwnerMixin):
 
     def __init__(
         self,
-        config: ZeroConfig | Mapping | None = None,
+        config: ZeroConfig | LoadedConfig | Mapping | str | os.PathLike | None = None,
         *,
         accelerator=None,
         parallel_devices=None,
@@ -64,11 +63,10 @@ class ZeroStrategyMixin(EngineOwnerMixin):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         start_method: str = "popen",
-        deepspeed_sections: OptimizerSections | None = None,
         **config_fields: Any,
     ):
-        self.config = ZeroConfig.build(config, **config_fields)
-        self.optimizer_sections = deepspeed_sections or OptimizerSections()
+        loaded = load_config(config, **config_fields)
+        self.config, self.optimizer_sections = loaded.zero, loaded.sections
         self._micro_batch_checked = False
         super().__init__(
             accelerator=accelerator,
@@ -89,8 +87,7 @@ class ZeroStrategyMixin(EngineOwnerMixin):
     def from_deepspeed_config(cls, ds_config: Mapping | str | os.PathLike, **kwargs: Any) -> ZeroStrategy:
         """Build from a DeepSpeed JSON config (a dict or a path), with DeepSpeed's meaning and its optimizer and
         scheduler sections (used when ``configure_optimizers`` returns None); unsupported keys raise a ValueError."""
-        ds = read_deepspeed_config(ds_config)
-        return cls(ds.zero, deepspeed_sections=ds.sections, **kwargs)
+        return cls(load_config(ds_config, deepspeed=True), **kwargs)
 
     # -- precision --------------------------------------------------------------------------------------------
     @property
