@@ -18,7 +18,7 @@ buffer or collective label:
   host step of ``offload_optimizer``/``offload_params``.
 - ``activation.forward[unit]`` and ``activation.recompute[unit]``: a checkpointed unit's forward and its
   recomputation in backward; ``activation.save_input[unit]`` and ``activation.load_input[unit]``: partitioning or
-  copying its input to the host, and the all-gather or copy back (``ds_strategy.activation_memory``).
+  copying its input to the host, and the all-gather or copy back (``ds_strategy.compose.activation_checkpointing``).
 
 Outside a profiler a range costs about a microsecond (``record_function`` checks whether profiling is on), which
 is why ranges sit on module hooks, flat buffers and collectives, never on single parameters or elements.

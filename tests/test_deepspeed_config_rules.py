@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ds_strategy.adapters.micro_batch import check_micro_batch
 from ds_strategy.config import ZeroConfig
 from ds_strategy.config.deepspeed.key_tables import (
     BF16,
@@ -24,7 +25,6 @@ from ds_strategy.config.deepspeed.translate import (
     config_from_deepspeed,
     read_deepspeed_config,
 )
-from ds_strategy.micro_batch import check_micro_batch
 
 CORPUS = Path(__file__).parent / "data" / "deepspeed_configs"
 CONFIGS = sorted(CORPUS.glob("*.json"))

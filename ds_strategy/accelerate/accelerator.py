@@ -19,15 +19,15 @@ from accelerate.utils import DistributedType
 from torch import nn
 from torch.optim import Optimizer
 
+from ..adapters.engine_owner import backward_through_loss_scale
+from ..adapters.precision_flag import ACCELERATE_MIXED_PRECISION, reconcile_precision
 from ..checkpoint.pretrained import WeightSource, load_weights
 from ..compose import Composed, build_mesh, compose_model, recompose_engine
 from ..compose.pipeline_step import pipeline_step, ran_its_backward
 from ..config import ZeroConfig
 from ..config.sources import ENV_VAR, load_config
-from ..engine_owner import backward_through_loss_scale
 from ..parallel.mesh import ACCELERATE_NAMES, ParallelMesh
 from ..precision import autocast_for
-from ..precision_flag import ACCELERATE_MIXED_PRECISION, reconcile_precision
 from ..zero.engine import ZeroEngine
 from ..zero.rng_replay import generator_state, set_generator_state
 from .checkpointing import ZeroAcceleratorCheckpointing
@@ -387,7 +387,7 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Scale for accumulation as Accelerate does, then backward through the loss scale of the model that
-        trains in fp16, if any (:func:`~ds_strategy.engine_owner.backward_through_loss_scale`). A
+        trains in fp16, if any (:func:`~ds_strategy.adapters.engine_owner.backward_through_loss_scale`). A
         :meth:`pipeline_step` loss has had its backward (and its division) already."""
         if ran_its_backward(loss, self.zero_config.pipeline_parallel_size > 1):
             return

@@ -84,9 +84,9 @@ def documented_fields() -> dict[str, tuple[str, str]]:
 
 
 def markdown_tables() -> str:
+    from ..adapters.engine_owner import PRESETS
     from ..config import ZeroConfig
     from ..deepspeed.compat_table import markdown_table
-    from ..engine_owner import PRESETS
 
     lines = ["| strategy name | ZeroConfig fields it sets |", "| --- | --- |"]
     lines += [

@@ -39,7 +39,6 @@ from torch import nn
 from torch._dynamo.eval_frame import OptimizedModule
 from torch.optim import Optimizer
 
-from ..activation_memory import apply_activation_checkpointing
 from ..comm.group_collectives import collectives_for
 from ..config import ZeroConfig
 from ..config.auto_values import hidden_size_of
@@ -52,6 +51,7 @@ from ..zero.groups import EngineGroups
 from ..zero.sharded_optimizers import as_optimizer_list
 from ..zero.tied_copies import mark_tied_copy
 from ..zero.wrap_policy import select_unit_modules
+from .activation_checkpointing import apply_activation_checkpointing
 from .early_optimizer import rebind_optimizer
 from .pipeline_runner import PipelineRunner
 from .tensor_parallel import apply_tensor_parallelism

@@ -271,7 +271,7 @@ class ZeroConfig:
             memory. False gathers them for each micro-batch's forward and backward and frees them after: at most
             one stage chunk gathered at a time, a gather per micro-batch pass.
 
-    Activation memory (DeepSpeed's ``activation_checkpointing`` section; see ``ds_strategy.activation_memory``):
+    Activation memory (DeepSpeed's ``activation_checkpointing``; ``ds_strategy.compose.activation_checkpointing``):
         activation_checkpointing (default "none"): "none"; "full": each checkpointed unit (the outermost ZeRO
             units) keeps only its input and recomputes its forward in backward (non-reentrant), one more forward
             of compute; "selective": keeps matmul and attention outputs too and recomputes only the cheap ops

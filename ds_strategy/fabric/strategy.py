@@ -19,16 +19,21 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torch.optim import Optimizer
 
+from ..adapters.engine_owner import (
+    EngineOwnerMixin,
+    backward_through_loss_scale,
+    release_engine,
+    zero_grad_through_engine,
+)
 from ..adapters.optimizer_sections import optimizers_to_train
+from ..adapters.precision_flag import reconcile_precision
 from ..compose import Composed, build_mesh, compose_model
 from ..compose.pipeline_step import pipeline_step, ran_its_backward
 from ..config import ZeroConfig
 from ..config.sources import LoadedConfig, load_config
-from ..engine_owner import EngineOwnerMixin, backward_through_loss_scale, release_engine, zero_grad_through_engine
 from ..parallel.mesh import LIGHTNING_NAMES, ParallelMesh
 from ..precision import autocast_for
 from ..precision.init_dtype import init_dtype_context
-from ..precision_flag import reconcile_precision
 from ..zero.engine import ZeroEngine
 from ..zero.meta_parameters import parameters_on_meta
 from .checkpointing import ZeroFabricCheckpointing
@@ -53,9 +58,10 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
     ``precision=`` here is the ZeroConfig field; a Fabric precision plugin goes in ``precision_plugin``).
 
     Precision: Fabric's ``precision=`` flag is folded into ``ZeroConfig.precision`` (see
-    :mod:`ds_strategy.precision_flag`) and the engine implements it (16-bit buffers, fp32 masters, loss scaling);
-    Fabric gets a :class:`ZeroFabricPrecision` that only supplies the autocast region. ``ZeroConfig.gradient_clipping``,
-    when set, clips the global gradient norm before every ``optimizer.step()``, as DeepSpeed does.
+    :mod:`ds_strategy.adapters.precision_flag`) and the engine implements it (16-bit buffers, fp32 masters, loss
+    scaling); Fabric gets a :class:`ZeroFabricPrecision` that only supplies the autocast region.
+    ``ZeroConfig.gradient_clipping``, when set, clips the global gradient norm before every ``optimizer.step()``, as
+    DeepSpeed does.
 
     ``fabric.save``/``fabric.load`` write and read a sharded checkpoint directory, each rank only its shards, and
     load at any world size or ZeRO stage (see :mod:`.checkpointing`).
@@ -328,7 +334,7 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
 
     def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         """Through the loss scale of ``module``'s engine (``fabric.backward(loss, model=...)``), or with no model
-        named, of the one model that trains in fp16, if any (:func:`~ds_strategy.engine_owner.
+        named, of the one model that trains in fp16, if any (:func:`~ds_strategy.adapters.engine_owner.
         backward_through_loss_scale`). A :meth:`pipeline_step` loss has had its backward already."""
         if ran_its_backward(tensor, self.config.pipeline_parallel_size > 1):
             return

@@ -2,8 +2,8 @@
 
 Importing this module registers the groups (the YAML presets that use them ship in ``pkg://ds_strategy.configs``):
 
-* ``strategy``: one option per ``ds_strategy.engine_owner.PRESETS`` name (``strategy=zero2``), so new stages appear
-  here as they are added; every other ZeroConfig field is a key (``strategy.reduce_bucket_size=1e6``).
+* ``strategy``: one option per ``ds_strategy.adapters.engine_owner.PRESETS`` name (``strategy=zero2``), so new stages
+  appear here as they are added; every other ZeroConfig field is a key (``strategy.reduce_bucket_size=1e6``).
 * ``precision``: one option per ZeroConfig precision (``precision=bf16-mixed``) and the loss-scaling keys.
 * ``model`` (GPT presets tiny/small/medium), ``data`` (stdlib) and ``trainer`` (cpu, auto): what the example
   ``examples/train.py`` trains.
@@ -18,10 +18,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+from ..adapters.engine_owner import PRESETS
 from ..config import ZeroConfig, ZeroConfigError
 from ..config.sources import load_config
 from ..config.zero_config import _PRECISIONS
-from ..engine_owner import PRESETS
 from ..models import gpt_config
 from ..optional_packages import needs
 from .structured import PRECISION_FIELDS, DataConf, ModelConf, PrecisionConf, StrategyConf, TrainerConf

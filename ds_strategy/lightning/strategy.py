@@ -14,6 +14,9 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from ..adapters.engine_owner import EngineOwnerMixin, zero_grad_through_engine
+from ..adapters.micro_batch import check_micro_batch
+from ..adapters.precision_flag import reconcile_precision
 from ..comm.accounting import StepCommMeter
 from ..comm.process_exit import destroy_process_groups_at_exit
 from ..comm.rank_failure import report_failure
@@ -22,10 +25,7 @@ from ..compose.pipeline_runner import PipelineRunner
 from ..compose.pipeline_step import pipeline_step
 from ..config import ZeroConfig
 from ..config.sources import LoadedConfig, load_config
-from ..engine_owner import EngineOwnerMixin, zero_grad_through_engine
-from ..micro_batch import check_micro_batch
 from ..parallel.mesh import LIGHTNING_NAMES, ParallelMesh
-from ..precision_flag import reconcile_precision
 from ..zero.engine import ZeroEngine
 from ..zero.meta_parameters import parameters_on_meta
 from .checkpointing import ZeroCheckpointing
@@ -100,9 +100,10 @@ class ZeroStrategyMixin(EngineOwnerMixin):
     def precision_plugin(self, plugin: Precision | None) -> None:
         """Lightning hands every strategy a generic plugin for the ``precision`` flag; turn it into ours.
 
-        The flag and ``ZeroConfig.precision`` are reconciled (:func:`~ds_strategy.precision_flag.reconcile_precision`):
-        a flag left at "32-true" defers to the config. On CPU Lightning itself turns ``precision="16-mixed"`` into
-        "bf16-mixed" before any strategy sees it; pass ``ZeroStrategy(precision="16-mixed")`` to train fp16 there.
+        The flag and ``ZeroConfig.precision`` are reconciled
+        (:func:`~ds_strategy.adapters.precision_flag.reconcile_precision`): a flag left at "32-true" defers to the
+        config. On CPU Lightning itself turns ``precision="16-mixed"`` into "bf16-mixed" before any strategy sees it;
+        pass ``ZeroStrategy(precision="16-mixed")`` to train fp16 there.
         """
         if plugin is not None:
             self.config = reconcile_precision(self.config, str(plugin.precision), "Trainer(precision)")
