@@ -1,5 +1,7 @@
 """ZeroConfig defaults and validation, "auto" resolution, and the DeepSpeed JSON front-end."""
 
+import dataclasses
+import inspect
 import json
 
 import pytest
@@ -448,3 +450,10 @@ def test_build_accepts_a_config_a_mapping_or_nothing_with_fields_on_top():
     assert ZeroConfig.build(ZeroConfig(stage=3), stage=2).stage == 2
     with pytest.raises(ValueError, match="stge"):
         ZeroConfig.build({"stge": 1})
+
+
+def test_every_field_declares_its_default_check_and_meaning_once_and_the_docstring_lists_them():
+    doc = inspect.getdoc(ZeroConfig)
+    for field in dataclasses.fields(ZeroConfig):
+        assert callable(field.metadata["check"]) and field.metadata["doc"], field.name
+        assert f"    {field.name} (default " in doc, field.name

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from ..adapters.engine_owner import PRESETS
 from ..config import ZeroConfig, ZeroConfigError
 from ..config.sources import load_config
-from ..config.zero_config import _PRECISIONS
+from ..config.zero_config import PRECISIONS
 from ..models import gpt_config
 from ..optional_packages import needs
 from .structured import PRECISION_FIELDS, DataConf, ModelConf, PrecisionConf, StrategyConf, TrainerConf
@@ -39,7 +39,7 @@ def register_configs(store: ConfigStore | None = None) -> None:
     store = store or ConfigStore.instance()
     for name, fields in PRESETS.items():
         store.store(group="strategy", name=name, node=StrategyConf(**fields))
-    for precision in dict.fromkeys(_PRECISIONS.values()):  # ZeroConfig's canonical names, aliases dropped
+    for precision in PRECISIONS:
         store.store(group="precision", name=precision, node=PrecisionConf(precision=precision))
     for name in MODEL_PRESETS:
         store.store(group="model", name=name, node=ModelConf(**dataclasses.asdict(gpt_config(name))))
