@@ -8,6 +8,7 @@
 * ``sources``: ``load_config``, the one reader every adapter, the CLI and Hydra call.
 """
 
+from .sources import LoadedConfig, load_config
 from .zero_config import AUTO, OFFLOAD_MODES, UNITS, ZeroConfig, ZeroConfigError
 
-__all__ = ["AUTO", "OFFLOAD_MODES", "UNITS", "ZeroConfig", "ZeroConfigError"]
+__all__ = ["AUTO", "OFFLOAD_MODES", "UNITS", "LoadedConfig", "ZeroConfig", "ZeroConfigError", "load_config"]

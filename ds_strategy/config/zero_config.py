@@ -693,15 +693,6 @@ class ZeroConfig:
         _check_field_names(options)
         return cls(**options)
 
-    @classmethod
-    def build(cls, config: ZeroConfig | Mapping[str, Any] | None = None, **fields: Any) -> ZeroConfig:
-        """What adapters accept: a ZeroConfig, a mapping of its fields, or None (the defaults), with ``fields``
-        on top; every path validates."""
-        if isinstance(config, Mapping):
-            config = cls.from_dict(config)
-        config = config or cls()
-        return config.replace(**fields) if fields else config
-
     def replace(self, **changes: Any) -> ZeroConfig:
         """A copy with ``changes`` applied and every field validated again."""
         _check_field_names(changes)
