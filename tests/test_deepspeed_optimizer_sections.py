@@ -314,4 +314,4 @@ def test_fabric_trains_with_the_config_sections_like_lightning():
         assert error < 1e-5, f"{key}: relative error {error:.2e}"
     assert ranks[0]["lr"] == pytest.approx(last_lr)
     assert (ranks[0]["optimizer"], ranks[0]["scheduler"]) == ("AdamW", "DeepSpeedSchedule")
-    assert "fabric.setup gave SGD" in ranks[0]["warnings"][0]
+    assert "fabric.setup was given SGD" in ranks[0]["warnings"][0]

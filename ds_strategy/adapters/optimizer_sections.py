@@ -30,19 +30,22 @@ def optimizers_to_train(
     schedulers: list[Any],
     *,
     source: str,
+    gave: str,
+    theirs: str,
     warn: Callable[[str], None],
 ) -> tuple[list[torch.optim.Optimizer], list[Any], Any | None]:
     """The program's ``optimizers`` and LR ``schedulers`` (placeholders left out) as Note: [A DeepSpeed config's
-    optimizer wins] leaves them, and the config's scheduler (None without a scheduler section). ``source`` names where
-    the program's come from in messages ("configure_optimizers")."""
+    optimizer wins] leaves them, and the config's scheduler (None without a scheduler section). Messages name where
+    the program's come from: ``source`` ("configure_optimizers"), ``gave`` ("configure_optimizers returned") and
+    ``theirs`` ("configure_optimizers' optimizer")."""
     if sections.optimizer is not None:
         if optimizers:
             dropped = f" and its {len(schedulers)} LR scheduler(s)" if schedulers else ""
             warn(
-                f"{source} gave {', '.join(type(opt).__name__ for opt in optimizers)}, but the DeepSpeed config has "
-                f"an optimizer section (type {sections.optimizer[0]!r}): training uses the config's optimizer, as "
-                f"Lightning's DeepSpeed strategy does, and ignores the one from {source}{dropped}. Remove the "
-                f"config's optimizer section to train with your own."
+                f"{gave} {', '.join(type(opt).__name__ for opt in optimizers)}, but the DeepSpeed config has an "
+                f"optimizer section (type {sections.optimizer[0]!r}): training uses the config's optimizer, as "
+                f"Lightning's DeepSpeed strategy does, and ignores {theirs}{dropped}. Remove the config's optimizer "
+                f"section to train with your own."
             )
             schedulers = []
         optimizers = [sections.build_optimizer(parameters)]

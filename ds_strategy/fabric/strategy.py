@@ -200,6 +200,8 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
             optimizers,
             [scheduler] if scheduler is not None else [],
             source="fabric.setup",
+            gave="fabric.setup was given",
+            theirs="the optimizer passed to fabric.setup",
             warn=rank_zero_warn,
         )
         if config_scheduler is None:

@@ -27,6 +27,8 @@ def apply_optimizer_sections(strategy, sections: OptimizerSections) -> None:
         given,
         strategy.lr_scheduler_configs,
         source="configure_optimizers",
+        gave="configure_optimizers returned",
+        theirs="configure_optimizers' optimizer",
         warn=rank_zero_warn,
     )
     strategy.optimizers = optimizers if sections.optimizer is not None else strategy.optimizers
