@@ -36,8 +36,8 @@ from suite_harness import resolve_device
 
 from ds_strategy.checkpoint.pretrained import load_weights
 from ds_strategy.config import ZeroConfig
-from ds_strategy.host_memory import PeakRssAnon
 from ds_strategy.offload import OffloadedStep
+from ds_strategy.offload.host_memory import PeakRssAnon
 from ds_strategy.zero.engine import ZeroEngine
 
 if TYPE_CHECKING:

@@ -73,7 +73,7 @@ SYSTEMS: dict[str, tuple[int, dict | None]] = {
     "ulysses_sp2": (2, {**TILED, "sequence_parallel_size": 2}),
 }
 OVER_CAP_EXIT = 77
-MMAP_THRESHOLD = 1 << 20  # ds_strategy.host_memory.MAP_LARGE_BLOCKS_BYTES; set before any rank starts
+MMAP_THRESHOLD = 1 << 20  # ds_strategy.offload.host_memory.MAP_LARGE_BLOCKS_BYTES; set before any rank starts
 
 
 @dataclasses.dataclass
@@ -114,7 +114,7 @@ class _CapGuard:
             self._thread.start()
 
     def _sample(self) -> None:
-        from ds_strategy.host_memory import rss_anon_bytes
+        from ds_strategy.offload.host_memory import rss_anon_bytes
 
         while not self._stop.is_set():
             self.peak = max(self.peak, rss_anon_bytes())

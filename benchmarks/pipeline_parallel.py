@@ -80,8 +80,8 @@ from torch import nn
 from ds_strategy.autotune.launcher import launch_ranks
 from ds_strategy.compose import compose_model
 from ds_strategy.config import ZeroConfig
-from ds_strategy.host_memory import PeakRssAnon
 from ds_strategy.models import GPT, GPTConfig, weight_decay_groups
+from ds_strategy.offload.host_memory import PeakRssAnon
 from ds_strategy.parallel.mesh import build_parallel_mesh
 from ds_strategy.parallel.pipeline_schedules import SCHEDULES, stage_count, stages_per_rank
 from ds_strategy.pipeline.runner import PipelineRunner

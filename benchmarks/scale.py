@@ -9,15 +9,15 @@ of fixed width at a few depths, 2 optimizer steps (AdamW, clipping at 1.0) on on
 ``--tokens`` tokens per rank, on fresh gloo ranks; our GPT (``ds_strategy.models.GPT``) and a Hugging Face
 ``LlamaForCausalLM`` from a config. Ours and FSDP2 build on the meta device; DDP and DeepSpeed build the whole
 model on every rank (as their users do). A size "trains" when both losses are finite and the second is below the
-first. Each rank samples its anonymous RSS (``RssAnon`` in ``/proc/self/status``, ``ds_strategy.host_memory``)
+first. Each rank samples its anonymous RSS (``RssAnon`` in ``/proc/self/status``, ``ds_strategy.offload.host_memory``)
 from before the build to after the second step, and reads ``/proc/self/io`` around the second step: bytes read
 from and written to storage per step (the NVMe files, and the page cache's write-back of the gradient maps), and
 those over the step's seconds. Every rank of every system starts with ``MALLOC_MMAP_THRESHOLD_`` at 1 MiB, the
-setting our offload makes itself (Note: [Large host blocks are mapped and unmapped] in ``ds_strategy.host_memory``),
-so the table compares what each system keeps alive, not glibc's heap. A least-squares line through (parameters,
-peak) per system gives its bytes per parameter per rank and fixed cost, and from them the largest model the
-machine's memory (all ranks) holds; for NVMe also the free disk at ``--nvme-path`` (20 bytes per parameter over
-all ranks: parameter, master, two Adam moments and gradient files, fp32).
+setting our offload makes itself (Note: [Large host blocks are mapped and unmapped] in
+``ds_strategy.offload.host_memory``), so the table compares what each system keeps alive, not glibc's heap. A
+least-squares line through (parameters, peak) per system gives its bytes per parameter per rank and fixed cost, and from
+them the largest model the machine's memory (all ranks) holds; for NVMe also the free disk at ``--nvme-path`` (20 bytes
+per parameter over all ranks: parameter, master, two Adam moments and gradient files, fp32).
 
 Loading rows. A Llama of ``--load-depth`` blocks is written once with ``save_pretrained`` (bf16, several
 shards) under ``--nvme-path``, then loaded on 2 ranks (a) into stage 3 built on the meta device through
@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from ds_strategy.autotune.launcher import launch_ranks
-from ds_strategy.host_memory import MAP_LARGE_BLOCKS_BYTES, PeakRssAnon
+from ds_strategy.offload.host_memory import MAP_LARGE_BLOCKS_BYTES, PeakRssAnon
 
 RESULTS = Path(__file__).resolve().parent / "results"
 OURS = {

@@ -61,12 +61,12 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 
-from ds_strategy.activation_memory import remove_activation_checkpointing
 from ds_strategy.autotune.launcher import launch_ranks
 from ds_strategy.compose import compose_model
+from ds_strategy.compose.activation_checkpointing import remove_activation_checkpointing
 from ds_strategy.config import ZeroConfig
-from ds_strategy.host_memory import PeakRssAnon, rss_anon_bytes
 from ds_strategy.models import GPT, GPTConfig, weight_decay_groups
+from ds_strategy.offload.host_memory import PeakRssAnon, rss_anon_bytes
 from ds_strategy.parallel.auto_plan import apply_tensor_parallel_plan, tensor_parallel_plan
 from ds_strategy.parallel.mesh import build_parallel_mesh
 

@@ -18,7 +18,7 @@ buffer or collective label:
   host step of ``offload_optimizer``/``offload_params``.
 - ``activation.forward[unit]`` and ``activation.recompute[unit]``: a checkpointed unit's forward and its
   recomputation in backward; ``activation.save_input[unit]`` and ``activation.load_input[unit]``: partitioning or
-  copying its input to the host, and the all-gather or copy back (``ds_strategy.activation_memory``).
+  copying its input to the host, and the all-gather or copy back (``ds_strategy.compose.activation_checkpointing``).
 - ``tile.mlp[module]`` and ``tile.loss``: an MLP, or a causal LM's logits and loss, run over tiles of the sequence
   (``ds_strategy.sequence_tiling``), around the tiles' forwards (their recomputations run inside backward).
 

@@ -41,8 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .auto_values import hidden_size_of
-from .config_policies import ActivationPolicy
+from .config.auto_values import hidden_size_of
+from .config.policies import ActivationPolicy
 from .profiler_ranges import profiler_range
 
 AUTO = "auto"

@@ -43,7 +43,7 @@ class LabelledRows(torch.utils.data.Dataset):
 
 def _json_optimizer_by_hand(model) -> tuple:
     """What the JSON's ``optimizer`` and ``scheduler`` sections build, "auto" filled from ``runs.arguments``."""
-    from ds_strategy.deepspeed.lr_schedules import build_schedule
+    from ds_strategy.config.deepspeed.lr_schedules import build_schedule
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
     schedule = {"warmup_min_lr": 0, "warmup_max_lr": 1e-2, "warmup_num_steps": 2}

@@ -215,7 +215,7 @@ def resume_at_one_rank(rank: int, world_size: int, tmp: str) -> dict:
 def deepspeed_json_runs(rank: int, world_size: int, tmp: str) -> dict:
     """An HF DeepSpeed JSON with "auto" values and optimizer/scheduler sections, through
     ``TrainingArguments(deepspeed=...)``; and the same optimizer and schedule built by hand for DDP's Trainer."""
-    from ds_strategy.deepspeed.lr_schedules import build_schedule
+    from ds_strategy.config.deepspeed.lr_schedules import build_schedule
     from ds_strategy.transformers import ZeroTrainer
 
     set_torchrun_environment(rank, world_size)

@@ -16,8 +16,8 @@ import pipeline_runs
 import torch
 import transformers
 
-from ds_strategy.auto_values import hidden_size_of
 from ds_strategy.config import ZeroConfig
+from ds_strategy.config.auto_values import hidden_size_of
 from ds_strategy.zero.engine import ZeroEngine
 from ds_strategy.zero.wrap_policy import select_unit_modules
 

@@ -161,7 +161,7 @@ def _errors(accelerator_class, dummy_optim, dummy_scheduler) -> dict:
 
 def _reference() -> tuple[dict, list[float]]:
     """One process, global batches of MICRO x WORLD, the real AdamW and WarmupDecayLR built by hand."""
-    from ds_strategy.deepspeed.lr_schedules import build_schedule
+    from ds_strategy.config.deepspeed.lr_schedules import build_schedule
 
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, betas=BETAS, eps=EPS)

@@ -1,7 +1,7 @@
-"""Activation checkpointing as configuration (``ds_strategy.activation_memory``): the loss and gradients of a run
-without it, bit for bit, at every stage; the recomputation visible in backward FLOPs; the activations kept shrinking
-by the expected factor (half of them again when partitioned over two ranks); and stage 3 gathering exactly as often
-as without it (Note: [Activation checkpointing under stage 3])."""
+"""Activation checkpointing as configuration (``ds_strategy.compose.activation_checkpointing``): the loss and gradients
+of a run without it, bit for bit, at every stage; the recomputation visible in backward FLOPs; the activations kept
+shrinking by the expected factor (half of them again when partitioned over two ranks); and stage 3 gathering exactly as
+often as without it (Note: [Activation checkpointing under stage 3])."""
 
 import dataclasses
 
@@ -13,15 +13,15 @@ import torch.distributed as dist
 from distributed import run_ranks
 from torch.utils.flop_counter import FlopCounterMode
 
-from ds_strategy.activation_memory import (
+from ds_strategy.compose import compose_model
+from ds_strategy.compose.activation_checkpointing import (
     SavedInputCounts,
     SavedInputHooks,
     apply_activation_checkpointing,
     remove_activation_checkpointing,
 )
-from ds_strategy.compose import compose_model
 from ds_strategy.config import ZeroConfig, ZeroConfigError
-from ds_strategy.deepspeed_config import DeepSpeedConfigWarning, config_from_deepspeed
+from ds_strategy.config.deepspeed.translate import DeepSpeedConfigWarning, config_from_deepspeed
 from ds_strategy.models import gpt_config
 from ds_strategy.zero.wrap_policy import select_unit_modules
 

@@ -180,7 +180,7 @@ def test_refused_configuration_is_refused_naming_both_sizes(fields, words):
 # Note: [The bf16-mixed bound]
 # The reference trains fp32 weights with its forward under bf16 autocast (torch AMP's meaning); a cell computes with
 # bf16 copies of its fp32 masters, the residual stream in bf16 too (Note: [What each precision keeps] in
-# ``ds_strategy.zero_plan``), so the two forwards round differently and 3 SGD steps at lr 1 carry that into the
+# ``ds_strategy.config.plan``), so the two forwards round differently and 3 SGD steps at lr 1 carry that into the
 # weights: measured at most 1.8e-3 apart (about 2**-9), within the bf16-true cells' bound of a few bf16 ulps.
 # What the export must not be, the bf16 compute copy, is checked apart: every weight holds values bf16 cannot.
 

@@ -1,13 +1,16 @@
 """ZeroConfig defaults and validation, "auto" resolution, and the DeepSpeed JSON front-end."""
 
+import dataclasses
+import inspect
 import json
 
 import pytest
 import torch
 
-from ds_strategy.auto_values import hidden_size_of
-from ds_strategy.config import ZeroConfig
-from ds_strategy.deepspeed_config import config_from_deepspeed
+from ds_strategy.config import ZeroConfig, ZeroConfigError, load_config
+from ds_strategy.config.auto_values import hidden_size_of
+from ds_strategy.config.deepspeed.translate import config_from_deepspeed
+from ds_strategy.config.sources import ENV_VAR
 
 
 class Block(torch.nn.Module):
@@ -442,9 +445,24 @@ def test_contiguous_gradients_false_is_rejected_with_the_reason():
         ZeroConfig(contiguous_gradients=False)
 
 
-def test_build_accepts_a_config_a_mapping_or_nothing_with_fields_on_top():
-    assert ZeroConfig.build() == ZeroConfig()
-    assert ZeroConfig.build({"stage": 1}, overlap_comm=False) == ZeroConfig(stage=1, overlap_comm=False)
-    assert ZeroConfig.build(ZeroConfig(stage=3), stage=2).stage == 2
-    with pytest.raises(ValueError, match="stge"):
-        ZeroConfig.build({"stge": 1})
+def test_load_config_reads_every_source_the_adapters_accept_with_fields_on_top(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV_VAR, '{"stage": 1}')
+    assert load_config().zero == ZeroConfig()  # the environment only where the caller reads it
+    assert load_config(environment=True).zero == ZeroConfig(stage=1)
+    assert load_config({"stage": 1}, overlap_comm=False).zero == ZeroConfig(stage=1, overlap_comm=False)
+    assert load_config(ZeroConfig(stage=3), stage=2).zero.stage == 2
+    optimizer = {"type": "AdamW", "params": {"lr": 0.1}}
+    loaded = load_config({"ds_strategy": {"zero_optimization": {"stage": 3}, "optimizer": optimizer}})
+    assert (loaded.zero.stage, loaded.deepspeed, loaded.sections.optimizer) == (3, True, ("AdamW", {"lr": 0.1}))
+    assert load_config({"gradient_clipping": 0.5}, deepspeed=True).zero.stage == 0  # DeepSpeed's absent stage
+    path = tmp_path / "zero.yaml"
+    path.write_text("stge: 1\n")
+    with pytest.raises(ZeroConfigError, match=f"{path}: ZeroConfig has no field 'stge'; did you mean 'stage'"):
+        load_config(path)
+
+
+def test_every_field_declares_its_default_check_and_meaning_once_and_the_docstring_lists_them():
+    doc = inspect.getdoc(ZeroConfig)
+    for field in dataclasses.fields(ZeroConfig):
+        assert callable(field.metadata["check"]) and field.metadata["doc"], field.name
+        assert f"    {field.name} (default " in doc, field.name

@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 
 from ds_strategy.config import ZeroConfig
-from ds_strategy.config_policies import ActivationPolicy, CommPolicy, OffloadPolicy, ParallelismPolicy, PrecisionPolicy
+from ds_strategy.config.policies import ActivationPolicy, CommPolicy, OffloadPolicy, ParallelismPolicy, PrecisionPolicy
 
 POLICIES = {
     "precision_policy": PrecisionPolicy,
@@ -41,7 +41,7 @@ def test_every_zero_config_field_is_in_exactly_one_policy_or_the_engines():
     owners.update(ENGINE_FIELDS)
     assert {name for name, count in owners.items() if count > 1} == set(), "fields claimed twice"
     unclaimed = set(_names(ZeroConfig)) - set(owners)
-    assert unclaimed == set(), f"add {sorted(unclaimed)} to a policy in ds_strategy.config_policies or ENGINE_FIELDS"
+    assert unclaimed == set(), f"add {sorted(unclaimed)} to a policy in ds_strategy.config.policies or ENGINE_FIELDS"
     assert set(owners) - set(_names(ZeroConfig)) == set(), "a policy names a field ZeroConfig does not have"
 
 

@@ -12,8 +12,8 @@ import yaml
 from e2e_runs import DS_STRATEGY, EXAMPLES, free_port, run
 
 from ds_strategy import cli
+from ds_strategy.config.deepspeed.translate import config_from_deepspeed
 from ds_strategy.deepspeed.accelerate_yaml import deepspeed_config_from_accelerate
-from ds_strategy.deepspeed_config import config_from_deepspeed
 
 DATA = Path(__file__).parent / "data"
 TEMPLATE = DATA / "accelerate_configs" / "accelerate__examples__config_yaml_templates__deepspeed.yaml"

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from ds_strategy.adapters.micro_batch import check_micro_batch
 from ds_strategy.config import ZeroConfig
-from ds_strategy.deepspeed.key_tables import (
+from ds_strategy.config.deepspeed.key_tables import (
     BF16,
     FP16,
     OFFLOAD_OPTIMIZER,
@@ -19,12 +20,11 @@ from ds_strategy.deepspeed.key_tables import (
     TENSOR_PARALLEL,
     ZERO_OPTIMIZATION,
 )
-from ds_strategy.deepspeed_config import (
+from ds_strategy.config.deepspeed.translate import (
     DeepSpeedConfigWarning,
     config_from_deepspeed,
     read_deepspeed_config,
 )
-from ds_strategy.micro_batch import check_micro_batch
 
 CORPUS = Path(__file__).parent / "data" / "deepspeed_configs"
 CONFIGS = sorted(CORPUS.glob("*.json"))

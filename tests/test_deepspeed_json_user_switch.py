@@ -15,8 +15,8 @@ from test_deepspeed_optimizer_sections import SCHEDULES, STEPS, NoOptimizerModul
 from torch.utils.data import DataLoader
 
 from ds_strategy import ZeroStrategy
-from ds_strategy.deepspeed.optimizer_section import read_optimizer_sections
-from ds_strategy.deepspeed_config import DeepSpeedConfigWarning
+from ds_strategy.config.deepspeed.optimizer_section import read_optimizer_sections
+from ds_strategy.config.deepspeed.translate import DeepSpeedConfigWarning
 
 RESUMED_AT = 6
 

@@ -13,9 +13,9 @@ import torch
 from distributed import run_ranks, set_lightning_environment
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
-from ds_strategy import ZeroStrategy
-from ds_strategy.deepspeed.optimizer_section import read_optimizer_sections
-from ds_strategy.deepspeed_config import DeepSpeedConfigWarning
+from ds_strategy import ZeroFabricStrategy, ZeroStrategy
+from ds_strategy.config.deepspeed.optimizer_section import read_optimizer_sections
+from ds_strategy.config.deepspeed.translate import DeepSpeedConfigWarning
 
 STEPS = 40
 SCHEDULES = {
@@ -271,3 +271,47 @@ def test_lightning_module_without_an_optimizer_trains_from_the_config_sections_a
         "train_batch_size=12 is not train_micro_batch_size_per_gpu=4 x gradient_accumulation_steps=1 x "
         "world size 2" in errors["train_batch_size"]
     )
+
+
+# -- Fabric: the same config trains with its optimizer and scheduler, the loop stepping neither ---------------------
+def _fabric_from_sections(rank, world_size):
+    set_lightning_environment(rank)
+    warnings.simplefilter("ignore", DeepSpeedConfigWarning)
+    fabric = L.Fabric(
+        accelerator="cpu", devices=world_size, strategy=ZeroFabricStrategy.from_deepspeed_config(DS_CONFIG)
+    )
+    fabric.launch()
+    torch.manual_seed(0)
+    net = models.MLP()
+    placeholder = torch.optim.SGD(net.parameters(), lr=1.0)  # replaced by the config's AdamW, with a warning
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, optimizer, scheduler = fabric.setup(net, placeholder)
+    x, y = _dataset().tensors
+    for step in range(LIGHTNING_STEPS):
+        index = [rank + WORLD * (step * BATCH + j) for j in range(BATCH)]
+        fabric.backward(model((x[index], y[index])))
+        optimizer.step()
+        optimizer.zero_grad()
+    return {
+        "state": fabric.strategy.engine.full_state_dict(rank0_only=False),
+        "lr": optimizer.param_groups[0]["lr"],
+        "optimizer": type(optimizer.optimizer).__name__,
+        "scheduler": type(scheduler).__name__,
+        "warnings": [str(w.message) for w in caught if "optimizer section" in str(w.message)],
+    }
+
+
+@pytest.mark.slow
+def test_fabric_trains_with_the_config_sections_like_lightning():
+    """Fabric honours the sections by Lightning's rule: the config's AdamW replaces the optimizer given (warning),
+    its WarmupLR steps with ``optimizer.step()``, and the result is the unsharded reference (which Lightning's run
+    above matches too)."""
+    ranks = run_ranks(_fabric_from_sections, WORLD, timeout=240)
+    reference, last_lr = _reference()
+    for key, value in reference.items():
+        error = (ranks[0]["state"][key.removeprefix("net.")] - value).norm() / value.norm()  # the MLP, unwrapped
+        assert error < 1e-5, f"{key}: relative error {error:.2e}"
+    assert ranks[0]["lr"] == pytest.approx(last_lr)
+    assert (ranks[0]["optimizer"], ranks[0]["scheduler"]) == ("AdamW", "DeepSpeedSchedule")
+    assert "fabric.setup was given SGD" in ranks[0]["warnings"][0]

@@ -1,8 +1,8 @@
 """The DeepSpeed compatibility table ``ds-strategy config-table`` generates has a row for every rule. (That the
 documentation holds exactly this table: ``test_docs.py``.)"""
 
+from ds_strategy.config.deepspeed.key_tables import DEEPSPEED, ZERO_OPTIMIZATION
 from ds_strategy.deepspeed.compat_table import markdown_table
-from ds_strategy.deepspeed.key_tables import DEEPSPEED, ZERO_OPTIMIZATION
 
 
 def test_table_has_a_row_for_every_rule():

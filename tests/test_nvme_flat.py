@@ -4,7 +4,7 @@ giving ~7M and ~50M parameters peak within 0.25 bytes per added parameter per ra
 training included, and the NVMe run trains exactly as the same run with everything in memory.
 
 The ranks start with glibc's default allocator settings (no ``MALLOC_MMAP_THRESHOLD_``): returning freed unit
-buffers is the engine's job (Note: [Large host blocks are mapped and unmapped] in ``ds_strategy.host_memory``);
+buffers is the engine's job (Note: [Large host blocks are mapped and unmapped] in ``ds_strategy.offload.host_memory``);
 without it this slope is 4-7 bytes per parameter, with it -0.3 to 0.1. Two tokens keep activations, which do grow
 with depth, near 0.03 bytes per parameter, and the depths differ by 24 blocks so that what a peak catches in
 flight moves the slope little."""
@@ -14,9 +14,9 @@ import torch
 from distributed import run_ranks
 
 from ds_strategy.config import ZeroConfig
-from ds_strategy.host_memory import PeakRssAnon
 from ds_strategy.models import GPT, GPTConfig, weight_decay_groups
 from ds_strategy.offload import step_runner_for
+from ds_strategy.offload.host_memory import PeakRssAnon
 from ds_strategy.zero.engine import ZeroEngine
 
 WIDTH, TOKENS = 384, 2

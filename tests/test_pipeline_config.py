@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.distributed.pipelining.schedules as torch_schedules
 
+from ds_strategy.adapters.micro_batch import check_micro_batch
 from ds_strategy.config import ZeroConfig, ZeroConfigError
-from ds_strategy.deepspeed_config import DeepSpeedConfigWarning, config_from_deepspeed
-from ds_strategy.micro_batch import check_micro_batch
+from ds_strategy.config.deepspeed.translate import DeepSpeedConfigWarning, config_from_deepspeed
 from ds_strategy.parallel.pipeline_schedules import SCHEDULES, schedule_class, stages_per_rank
 
 # ZeroConfig fields

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from ds_strategy.checkpoint.pretrained import load_weights
 from ds_strategy.config import ZeroConfig
-from ds_strategy.host_memory import PeakRssAnon
+from ds_strategy.offload.host_memory import PeakRssAnon
 from ds_strategy.zero.engine import ZeroEngine
 
 pytestmark = pytest.mark.slow  # multi-rank scenarios of tens of seconds: not in the fast tier

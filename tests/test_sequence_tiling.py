@@ -10,7 +10,7 @@ import torch
 import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ds_strategy.activation_memory import apply_activation_checkpointing
+from ds_strategy.compose.activation_checkpointing import apply_activation_checkpointing
 from ds_strategy.config import ZeroConfig, ZeroConfigError
 from ds_strategy.models import GPT, GPTConfig
 from ds_strategy.sequence_tiling import apply_sequence_tiling, remove_sequence_tiling, tiled_cross_entropy

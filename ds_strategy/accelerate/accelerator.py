@@ -19,18 +19,18 @@ from accelerate.utils import DistributedType
 from torch import nn
 from torch.optim import Optimizer
 
+from ..adapters.engine_owner import backward_through_loss_scale
+from ..adapters.precision_flag import ACCELERATE_MIXED_PRECISION, reconcile_precision
 from ..checkpoint.pretrained import WeightSource, load_weights
 from ..compose import Composed, build_mesh, compose_model, recompose_engine
 from ..config import ZeroConfig
-from ..engine_owner import backward_through_loss_scale
+from ..config.sources import ENV_VAR, load_config
 from ..parallel.mesh import ACCELERATE_NAMES, ParallelMesh
 from ..pipeline.step import pipeline_step, ran_its_backward
 from ..precision import autocast_for
-from ..precision_flag import ACCELERATE_MIXED_PRECISION, reconcile_precision
 from ..zero.engine import ZeroEngine
 from ..zero.rng_replay import generator_state, set_generator_state
 from .checkpointing import ZeroAcceleratorCheckpointing
-from .config_source import ENV_VAR, load_config
 from .deepspeed_compat import DeepSpeedPluginView, StateWithDeepSpeedView, mark_launched_worker
 from .dummy_objects import resolve_dummies
 from .parallelism import check_no_launcher_parallelism, prepare_over_data_parallel, with_parallelism
@@ -69,11 +69,11 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
     wrapping the model in DDP.
 
     ``zero_config`` is a :class:`ZeroConfig`, a mapping of its fields, or a YAML/JSON file (see
-    :mod:`.config_source`); when omitted it is read from ``$DS_STRATEGY_CONFIG``, which ``ds-strategy launch``
-    sets. Every other argument is Accelerate's. ``backward``, ``clip_grad_norm_``/``clip_grad_value_``,
+    :func:`~ds_strategy.config.load_config`); when omitted it is read from ``$DS_STRATEGY_CONFIG``, which ``ds-strategy
+    launch`` sets. Every other argument is Accelerate's. ``backward``, ``clip_grad_norm_``/``clip_grad_value_``,
     ``no_sync``/``accumulate`` and the prepared optimizer's ``step``/``zero_grad`` go to the engine;
-    ``save_state``/``load_state`` write and read the model and optimizer as a sharded checkpoint, loadable at any
-    world size or ZeRO stage (see :mod:`.checkpointing`).
+    ``save_state``/``load_state`` write and read the model and optimizer as a sharded checkpoint, loadable at any world
+    size or ZeRO stage (see :mod:`.checkpointing`).
 
     Precision: ``mixed_precision`` ("no", "bf16", "fp16") is folded into ``ZeroConfig.precision`` and the engine
     implements it (16-bit buffers, fp32 masters, loss scaling); ``prepare`` only runs the model's forward in autocast to
@@ -107,7 +107,8 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
         _reject_other_sharding(kwargs)
         parallelism_config = kwargs.pop("parallelism_config", None)
         check_no_launcher_parallelism(parallelism_config)
-        config, self._deepspeed_sections = load_config(zero_config)
+        loaded = load_config(zero_config, environment=True)
+        config, self._deepspeed_sections = loaded.zero, loaded.written_sections
         if config.gradient_accumulation_steps != 1:
             steps = kwargs.setdefault("gradient_accumulation_steps", config.gradient_accumulation_steps)
             if steps != config.gradient_accumulation_steps:
@@ -386,7 +387,7 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Scale for accumulation as Accelerate does, then backward through the loss scale of the model that
-        trains in fp16, if any (:func:`~ds_strategy.engine_owner.backward_through_loss_scale`). A
+        trains in fp16, if any (:func:`~ds_strategy.adapters.engine_owner.backward_through_loss_scale`). A
         :meth:`pipeline_step` loss has had its backward (and its division) already."""
         if ran_its_backward(loss, self.zero_config.pipeline_parallel_size > 1):
             return

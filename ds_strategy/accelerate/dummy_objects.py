@@ -31,8 +31,8 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils.deepspeed import DummyOptim, DummyScheduler
 from torch.optim.lr_scheduler import LRScheduler
 
-from ..deepspeed.optimizer_section import read_optimizer_sections
-from ..deepspeed.rule_kinds import AUTO
+from ..config.deepspeed.optimizer_section import read_optimizer_sections
+from ..config.deepspeed.rule_kinds import AUTO
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,7 @@ _PRECISION_FIELDS = (
     "max_consecutive_min_scale_skips",
 )
 
-# ZeroConfig field -> DeepSpeed key path; the inverse of ds_strategy.deepspeed_config's rules.
+# ZeroConfig field -> DeepSpeed key path; the inverse of ds_strategy.config.deepspeed.translate's rules.
 _DEEPSPEED_KEYS = {
     "train_micro_batch_size_per_gpu": ("train_micro_batch_size_per_gpu",),
     "gradient_accumulation_steps": ("gradient_accumulation_steps",),

@@ -2,7 +2,7 @@
 they cannot drift.
 
 The strategy table comes from ``PRESETS`` (the names every adapter registers) and the config table from
-ZeroConfig's fields and the ``name (default ...): meaning`` entries of its docstring; the DeepSpeed table comes from
+ZeroConfig's field declarations (default, meaning); the DeepSpeed table comes from
 ``ds_strategy.deepspeed.compat_table``. In a page each table sits between ``<!-- begin: NAME table -->`` and
 ``<!-- end: NAME table -->``; ``ds-strategy config-table --update docs`` rewrites those blocks after a field, preset or
 DeepSpeed rule changes, and ``tests/test_docs.py`` checks that the pages hold exactly this output.
@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import re
 from collections.abc import Mapping
 from pathlib import Path
 
 HELP = "print the documentation's markdown tables of strategy names, ZeroConfig fields and DeepSpeed keys"
 
-_ENTRY = re.compile(r"^    (\w+) \(default (.*?)\): (.*)$")
 _BLOCKS = ("strategies table", "config table", "deepspeed table")  # the markers' names, in the order printed
 
 
@@ -66,27 +64,17 @@ def update_blocks(paths: list[Path], tables: Mapping[str, str]) -> list[str]:
 
 
 def documented_fields() -> dict[str, tuple[str, str]]:
-    """ZeroConfig's docstring entries: field name -> (default as documented, meaning)."""
+    """Each ZeroConfig field's declaration: field name -> (default as the docs show it, meaning)."""
     from ..config import ZeroConfig
+    from ..config.zero_config import shown_default
 
-    entries: dict[str, list[str]] = {}
-    current = None
-    for line in inspect.getdoc(ZeroConfig).splitlines():
-        match = _ENTRY.match(line)
-        if match:
-            current = match.group(1)
-            entries[current] = [match.group(2), match.group(3)]
-        elif current and line.startswith(" " * 8):
-            entries[current][1] += " " + line.strip()
-        else:
-            current = None
-    return {name: (default, meaning) for name, (default, meaning) in entries.items()}
+    return {field.name: (shown_default(field), field.metadata["doc"]) for field in dataclasses.fields(ZeroConfig)}
 
 
 def markdown_tables() -> str:
+    from ..adapters.engine_owner import PRESETS
     from ..config import ZeroConfig
     from ..deepspeed.compat_table import markdown_table
-    from ..engine_owner import PRESETS
 
     lines = ["| strategy name | ZeroConfig fields it sets |", "| --- | --- |"]
     lines += [

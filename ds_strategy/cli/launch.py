@@ -48,13 +48,13 @@ def run(args: argparse.Namespace) -> int:
     with needs("accelerate", needed_by="ds-strategy launch"):  # imported here: the other commands work without it
         from accelerate.commands.launch import launch_command, launch_command_parser
 
-        from ..accelerate.config_source import (
+        from ..accelerate.deepspeed_compat import LAUNCH_MARKERS_VAR, launched_workers
+        from ..config.sources import (
             ENV_VAR,
             SECTION,
-            config_from_mapping,
+            load_config,
             read_config_file,
         )
-        from ..accelerate.deepspeed_compat import LAUNCH_MARKERS_VAR, launched_workers
 
     try:
         settings = read_config_file(args.config_file)
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         if str(settings.get("distributed_type", "")).upper() == "DEEPSPEED" or settings.get("deepspeed_config"):
             zero_section = _from_deepspeed_backend(settings, zero_section, Path(args.config_file).parent)
         _check_no_other_sharding(settings)
-        config_from_mapping(zero_section)
+        load_config(zero_section)
     except (OSError, ValueError) as error:
         print(f"ds-strategy launch: {args.config_file}: {error}", file=sys.stderr)
         return 2

@@ -46,9 +46,8 @@ from torch import nn
 from torch._dynamo.eval_frame import OptimizedModule
 from torch.optim import Optimizer
 
-from ..activation_memory import apply_activation_checkpointing
-from ..auto_values import hidden_size_of
 from ..config import ZeroConfig
+from ..config.auto_values import hidden_size_of
 from ..offload import step_runner_for
 from ..parallel.mesh import ParallelMesh, build_parallel_mesh
 from ..parallel.pipeline_split import StagePlan, cut_to_stages, plan_stages
@@ -59,6 +58,7 @@ from ..zero.engine import ZeroEngine
 from ..zero.groups import EngineGroups
 from ..zero.sharded_optimizers import as_optimizer_list
 from ..zero.wrap_policy import select_unit_modules
+from .activation_checkpointing import apply_activation_checkpointing
 from .early_optimizer import names_of_parameters, rebind_optimizers
 from .tensor_parallel import apply_tensor_parallelism
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..config_policies import ParallelismPolicy
+from ..config.policies import ParallelismPolicy
 from ..parallel.auto_plan import apply_tensor_parallel_plan, tensor_parallel_plan
 from ..parallel.mesh import ParallelMesh
 

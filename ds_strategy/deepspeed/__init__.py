@@ -1,4 +1,4 @@
-"""Migrating from DeepSpeed: its JSON's rule tables, its optimizer and scheduler sections, its checkpoints.
+"""Migrating from DeepSpeed: its checkpoints, its accelerate YAML, the table of its keys for the docs.
 
-``ds_strategy.deepspeed_config`` reads a DeepSpeed config with these tables; nothing here imports DeepSpeed.
+Its JSON config is read by ``ds_strategy.config.deepspeed``; nothing here imports DeepSpeed.
 """

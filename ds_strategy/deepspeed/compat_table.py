@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from .key_tables import DEEPSPEED
-from .rule_kinds import NO_DEFAULT, Rule, Table
+from ..config.deepspeed.key_tables import DEEPSPEED
+from ..config.deepspeed.rule_kinds import NO_DEFAULT, Rule, Table
 
 
 def _rows(table: Table, prefix: str = "") -> Iterator[tuple[str, Rule]]:

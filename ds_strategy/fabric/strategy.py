@@ -13,21 +13,27 @@ import torch
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
-from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.fabric.wrappers import _FabricModule, _unwrap_compiled
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torch.optim import Optimizer
 
+from ..adapters.engine_owner import (
+    EngineOwnerMixin,
+    backward_through_loss_scale,
+    release_engine,
+    zero_grad_through_engine,
+)
+from ..adapters.optimizer_sections import optimizers_to_train
+from ..adapters.precision_flag import reconcile_precision
 from ..compose import Composed, build_mesh, compose_model
 from ..config import ZeroConfig
-from ..deepspeed_config import config_from_deepspeed
-from ..engine_owner import EngineOwnerMixin, backward_through_loss_scale, release_engine, zero_grad_through_engine
+from ..config.sources import LoadedConfig, load_config
 from ..parallel.mesh import LIGHTNING_NAMES, ParallelMesh
 from ..pipeline.step import pipeline_step, ran_its_backward
 from ..precision import autocast_for
 from ..precision.init_dtype import init_dtype_context
-from ..precision_flag import reconcile_precision
 from ..zero.engine import ZeroEngine
 from ..zero.meta_parameters import parameters_on_meta
 from .checkpointing import ZeroFabricCheckpointing
@@ -52,9 +58,10 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
     ``precision=`` here is the ZeroConfig field; a Fabric precision plugin goes in ``precision_plugin``).
 
     Precision: Fabric's ``precision=`` flag is folded into ``ZeroConfig.precision`` (see
-    :mod:`ds_strategy.precision_flag`) and the engine implements it (16-bit buffers, fp32 masters, loss scaling);
-    Fabric gets a :class:`ZeroFabricPrecision` that only supplies the autocast region. ``ZeroConfig.gradient_clipping``,
-    when set, clips the global gradient norm before every ``optimizer.step()``, as DeepSpeed does.
+    :mod:`ds_strategy.adapters.precision_flag`) and the engine implements it (16-bit buffers, fp32 masters, loss
+    scaling); Fabric gets a :class:`ZeroFabricPrecision` that only supplies the autocast region.
+    ``ZeroConfig.gradient_clipping``, when set, clips the global gradient norm before every ``optimizer.step()``, as
+    DeepSpeed does.
 
     ``fabric.save``/``fabric.load`` write and read a sharded checkpoint directory, each rank only its shards, and
     load at any world size or ZeRO stage (see :mod:`.checkpointing`).
@@ -73,7 +80,7 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
 
     def __init__(
         self,
-        config: ZeroConfig | Mapping | None = None,
+        config: ZeroConfig | LoadedConfig | Mapping | str | os.PathLike | None = None,
         *,
         accelerator=None,
         parallel_devices=None,
@@ -85,7 +92,9 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
         parallelize_fn: Callable[[nn.Module, DeviceMesh], nn.Module] | None = None,
         **config_fields: Any,
     ):
-        self.config = ZeroConfig.build(config, **config_fields)
+        loaded = load_config(config, **config_fields)
+        self.config, self.optimizer_sections = loaded.zero, loaded.sections
+        self.config_schedulers: dict[Optimizer, Any] = {}  # the config's scheduler by the optimizer it steps
         if parallelize_fn is not None and self.config.tensor_parallel_size == 1:
             raise ValueError("parallelize_fn needs tensor_parallel_size > 1 (the size of its tensor-parallel groups)")
         self.parallelize_fn = parallelize_fn
@@ -111,8 +120,9 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
 
     @classmethod
     def from_deepspeed_config(cls, ds_config: Mapping | str | os.PathLike, **kwargs: Any) -> ZeroFabricStrategy:
-        """Build from a DeepSpeed JSON config (a dict or a path); unsupported keys raise a ValueError."""
-        return cls(config_from_deepspeed(ds_config), **kwargs)
+        """Build from a DeepSpeed JSON config (a dict or a path), with DeepSpeed's meaning and its optimizer and
+        scheduler sections (see :meth:`setup_module_and_optimizers`); unsupported keys raise a ValueError."""
+        return cls(load_config(ds_config, deepspeed=True), **kwargs)
 
     # -- precision --------------------------------------------------------------------------------------------
     @property
@@ -164,8 +174,40 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
     def setup_module_and_optimizers(
         self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any = None
     ) -> tuple[nn.Module, list[Optimizer], Any]:
-        """``fabric.setup(model, opt_a, opt_b, ...)``: one engine, each optimizer over its own parameters' shards."""
+        """``fabric.setup(model, opt_a, opt_b, ...)``: one engine, each optimizer over its own parameters' shards.
+
+        A DeepSpeed config's optimizer section replaces the optimizer given (with a warning), and its scheduler
+        section adds a scheduler, returned third (``model, optimizer, scheduler = fabric.setup(model, optimizer)``)
+        and stepped by ``optimizer.step()``, as DeepSpeed's engine steps it: the loop does not step it (Note: [A
+        DeepSpeed config's optimizer wins] in :mod:`ds_strategy.adapters.optimizer_sections`)."""
+        optimizers, scheduler = self._apply_optimizer_sections(module, optimizers, scheduler)
         return self._shard(module, optimizers), optimizers, scheduler
+
+    def _apply_optimizer_sections(
+        self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any
+    ) -> tuple[list[Optimizer], Any]:
+        sections = self.optimizer_sections
+        if sections.optimizer is None and sections.scheduler is None:
+            return optimizers, scheduler
+        if sections.optimizer is not None and scheduler is not None:
+            raise ValueError(
+                "fabric.setup got a scheduler, but the DeepSpeed config's optimizer section replaces the optimizer it "
+                "steps; remove the config's optimizer section or the scheduler"
+            )
+        optimizers, _, config_scheduler = optimizers_to_train(
+            sections,
+            module.parameters(),
+            optimizers,
+            [scheduler] if scheduler is not None else [],
+            source="fabric.setup",
+            gave="fabric.setup was given",
+            theirs="the optimizer passed to fabric.setup",
+            warn=rank_zero_warn,
+        )
+        if config_scheduler is None:
+            return optimizers, scheduler
+        self.config_schedulers[optimizers[0]] = config_scheduler
+        return optimizers, config_scheduler
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """The model alone (an optimizer may follow through ``fabric.setup_optimizers``)."""
@@ -294,7 +336,7 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
 
     def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         """Through the loss scale of ``module``'s engine (``fabric.backward(loss, model=...)``), or with no model
-        named, of the one model that trains in fp16, if any (:func:`~ds_strategy.engine_owner.
+        named, of the one model that trains in fp16, if any (:func:`~ds_strategy.adapters.engine_owner.
         backward_through_loss_scale`). A :meth:`pipeline_step` loss has had its backward already."""
         if ran_its_backward(tensor, self.config.pipeline_parallel_size > 1):
             return
@@ -320,6 +362,8 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
         if self.config.gradient_clipping:
             engine.clip_grad_norm_(self.config.gradient_clipping)
         engine.step(optimizer)
+        if optimizer in self.config_schedulers:
+            self.config_schedulers[optimizer].step()
 
     def clip_gradients_norm(
         self,

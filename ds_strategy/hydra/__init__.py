@@ -2,8 +2,8 @@
 
 Importing this module registers the groups (the YAML presets that use them ship in ``pkg://ds_strategy.configs``):
 
-* ``strategy``: one option per ``ds_strategy.engine_owner.PRESETS`` name (``strategy=zero2``), so new stages appear
-  here as they are added; every other ZeroConfig field is a key (``strategy.reduce_bucket_size=1e6``).
+* ``strategy``: one option per ``ds_strategy.adapters.engine_owner.PRESETS`` name (``strategy=zero2``), so new stages
+  appear here as they are added; every other ZeroConfig field is a key (``strategy.reduce_bucket_size=1e6``).
 * ``precision``: one option per ZeroConfig precision (``precision=bf16-mixed``) and the loss-scaling keys.
 * ``model`` (GPT presets tiny/small/medium), ``data`` (stdlib) and ``trainer`` (cpu, auto): what the example
   ``examples/train.py`` trains.
@@ -18,8 +18,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from ..config import _PRECISIONS, ZeroConfig, ZeroConfigError
-from ..engine_owner import PRESETS
+from ..adapters.engine_owner import PRESETS
+from ..config import ZeroConfig, ZeroConfigError
+from ..config.sources import load_config
+from ..config.zero_config import PRECISIONS
 from ..models import gpt_config
 from ..optional_packages import needs
 from .structured import PRECISION_FIELDS, DataConf, ModelConf, PrecisionConf, StrategyConf, TrainerConf
@@ -37,7 +39,7 @@ def register_configs(store: ConfigStore | None = None) -> None:
     store = store or ConfigStore.instance()
     for name, fields in PRESETS.items():
         store.store(group="strategy", name=name, node=StrategyConf(**fields))
-    for precision in dict.fromkeys(_PRECISIONS.values()):  # ZeroConfig's canonical names, aliases dropped
+    for precision in PRECISIONS:
         store.store(group="precision", name=precision, node=PrecisionConf(precision=precision))
     for name in MODEL_PRESETS:
         store.store(group="model", name=name, node=ModelConf(**dataclasses.asdict(gpt_config(name))))
@@ -56,7 +58,7 @@ def zero_config(strategy: DictConfig | Mapping, precision: DictConfig | Mapping 
     for node in (strategy, precision or {}):
         options.update(OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node))
     try:
-        return ZeroConfig.from_dict(options)
+        return load_config(options).zero
     except ZeroConfigError as error:
         group = "precision" if error.field in PRECISION_FIELDS else "strategy"
         raise ValueError(f"{group}.{error.field}={options.get(error.field)!r}: {error}") from error

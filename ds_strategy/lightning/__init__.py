@@ -3,7 +3,7 @@
 
 import importlib.util
 
-from ..engine_owner import PRESETS
+from ..adapters.engine_owner import PRESETS
 from ..optional_packages import needs
 
 # the whole adapter needs Lightning: without it, fail here saying what to install

@@ -14,19 +14,18 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from ..adapters.engine_owner import EngineOwnerMixin, zero_grad_through_engine
+from ..adapters.micro_batch import check_micro_batch
+from ..adapters.precision_flag import reconcile_precision
 from ..comm.accounting import StepCommMeter
 from ..comm.process_exit import destroy_process_groups_at_exit
 from ..comm.rank_failure import report_failure
 from ..compose import build_mesh, compose_model
 from ..config import ZeroConfig
-from ..deepspeed.optimizer_section import OptimizerSections
-from ..deepspeed_config import read_deepspeed_config
-from ..engine_owner import EngineOwnerMixin, zero_grad_through_engine
-from ..micro_batch import check_micro_batch
+from ..config.sources import LoadedConfig, load_config
 from ..parallel.mesh import LIGHTNING_NAMES, ParallelMesh
 from ..pipeline.runner import PipelineRunner
 from ..pipeline.step import pipeline_step
-from ..precision_flag import reconcile_precision
 from ..zero.engine import ZeroEngine
 from ..zero.meta_parameters import parameters_on_meta
 from .checkpointing import ZeroCheckpointing
@@ -55,7 +54,7 @@ class ZeroStrategyMixin(EngineOwnerMixin):
 
     def __init__(
         self,
-        config: ZeroConfig | Mapping | None = None,
+        config: ZeroConfig | LoadedConfig | Mapping | str | os.PathLike | None = None,
         *,
         accelerator=None,
         parallel_devices=None,
@@ -64,11 +63,10 @@ class ZeroStrategyMixin(EngineOwnerMixin):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         start_method: str = "popen",
-        deepspeed_sections: OptimizerSections | None = None,
         **config_fields: Any,
     ):
-        self.config = ZeroConfig.build(config, **config_fields)
-        self.optimizer_sections = deepspeed_sections or OptimizerSections()
+        loaded = load_config(config, **config_fields)
+        self.config, self.optimizer_sections = loaded.zero, loaded.sections
         self._micro_batch_checked = False
         super().__init__(
             accelerator=accelerator,
@@ -89,8 +87,7 @@ class ZeroStrategyMixin(EngineOwnerMixin):
     def from_deepspeed_config(cls, ds_config: Mapping | str | os.PathLike, **kwargs: Any) -> ZeroStrategy:
         """Build from a DeepSpeed JSON config (a dict or a path), with DeepSpeed's meaning and its optimizer and
         scheduler sections (used when ``configure_optimizers`` returns None); unsupported keys raise a ValueError."""
-        ds = read_deepspeed_config(ds_config)
-        return cls(ds.zero, deepspeed_sections=ds.sections, **kwargs)
+        return cls(load_config(ds_config, deepspeed=True), **kwargs)
 
     # -- precision --------------------------------------------------------------------------------------------
     @property
@@ -103,9 +100,10 @@ class ZeroStrategyMixin(EngineOwnerMixin):
     def precision_plugin(self, plugin: Precision | None) -> None:
         """Lightning hands every strategy a generic plugin for the ``precision`` flag; turn it into ours.
 
-        The flag and ``ZeroConfig.precision`` are reconciled (:func:`~ds_strategy.precision_flag.reconcile_precision`):
-        a flag left at "32-true" defers to the config. On CPU Lightning itself turns ``precision="16-mixed"`` into
-        "bf16-mixed" before any strategy sees it; pass ``ZeroStrategy(precision="16-mixed")`` to train fp16 there.
+        The flag and ``ZeroConfig.precision`` are reconciled
+        (:func:`~ds_strategy.adapters.precision_flag.reconcile_precision`): a flag left at "32-true" defers to the
+        config. On CPU Lightning itself turns ``precision="16-mixed"`` into "bf16-mixed" before any strategy sees it;
+        pass ``ZeroStrategy(precision="16-mixed")`` to train fp16 there.
         """
         if plugin is not None:
             self.config = reconcile_precision(self.config, str(plugin.precision), "Trainer(precision)")

@@ -42,7 +42,7 @@ from .nvme_swapper import NvmeSwapper, RunDirectory, SubGroup, SwapFile
 from .param_offload import ParamOffload, ParamSink, host_copy
 
 if TYPE_CHECKING:
-    from ..config_policies import OffloadPolicy
+    from ..config.policies import OffloadPolicy
     from ..zero.flat_param import FlatParam
     from ..zero.step_runner import GradientStore, StepContext
     from .pinned import PinnedHostMemory

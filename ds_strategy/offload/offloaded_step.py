@@ -23,20 +23,20 @@ peak does not grow with depth: at width 2048 in fp32 (U = 50M, S = 4M) that is 0
 baseline, and ``benchmarks/scale.py`` measured 1.37 GiB per rank at 204M parameters and 1.41 GiB at 1.01B;
 ``tests/test_nvme_flat.py`` holds it to <= 0.25 bytes per added parameter per rank,
 which needs glibc to return freed unit buffers (Note: [Large host blocks are mapped and unmapped] in
-``ds_strategy.host_memory``): :meth:`OffloadedStep.shard_store`, the first thing an offloading engine calls, sets
-that up.
+``ds_strategy.offload.host_memory``): :meth:`OffloadedStep.shard_store`, the first thing an offloading engine calls,
+sets that up.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..config_policies import OffloadPolicy
-from ..host_memory import map_large_blocks
+from ..config.policies import OffloadPolicy
 from ..profiler_ranges import profiler_range
 from ..zero.flat_param import FlatParam
 from ..zero.memory_report import PLACES
 from ..zero.step_runner import DeviceGradients, GradientStore, StepContext, step_on_device
+from .host_memory import map_large_blocks
 from .host_optimizer import HostOptimizer
 from .nvme_swapper import RunDirectory
 from .param_offload import ParamOffload, ShardFiles

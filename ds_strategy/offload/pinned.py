@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..host_memory import MAP_LARGE_BLOCKS_BYTES
+from .host_memory import MAP_LARGE_BLOCKS_BYTES
 
 log = logging.getLogger(__name__)
 

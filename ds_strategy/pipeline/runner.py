@@ -59,7 +59,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..config_policies import ParallelismPolicy
+from ..config.policies import ParallelismPolicy
 from ..parallel.mesh import ParallelMesh
 from ..parallel.pipeline_schedules import schedule_class, stages_per_rank
 from ..parallel.pipeline_split import StagePlan

@@ -31,7 +31,7 @@ With a static ``loss_scale > 0`` the scale never changes; ``update`` only counts
 import dataclasses
 from typing import Any
 
-from ..config_policies import PrecisionPolicy
+from ..config.policies import PrecisionPolicy
 
 
 @dataclasses.dataclass

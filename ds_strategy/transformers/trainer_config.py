@@ -7,7 +7,7 @@ accumulation, clipping, the optimizer section's lr/betas/eps/weight decay, the s
 come from the arguments; when training starts (:meth:`TrainerZeroConfig.build_scheduler`) ``total_num_steps`` and
 ``warmup_num_steps`` come from the step count. A concrete value that differs from the argument it mirrors is an
 error listing every such key, as in transformers. Bucket sizes left "auto" are derived from the model's hidden size
-by the engine (``ds_strategy.auto_values``).
+by the engine (``ds_strategy.config.auto_values``).
 
 Note: [Who owns accumulation, clipping and the batch under the Trainer]
 Trainer runs gradient accumulation itself (it builds its Accelerator with one accumulation step and toggles
@@ -34,10 +34,10 @@ from typing import Any
 import torch
 import transformers
 
-from ..accelerate.config_source import SECTION, config_from_mapping, read_options
 from ..config import ZeroConfig
-from ..deepspeed.optimizer_section import read_optimizer_sections
-from ..deepspeed.rule_kinds import AUTO
+from ..config.deepspeed.optimizer_section import read_optimizer_sections
+from ..config.deepspeed.rule_kinds import AUTO
+from ..config.sources import load_config
 from . import build_hook
 
 
@@ -73,14 +73,11 @@ def trainer_zero_config(source: Any, args: Any) -> TrainerZeroConfig:
     """``source`` (a DeepSpeed JSON path or dict, ZeroConfig fields, a ZeroConfig, or None for
     ``$DS_STRATEGY_CONFIG``) read for a Trainer run with ``args``: "auto" filled, the Trainer-owned settings
     checked against ``args`` and taken off (Note: [Who owns accumulation, clipping and the batch under the Trainer])."""
-    options = _read(source)
-    if options is not None and "zero_optimization" in options:
-        zero, sections = config_from_mapping(fill_from_training_args(options, args))
-        result = TrainerZeroConfig(zero, sections.get("optimizer"), sections.get("scheduler"))
-    else:
-        zero = source if isinstance(source, ZeroConfig) else ZeroConfig.from_dict(options or {})
-        result = TrainerZeroConfig(zero)
-        _check_owned_by_trainer(zero, args)
+    loaded = load_config(source, environment=True, fill_auto=lambda options: fill_from_training_args(options, args))
+    sections = loaded.written_sections
+    result = TrainerZeroConfig(loaded.zero, sections.get("optimizer"), sections.get("scheduler"))
+    if not loaded.deepspeed:
+        _check_owned_by_trainer(loaded.zero, args)
     _refuse_pipeline_parallel(result.zero)
     owned = dict(gradient_accumulation_steps=1, gradient_clipping=0.0, train_batch_size=None)
     return dataclasses.replace(result, zero=result.zero.replace(**owned, train_micro_batch_size_per_gpu=None))
@@ -176,17 +173,6 @@ def detach_deepspeed(args: Any) -> Any:
         AcceleratorState._reset_state(reset_partial_state=True)
         args.device  # noqa: B018 -- rebuilds the distributed state without DeepSpeed
     return source
-
-
-def _read(source: Any) -> dict[str, Any] | None:
-    """The mapping ``source`` holds (a file read, ``$DS_STRATEGY_CONFIG`` for None, a top-level ``ds_strategy:``
-    section opened), or None for a ZeroConfig or nothing configured."""
-    if isinstance(source, ZeroConfig):
-        return None
-    options, _where = read_options(source)
-    if options is None:
-        return None
-    return dict(options[SECTION] or {}) if SECTION in options else dict(options)
 
 
 def _check_owned_by_trainer(zero: ZeroConfig, args: Any) -> None:

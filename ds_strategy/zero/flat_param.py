@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..config.plan import FlatDtypes, ShardPolicy
 from ..parallel.dtensor_params import TensorParallelSpec, local_tensor, point_param_at, spec_of
-from ..zero_plan import FlatDtypes, ShardPolicy
 from .owner_layout import owned_elements
 from .param_types import parameter_like
 

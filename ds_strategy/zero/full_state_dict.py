@@ -9,7 +9,7 @@ parameter's master, in the dtype the parameter had when the engine took it (``Pa
 ``ds_strategy.checkpoint.consolidate`` and the Hugging Face export, which read the masters a checkpoint stores and
 write them in the dtype its manifest records. Under "-mixed" precision the module's own parameters are 16-bit
 compute copies, rounded from the fp32 masters after every step (Note: [What each precision keeps] in
-``ds_strategy.zero_plan``); an export reads the masters, so an fp32 model trained in bf16-mixed exports fp32
+``ds_strategy.config.plan``); an export reads the masters, so an fp32 model trained in bf16-mixed exports fp32
 weights that carry every update, also those below a bf16 ulp that never reach the compute copy: the weights DDP,
 which keeps fp32 weights under autocast, would hold, and the file ``consolidate`` writes. A model given in 16 bits
 exports 16-bit weights rounded from its masters, as DDP would save it; under "-true" there is no separate master

@@ -30,7 +30,7 @@ from ..config import UNITS
 from .param_types import plain_tensors
 
 if TYPE_CHECKING:
-    from ..config_policies import CommPolicy
+    from ..config.policies import CommPolicy
     from .engine import ZeroEngine
     from .flat_param import FlatParam
     from .unit import Unit

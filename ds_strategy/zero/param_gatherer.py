@@ -17,8 +17,8 @@ Note: [Activation checkpointing under stage 3]
   the checkpoint did not keep. That recomputation runs inside the backward of one of the unit's own ops, so after
   the pre-backward hook on the unit's output (the gradient reaches the output before any op inside the unit) has
   put the unit in BACKWARD and gathered it. Forward hooks that fire inside a backward (``is_recomputation``):
-  - the checkpointed unit's own: under ``ds_strategy.activation_memory`` they do not fire at all, since the
-    replaced ``forward`` is recomputed, not the module; under a model's own ``checkpoint(unit, x)`` they do, find
+  - the checkpointed unit's own: under ``ds_strategy.compose.activation_checkpointing`` they do not fire at all, since
+    the replaced ``forward`` is recomputed, not the module; under a model's own ``checkpoint(unit, x)`` they do, find
     the unit started and gathered, and change nothing.
   - those of a unit nested inside the checkpointed one (``unit_min_params`` can nest units): its pre-forward hook
     may fire before its pre-backward hook has. Whichever fires first starts its backward (BACKWARD, gather,

@@ -23,7 +23,7 @@ from .optimizer_kinds import check_supported, group_is_elementwise
 from .owner_layout import assign_owners
 
 if TYPE_CHECKING:
-    from ..zero_plan import ZeroPlan
+    from ..config.plan import ZeroPlan
     from .flat_param import FlatParam
 
 

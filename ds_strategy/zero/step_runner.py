@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from ..config_policies import OffloadPolicy
+    from ..config.policies import OffloadPolicy
     from .flat_param import FlatParam
 
 

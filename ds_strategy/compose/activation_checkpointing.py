@@ -39,10 +39,10 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
-from .comm.group_collectives import collectives_for
-from .config_policies import ActivationPolicy
-from .profiler_ranges import profiler_range
-from .zero.param_gatherer import is_recomputation
+from ..comm.group_collectives import collectives_for
+from ..config.policies import ActivationPolicy
+from ..profiler_ranges import profiler_range
+from ..zero.param_gatherer import is_recomputation
 
 _aten = torch.ops.aten
 # What "selective" keeps (torchtitan's op-level policy, less its "every second mm"): the outputs of the ops that

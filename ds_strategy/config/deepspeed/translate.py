@@ -1,6 +1,6 @@
 """Translate a DeepSpeed JSON config into a ZeroConfig (and its optimizer/scheduler sections), with DeepSpeed's meaning.
 
-Every key DeepSpeed accepts has one rule in ``ds_strategy.deepspeed.key_tables`` (mapped, no-op or rejected; see
+Every key DeepSpeed accepts has one rule in ``ds_strategy.config.deepspeed.key_tables`` (mapped, no-op or rejected; see
 ``rule_kinds``). Keys DeepSpeed does not know are ignored at the top level, with one warning naming them, and
 fail inside a section, naming the dotted path: DeepSpeed's own rule. Defaults stay ZeroConfig's, except where a
 DeepSpeed config means something else by leaving a key out (see the Note below).
@@ -28,13 +28,13 @@ import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from ds_strategy.config import ZeroConfig, ZeroConfigError
-from ds_strategy.deepspeed.key_tables import DEEPSPEED, ZERO_OPTIMIZATION
-from ds_strategy.deepspeed.optimizer_section import (
+from ds_strategy.config.deepspeed.key_tables import DEEPSPEED, ZERO_OPTIMIZATION
+from ds_strategy.config.deepspeed.optimizer_section import (
     OptimizerSections,
     read_optimizer_sections,
 )
-from ds_strategy.deepspeed.rule_kinds import Kind, Rule, Table
+from ds_strategy.config.deepspeed.rule_kinds import Kind, Rule, Table
+from ds_strategy.config.zero_config import ZeroConfig, ZeroConfigError
 
 # ZeroConfig fields whose default differs from (or may drift from) DeepSpeed's -> the rule holding DeepSpeed's.
 _DEEPSPEED_DEFAULTS = {

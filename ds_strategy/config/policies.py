@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
-from .parallel.pipeline_schedules import stage_count
+from ..parallel.pipeline_schedules import stage_count
 
 
 @dataclasses.dataclass(frozen=True)

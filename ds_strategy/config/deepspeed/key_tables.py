@@ -353,7 +353,7 @@ PIPELINE: Table = {
     "grad_partitioned": no_op(True, _WHOLE_SENDS),
     "use_reentrant": no_op(True, "activation checkpointing is always non-reentrant; gradients are the same"),
 }
-_SECTION_BUILT = "built by `ds_strategy.deepspeed.optimizer_section` when the program defines no {}"
+_SECTION_BUILT = "built by `ds_strategy.config.deepspeed.optimizer_section` when the program defines no {}"
 DEEPSPEED: Table = {
     "train_batch_size": field("train_batch_size", NO_DEFAULT),
     "train_micro_batch_size_per_gpu": field("train_micro_batch_size_per_gpu", NO_DEFAULT),

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .config import ZeroConfig
+from ..config import ZeroConfig
 
 
 def leading_batch_size(batch: Any) -> int | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .config import ZeroConfig, ZeroConfigError
+from ..config import ZeroConfig, ZeroConfigError
 
 # Accelerate's ``mixed_precision`` values in ZeroConfig's terms; "fp8" has no ZeRO equivalent and is rejected.
 ACCELERATE_MIXED_PRECISION = {"no": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}

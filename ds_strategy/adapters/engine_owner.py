@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from .activation_memory import remove_activation_checkpointing
-from .checkpoint.pretrained import load_weights
-from .zero.engine import ZeroEngine
+from ..checkpoint.pretrained import load_weights
+from ..compose.activation_checkpointing import remove_activation_checkpointing
+from ..zero.engine import ZeroEngine
 
 # Strategy names every adapter registers (Lightning, pytorch_lightning, Fabric, Hydra's ``strategy`` group), and
 # the ZeroConfig fields each one sets.

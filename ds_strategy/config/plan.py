@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from ds_strategy.config_policies import CommPolicy, OffloadPolicy, PrecisionPolicy
+from ds_strategy.config.policies import CommPolicy, OffloadPolicy, PrecisionPolicy
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}  # the config's short dtype names
 _COMPUTE_DTYPES = {"32": torch.float32, "bf16": torch.bfloat16, "16": torch.float16}  # by precision prefix
