@@ -15,7 +15,7 @@ import torch
 
 import ds_strategy  # noqa: F401  (registers the zero* names with both packages)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
 from lightning_gpt import char_loader  # noqa: E402
 from run_summary import RunSummary  # noqa: E402
 
