@@ -1,6 +1,6 @@
 """Chaos test of checkpointing, long form: N trials of a two-rank training run that checkpoints after every step,
 has a rank SIGKILLed inside a step, a save or the rename (or at a random moment) and is restarted from the latest
-complete checkpoint (see Note: [Chaos trial invariants] in ``tests/checkpoint_chaos.py``).
+complete checkpoint (see Note: [Chaos trial invariants] in ``tests/checkpoint/checkpoint_chaos.py``).
 
     python benchmarks/chaos.py                    # 200 trials, seeds 0..199
     python benchmarks/chaos.py --seed 17 --trials 1   # replay the trial a failure message names
@@ -18,7 +18,8 @@ import traceback
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+import import_root  # noqa: F401 - the suite's folders on sys.path: Note: [Every folder of the suite is an import root]
 from checkpoint_chaos import KillPoint, TrialResult, draw, reference_run, run_trial
 
 _COLUMNS = ("trials", "killed", "fresh start", "resumed", "via .previous", "refused dirs", "broken")

@@ -16,7 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+import import_root  # noqa: F401 - the suite's folders on sys.path: Note: [Every folder of the suite is an import root]
 from e2e_runs import ENTRY_POINTS, EXIT_ABORT, entry_point_env, gloo_threads_at_exit, run, run_gloo_exit_race
 
 

@@ -1,8 +1,8 @@
 """How soon a job learns that one of its ranks failed: rank 1 of a 2-rank Lightning fit raises, runs out of memory or
-is SIGKILLed in its training_step while rank 0 goes on into the step's collectives (``tests/e2e_scripts/
+is SIGKILLed in its training_step while rank 0 goes on into the step's collectives (``tests/e2e/scripts/
 lightning_faults.py``, collective timeout 300 s). Per run, the seconds from rank 1's failure until rank 0 names it
 (``[ds_strategy] rank 0: ...``; the design aims at about ``rank_failure.POLL_S``, 1 s) and until the whole job has
-exited. ``tests/test_rank_failure.py`` checks only that both happen before the collective timeout; how soon is
+exited. ``tests/e2e/test_rank_failure.py`` checks only that both happen before the collective timeout; how soon is
 measured here, on a machine whose load is printed beside the figures.
 
     python benchmarks/failure_detection.py              # 5 runs of each mode
@@ -18,7 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+import import_root  # noqa: F401 - the suite's folders on sys.path: Note: [Every folder of the suite is an import root]
 from e2e_runs import run_lightning_fault
 
 MODES = ("raise", "oom", "sigkill")

@@ -8,7 +8,7 @@ one node of four ranks, on ZeRO-3 + hpZ (groups of 2) + NVMe optimizer offload.
 For each launcher: the wall time of each job, whether each rank knew its node (LOCAL_RANK 0 and 1 on each node,
 consecutive global ranks, hpZ group = the node's ranks, NVMe directory under the node's own path), and whether the
 final parameters equal bit for bit those of the same launcher on one node and those of the bare-engine torchrun
-job on one node (all entry points train the same model on the same batches). tests/test_multinode_simulated.py
+job on one node (all entry points train the same model on the same batches). tests/e2e/test_multinode_simulated.py
 runs the torchrun case in the suite; the others take a minute or two each here and so live in this script.
 """
 
@@ -20,7 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+import import_root  # noqa: F401 - the suite's folders on sys.path: Note: [Every folder of the suite is an import root]
 from multinode_runs import LAUNCHERS, WORLD_SIZE, differing, rank_records, run_nodes  # noqa: E402
 
 

@@ -1,9 +1,9 @@
 """The packages only some of ds_strategy needs, and the error a user without one of them gets.
 
-The core imports none of them (``tests/test_optional_packages.py`` proves it with each one hidden). A module whose
-whole purpose is one (the Accelerate adapter, the Hydra configs, the Triton kernels, ...) imports it under
-``needs``, so that a machine without the package fails at that import saying what to install, not with a bare
-``No module named ...`` from some line inside.
+The core imports none of them (``tests/architecture/test_optional_packages.py`` proves it with each one hidden). A
+module whose whole purpose is one (the Accelerate adapter, the Hydra configs, the Triton kernels, ...) imports it under
+``needs``, so that a machine without the package fails at that import saying what to install, not with a bare ``No
+module named ...`` from some line inside.
 """
 
 from __future__ import annotations

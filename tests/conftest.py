@@ -2,7 +2,7 @@
 
 Triton decides interpret-or-compile when its ``triton.language`` module is first imported (see
 ``ds_strategy.kernels.dispatch``), and Lightning or ``torch._dynamo`` import it early, so the interpreter has to
-be requested here, before any of them. Without a GPU that lets ``test_kernels.py`` run the Triton kernels on CPU
+be requested here, before any of them. Without a GPU that lets ``unit/test_kernels.py`` run the Triton kernels on CPU
 tensors by forcing ``backend="triton"``; every other test keeps the fast reference path, because production
 dispatch never sends CPU tensors to Triton whatever the environment says. Spawned ranks inherit the variable,
 harmlessly for the same reason. With a GPU the kernels are compiled and tested on CUDA tensors instead.
@@ -10,8 +10,9 @@ harmlessly for the same reason. With a GPU the kernels are compiled and tested o
 ``process_guard`` fails a test that starts a copy of the test run or leaves a process running (Note: [A test runner
 started as a rank] there).
 
-The repository's root is taken off ``sys.path`` first (Note: [The repository root is not an import root] in
-``import_root.py``).
+The repository's root is taken off ``sys.path`` first, and every folder of the suite put on it (Notes: [The
+repository root is not an import root] and [Every folder of the suite is an import root] in
+``support/import_root.py``, which pyproject.toml's ``pythonpath`` makes importable here).
 """
 
 import os

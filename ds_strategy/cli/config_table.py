@@ -5,7 +5,7 @@ The strategy table comes from ``PRESETS`` (the names every adapter registers) an
 ZeroConfig's field declarations (default, meaning); the DeepSpeed table comes from
 ``ds_strategy.deepspeed.compat_table``. In a page each table sits between ``<!-- begin: NAME table -->`` and
 ``<!-- end: NAME table -->``; ``ds-strategy config-table --update docs`` rewrites those blocks after a field, preset or
-DeepSpeed rule changes, and ``tests/test_docs.py`` checks that the pages hold exactly this output.
+DeepSpeed rule changes, and ``tests/architecture/test_docs.py`` checks that the pages hold exactly this output.
 """
 
 from __future__ import annotations

@@ -22,9 +22,9 @@ when its last reference goes, so whatever of ours holds a group (every ``Collect
 monitor groups) registers a release that the hook calls first: then nothing is left to race. A forgotten holder
 shows no symptom but the rare abort; it is what let the abort through once the hook existed (the monitor-group cache
 kept the default and the monitor group alive, with their four gloo threads, in every Lightning run). So
-``tests/test_clean_exit.py`` lists the threads real runs still have at its last ``atexit`` hook and fails on any
+``tests/e2e/test_clean_exit.py`` lists the threads real runs still have at its last ``atexit`` hook and fails on any
 gloo thread, which catches a holder deterministically. Holders outside ds_strategy (a user's own reference to a
-group) are the user's. ``tests/e2e_scripts/gloo_exit_race.py`` is the reproducer (torch 2.13.0, Python 3.11).
+group) are the user's. ``tests/e2e/scripts/gloo_exit_race.py`` is the reproducer (torch 2.13.0, Python 3.11).
 A process leaving on an uncaught exception, or after one of its collectives failed, skips the hook: joining a
 worker that waits on a peer which will never send could hold the failing process for the whole collective timeout.
 """

@@ -28,7 +28,7 @@ save) are not sliced: on gloo they fail on a closed connection, not on a record.
 The bound, then: a surviving rank leaves its engine collective within ``POLL_S`` (1 s) of a failure record and at
 once on a dead peer, whatever ``collective_timeout`` is, and prints the diagnosis to stderr as it raises (Lightning's
 ``devices=N`` launcher SIGKILLs the remaining ranks within 5 s of seeing a child exit non-zero, possibly before a
-traceback prints). Measured on 2 loaded CPU cores (``tests/test_rank_failure.py``, collective_timeout 300 s):
+traceback prints). Measured on 2 loaded CPU cores (``tests/e2e/test_rank_failure.py``, collective_timeout 300 s):
 1.0 s after a raise or ``torch.OutOfMemoryError``, 0.1 s after a SIGKILL; the whole job is gone 7-12 s after the
 failure, the time the processes take to tear down and finalize the interpreter on that machine.
 """

@@ -6,7 +6,7 @@ precision plugins and the three adapters read it instead of re-deriving them fro
 
 It sits beside ``ds_strategy.config``, not in ``ds_strategy.zero``, because the config builds it and the engine
 reads it; and it is built from the config's policy sections, never the config itself, so it imports neither: the
-config and the engine both depend on it without a circle (``tests/test_import_graph.py``).
+config and the engine both depend on it without a circle (``tests/architecture/test_import_graph.py``).
 """
 
 from __future__ import annotations

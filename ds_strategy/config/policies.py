@@ -6,7 +6,7 @@ defaulted, documented and validated; a policy has no defaults and checks nothing
 its validated fields (``config.precision_policy``, ``config.offload_policy``, ...), under the same field names, so a
 component that takes its policy sees only the settings it acts on, and a reader of its constructor sees which.
 Every ZeroConfig field belongs to exactly one policy or to the engine itself (stage, units, construction, the
-optimizer step and batch sizes); ``tests/test_config_policies.py`` holds that for every new field.
+optimizer step and batch sizes); ``tests/unit/test_config_policies.py`` holds that for every new field.
 """
 
 from __future__ import annotations

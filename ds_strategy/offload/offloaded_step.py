@@ -21,7 +21,7 @@ sub-group size (at most ``buffer_size``); plus parameters below ``param_persiste
 a fixed baseline (interpreter, libraries, threads). U is the largest unit's element count, so at fixed width the
 peak does not grow with depth: at width 2048 in fp32 (U = 50M, S = 4M) that is 0.4 + 0.4 + 0.27 GB over a ~0.3 GB
 baseline, and ``benchmarks/scale.py`` measured 1.37 GiB per rank at 204M parameters and 1.41 GiB at 1.01B;
-``tests/test_nvme_flat.py`` holds it to <= 0.25 bytes per added parameter per rank,
+``tests/offload/test_nvme_flat.py`` holds it to <= 0.25 bytes per added parameter per rank,
 which needs glibc to return freed unit buffers (Note: [Large host blocks are mapped and unmapped] in
 ``ds_strategy.offload.host_memory``): :meth:`OffloadedStep.shard_store`, the first thing an offloading engine calls,
 sets that up.

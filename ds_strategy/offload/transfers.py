@@ -2,7 +2,8 @@
 
 :class:`CudaTransfers` is the implementation for a CUDA device; a CPU device needs none (the host is the device, and
 offload reads host tensors in place). Tests drive the offload logic on the host through a fake whose work runs only
-when the host waits for it (``tests/late_transfers.py``), so that an ordering the code forgot shows as a wrong value.
+when the host waits for it (``tests/offload/late_transfers.py``), so that an ordering the code forgot shows as a wrong
+value.
 
 Note: [Host buffers a device copy reads]
 A copy from pinned host memory to the device (``non_blocking``) returns to the host at once; the device reads the

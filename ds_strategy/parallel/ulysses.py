@@ -19,7 +19,7 @@ Nothing else changes. A weight's gradient, whole or a tp shard, is still each sp
 sequence (Note: [Ulysses gradient scale]), and the ranks that hold the same weights are dp x sp, the ZeRO group.
 Megatron sequence parallelism inside tp (``sequence_parallel=True``) cuts the slice once more over tp, in the norms
 and the residual stream only; its all-gather before the q/k/v projections restores the whole slice, so it composes
-too. ``tests/test_lightning_sequence_parallel.py`` trains both against one process.
+too. ``tests/adapters/lightning/test_lightning_sequence_parallel.py`` trains both against one process.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ stage 3 gathers the unit computing plus one prefetched (and, in backward, the un
 launched). So ``memory_report(engine, peak=True)``, summed over kinds and places, stays within
 formula x 1.05 + two largest units' parameter and gradient bytes, by construction rather than by timing: the
 reducer waits for the oldest reduction before scratch passes the bound, and the gatherer never prefetches past
-it. ``tests/test_memory_bounds.py`` checks this with reductions slowed on purpose.
+it. ``tests/engine/test_memory_bounds.py`` checks this with reductions slowed on purpose.
 
 A whole-tensor optimizer (Muon) keeps each of its parameters whole on one owner rank (Note: [Whole parameters on
 owner ranks] in :mod:`.owner_layout`): a rank owns at most Ψ_w/N + P of its Ψ_w elements, P the largest such

@@ -28,7 +28,7 @@ Note: [Activation checkpointing under stage 3]
   them). So a step gathers each unit as often as without checkpointing: once in forward, and once in backward if
   ``reshard_after_forward`` freed it; a unit already freed after its backward is gathered again only when a
   later recomputation reads it (a module shared by two checkpointed units). The all-gathers are counted in
-  ``tests/test_activation_checkpointing.py``.
+  ``tests/engine/test_activation_checkpointing.py``.
 
 Note: [Prefetch order]
 The first forward records the order in which units run; later steps gather unit k+1

@@ -1,9 +1,9 @@
 """Every key DeepSpeed 0.19 accepts in its JSON config, each with one rule (see ``rule_kinds``).
 
 The sections DeepSpeed validates strictly (``zero_optimization``, its offload sections, ``fp16``, ``bf16``) list
-all their fields and aliases, as ``tests/test_deepspeed_config_rules.py`` checks against DeepSpeed's own models;
-an unknown key inside any section here fails. Unknown top-level keys are ignored with a warning, as DeepSpeed
-ignores them. Defaults are DeepSpeed's, from its config models and ``runtime/constants.py``.
+all their fields and aliases, as ``tests/deepspeed_compat/test_deepspeed_config_rules.py`` checks against DeepSpeed's
+own models; an unknown key inside any section here fails. Unknown top-level keys are ignored with a warning, as
+DeepSpeed ignores them. Defaults are DeepSpeed's, from its config models and ``runtime/constants.py``.
 """
 
 from __future__ import annotations

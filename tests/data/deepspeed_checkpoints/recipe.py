@@ -1,5 +1,5 @@
 """What the DeepSpeed fixtures were trained on, shared by ``make_fixtures.py`` (with DeepSpeed) and
-``tests/test_deepspeed_checkpoint_import.py`` (without it): the model, the data, the optimizer and the cases.
+``tests/deepspeed_compat/test_deepspeed_checkpoint_import.py`` (without it): the model, the data, the optimizer and the cases.
 
 A one-block GPT of a few thousand parameters: tied embeddings (an alias in the checkpoint), two optimizer param
 groups (decay and no decay), and sizes that do not divide by the world size (so DeepSpeed pads partitions).
@@ -28,7 +28,7 @@ CASES = {
     # A loss scale of 2**16 overflows fp16 in the first step (skipped, the scale halves), so the scaler state
     # saved is not its initial one. The window is long enough that the scale never grows: DeepSpeed 0.19.8
     # ZeRO-1/2 unscales a growth step's gradients by the already doubled scale, halving them, which ds_strategy
-    # does not copy (see [Tolerances against DeepSpeed] in tests/test_deepspeed_checkpoint_import.py).
+    # does not copy (see [Tolerances against DeepSpeed] in tests/deepspeed_compat/test_deepspeed_checkpoint_import.py).
     "zero2_fp16": (2, {"fp16": {"enabled": True, "initial_scale_power": 16, "loss_scale_window": 1000,
                                 "hysteresis": 1, "min_loss_scale": 1}}, "16-mixed"),
 }
