@@ -48,5 +48,6 @@ def root_entries() -> list[str]:
     return [entry for entry in sys.path if Path(entry or os.curdir).resolve() == ROOT]
 
 
-sys.path[:] = [entry for entry in sys.path if entry not in root_entries()]
+_roots = root_entries()
+sys.path[:] = [entry for entry in sys.path if entry not in _roots]
 sys.path[:0] = [str(folder) for folder in FOLDERS if str(folder) not in sys.path]
