@@ -12,7 +12,7 @@ from ds_strategy.autotune.export import write_hydra_yaml
 from ds_strategy.autotune.gpt_task import GPTTask, StdlibTextData
 from ds_strategy.cli.autotune import parse_bytes
 from ds_strategy.config import ZeroConfig
-from ds_strategy.config.deepspeed.translate import config_from_deepspeed
+from ds_strategy.config.sources import config_from_deepspeed
 from ds_strategy.estimate import estimate_memory
 
 CRASH_EXIT_CODE = 13
