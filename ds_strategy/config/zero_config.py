@@ -1,9 +1,11 @@
 """ZeroConfig: the one place ZeRO's settings are defaulted, validated and documented.
 
-Each field is declared once, by ``setting``: its default, its check (``ds_strategy.config.checks``) and its meaning,
-from which the class docstring and the documentation's configuration table (``ds-strategy config-table``) are
-generated. Front-ends (the DeepSpeed JSON reader in ``ds_strategy.config.deepspeed``, strategy constructor arguments,
-Hydra) translate into this dataclass and carry no defaults of their own.
+Each field is declared once, by ``setting``: its default, its check (``ds_strategy.config.checks``), its meaning,
+the stages it acts at and its ``Section`` (a heading of the docs, belonging to one policy), from which the class
+docstring, the documentation's configuration table (``ds-strategy config-table``), the policies' fields, Hydra's
+groups and the autotuner's search are derived (``fields_of``). Front-ends (the DeepSpeed JSON reader in
+``ds_strategy.config.deepspeed``, strategy constructor arguments, Hydra) translate into this dataclass and carry no
+defaults of their own.
 """
 
 from __future__ import annotations
