@@ -297,7 +297,7 @@ def train_pipeline(variant: Variant, recipe: Recipe, batches: list, mesh, clock:
         return [_adamw(model, recipe)]
 
     composed = compose_model(
-        model, config, mesh=mesh, device=torch.device("cpu"), log=lambda _: None, build_optimizers=optimizers
+        model, config, mesh=mesh, device=torch.device("cpu"), log=lambda _: None, optimizers=optimizers
     )
     engine, runner = composed.engine, composed.pipeline
     schedule_end = [0.0]

@@ -19,7 +19,7 @@ import importlib.util
 
 from ._version import __version__
 from .config import ZeroConfig
-from .config.deepspeed.translate import config_from_deepspeed
+from .config.sources import config_from_deepspeed
 from .estimate import estimate_memory
 from .zero.chained_optimizer import ChainedOptimizer
 from .zero.engine import ZeroEngine

@@ -22,7 +22,14 @@ from torch.optim import Optimizer
 from ..adapters.engine_owner import backward_through_loss_scale
 from ..adapters.precision_flag import ACCELERATE_MIXED_PRECISION, reconcile_precision
 from ..checkpoint.pretrained import WeightSource, load_weights
-from ..compose import Composed, build_mesh, compose_model, recompose_engine
+from ..compose import (
+    Composed,
+    TensorParallelism,
+    Unparallelized,
+    build_mesh,
+    compose_model,
+    recompose_engine,
+)
 from ..config import ZeroConfig
 from ..config.sources import ENV_VAR, load_config
 from ..parallel.mesh import ACCELERATE_NAMES, ParallelMesh
@@ -250,7 +257,8 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
                 device=self.device,
                 log=self.print,
                 optimizers=optimizers,
-                default_plan="auto",  # a model that arrives unsplit gets the automatic tensor-parallel plan
+                # a model that arrives unsplit gets the automatic tensor-parallel plan
+                tensor_parallel=TensorParallelism(unparallelized=Unparallelized.AUTO_PLAN),
                 place=self.device_placement if placement is None else placement,
             )
         model, engine = composed.module, composed.engine  # the same module: Accelerate takes no parallelize_fn

@@ -13,18 +13,6 @@ from ..config import ZeroConfig
 DEFAULT_DIMENSIONS: dict[str, tuple] = {"stage": (0, 1, 2, 3), "reduce_bucket_size": (5_000_000, 500_000_000)}
 DEFAULT_MICRO_BATCH_SIZES = (8, 4, 2, 1)
 
-# Fields that change nothing at some stages: candidates differing only there are one configuration.
-_MATTERS = {
-    "reduce_bucket_size": lambda config: config.stage >= 2,
-    "allgather_bucket_size": lambda config: config.stage in (1, 2),
-    "prefetch_bucket_size": lambda config: config.stage >= 3,
-    "param_persistence_threshold": lambda config: config.stage >= 3,
-    "max_live_parameters": lambda config: config.stage >= 3,
-    "reshard_after_forward": lambda config: config.stage >= 3,
-}
-# Element counts: a bucket larger than the model behaves as one exactly the model's size.
-_CAPPED_AT_MODEL = ("reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size", "max_live_parameters")
-
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
@@ -71,7 +59,10 @@ def candidates(
 
 
 def _effective(config: ZeroConfig, name: str, model_numel: int) -> Any:
-    if name in _MATTERS and not _MATTERS[name](config):
+    """What ``name``'s value does in ``config``: nothing at a stage it does not act at (None), and a bound on
+    elements above the model's size acts as that size (both declared with the field: ``setting``)."""
+    declared = ZeroConfig.__dataclass_fields__[name].metadata
+    if config.stage not in declared["acts_at"]:
         return None
     value = getattr(config, name)
-    return min(value, model_numel) if name in _CAPPED_AT_MODEL and isinstance(value, int) else value
+    return min(value, model_numel) if declared["bounds_elements"] and isinstance(value, int) else value

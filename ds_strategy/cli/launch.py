@@ -49,20 +49,16 @@ def run(args: argparse.Namespace) -> int:
         from accelerate.commands.launch import launch_command, launch_command_parser
 
         from ..accelerate.deepspeed_compat import LAUNCH_MARKERS_VAR, launched_workers
-        from ..config.sources import (
-            ENV_VAR,
-            SECTION,
-            load_config,
-            read_config_file,
-        )
+        from ..config.sources import ENV_VAR, load_config
 
     try:
-        settings = read_config_file(args.config_file)
-        zero_section = settings.pop(SECTION, None) or {}
+        loaded = load_config(args.config_file, section_only=True)  # validated here, before any process starts
+        settings = dict(loaded.beside)
         if str(settings.get("distributed_type", "")).upper() == "DEEPSPEED" or settings.get("deepspeed_config"):
-            zero_section = _from_deepspeed_backend(settings, zero_section, Path(args.config_file).parent)
+            if loaded.written:
+                raise ValueError("both deepspeed_config: and ds_strategy: configure ZeRO; keep one")
+            loaded = load_config(_from_deepspeed_backend(settings, Path(args.config_file).parent), deepspeed=True)
         _check_no_other_sharding(settings)
-        load_config(zero_section)
     except (OSError, ValueError) as error:
         print(f"ds-strategy launch: {args.config_file}: {error}", file=sys.stderr)
         return 2
@@ -72,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         launch_args = launch_command_parser().parse_args(
             ["--config_file", str(accelerate_yaml), args.training_script, *args.training_script_args]
         )
-        os.environ[ENV_VAR] = json.dumps(zero_section)
+        os.environ[ENV_VAR] = json.dumps(dict(loaded.written))
         markers = Path(tmp, "workers")
         markers.mkdir()
         os.environ[LAUNCH_MARKERS_VAR] = str(markers)
@@ -93,12 +89,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _from_deepspeed_backend(settings: dict, zero_section: dict, config_dir: Path) -> dict:
-    """The DeepSpeed config an accelerate DeepSpeed YAML describes; ``settings`` become a MULTI_GPU launch."""
+def _from_deepspeed_backend(settings: dict, config_dir: Path) -> dict | Path:
+    """The DeepSpeed config an accelerate DeepSpeed YAML describes (or its JSON file); ``settings`` become a
+    MULTI_GPU launch."""
     from ..deepspeed.accelerate_yaml import deepspeed_config_from_accelerate
 
-    if zero_section:
-        raise ValueError("both deepspeed_config: and ds_strategy: configure ZeRO; keep one")
     ds_config, ignored = deepspeed_config_from_accelerate(settings.pop("deepspeed_config", None) or {}, config_dir)
     settings["distributed_type"] = "MULTI_GPU"
     if ignored:

@@ -3,5 +3,6 @@
 over (:func:`build_mesh`); under pipelining it builds ``ds_strategy.pipeline``'s runner last."""
 
 from .model import Composed, build_mesh, compose_model, recompose_engine
+from .tensor_parallel import TensorParallelism, Unparallelized
 
-__all__ = ["Composed", "build_mesh", "compose_model", "recompose_engine"]
+__all__ = ["Composed", "TensorParallelism", "Unparallelized", "build_mesh", "compose_model", "recompose_engine"]

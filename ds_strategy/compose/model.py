@@ -13,7 +13,8 @@ Note: [The order of composition]
      changes (:mod:`.early_optimizer`).
   2. Tensor parallelism: the user's ``parallelize_fn`` and/or the configured plan turn weights into DTensors. Early,
      because every later step sees parameters: Ulysses reads the local head count, the pipeline cut keeps the
-     (already split) pieces, the engine flattens local shards.
+     (already split) pieces, the engine flattens local shards. The function may return the model compiled: the
+     adapter hands that back, and every later step works on the model inside the wrapper, under its own names.
   3. Ulysses attention: the attention function swapped for one that all-to-alls over the sequence-parallel group.
      After tensor parallelism (it splits the heads that rank holds) and before the cut (the cut must not drop it).
      Then sequence tiling (:mod:`ds_strategy.sequence_tiling`): MLPs and the causal-LM loss over tiles of the
@@ -27,7 +28,9 @@ Note: [The order of composition]
      module moves to the device unless the engine places it itself, one unit at a time (stage 3, or a model built on
      the meta device, which it initialises shard by shard): the whole model is never materialised on the device.
   7. The optimizer built, if the adapter builds it late (Lightning), over the cut and placed model.
-  8. Activation checkpointing of the engine's units: after "auto" sizes are resolved and before the engine, whose
+  8. The engine's units and activation checkpointing: "auto" sizes resolved from the placed model (the one new
+     config of the composition, which the engine reads), the units chosen once (under pipelining with no unit
+     policy configured, one per block: a stage may hold a single block) and checkpointed. Before the engine, whose
      units are the checkpointed modules (chosen from parameter counts, which stage 3 would empty).
   9. The engine, over the ZeRO group of the mesh and its model-parallel collectives, with the units step 8 chose,
      its step runner given as an argument (offload's, when the config offloads) and under pipelining what it must
@@ -60,7 +63,7 @@ from ..zero.sharded_optimizers import as_optimizer_list
 from ..zero.wrap_policy import select_unit_modules
 from .activation_checkpointing import apply_activation_checkpointing
 from .early_optimizer import names_of_parameters, rebind_optimizers
-from .tensor_parallel import apply_tensor_parallelism
+from .tensor_parallel import NOT_PARALLELIZED_HERE, TensorParallelism, apply_tensor_parallelism
 
 
 @dataclasses.dataclass
@@ -95,42 +98,35 @@ def compose_model(
     mesh: ParallelMesh | None,
     device: torch.device,
     log: Callable[[str], Any],
-    optimizers: Sequence[Optimizer] = (),
-    build_optimizers: Callable[[], Sequence[Optimizer]] | None = None,
-    parallelize_fn: Callable[[nn.Module], nn.Module] | None = None,
-    default_plan: str | None = None,
-    replicate_unparallelized: bool = False,
+    optimizers: Sequence[Optimizer] | Callable[[], Sequence[Optimizer]] = (),
+    tensor_parallel: TensorParallelism = NOT_PARALLELIZED_HERE,
     place: bool = True,
 ) -> Composed:
     """Compose ``module`` in the order of Note: [The order of composition].
 
     ``mesh``: from :func:`build_mesh`, or None without model parallelism. ``log``: the framework's rank-zero logger,
-    for the engine's summary. The adapters differ only in what they pass:
+    for the engine's summary. The adapters differ only in their answers to three questions:
 
-    - ``optimizers`` built over ``module``'s parameters before this call (Fabric, Accelerate; several, each over its
-      own parameters: Muon and AdamW), or ``build_optimizers``, which builds them once the model is cut and placed
-      (Lightning's ``configure_optimizers``), or neither (an engine without one: evaluation, a frozen teacher);
-    - ``parallelize_fn``: the user's tensor-parallel function, already bound to the mesh (Fabric);
-    - for a model that arrives with no DTensor parameters and no configured plan, under tensor parallelism:
-      ``default_plan``, the plan to apply to it (Accelerate: "auto"), or ``replicate_unparallelized``, run it whole
-      on every tensor-parallel rank (Lightning, as its ModelParallelStrategy does); neither: it is refused;
+    - ``optimizers``: those built over ``module``'s parameters before this call (Fabric, Accelerate; several, each
+      over its own parameters: Muon and AdamW), or a function that builds them once the model is cut and placed
+      (Lightning's ``configure_optimizers``), or none (an engine without one: evaluation, a frozen teacher);
+    - ``tensor_parallel``: the user's ``parallelize_fn``, already bound to the mesh (Fabric), and what becomes of a
+      model that arrives with no tensor-parallel layers and no configured plan (:class:`.Unparallelized`: the
+      automatic plan for Accelerate, replicated for Lightning, refused for Fabric);
     - ``place``: the adapter's device placement flag (Accelerate's ``device_placement``); stage 3 and meta builds
       are placed by the engine either way.
     """
     mesh = _model_parallel(mesh)
-    optimizers = as_optimizer_list(optimizers)
-    names = names_of_parameters(module, optimizers)  # 1
-    module = _tensor_parallel(module, mesh, config, parallelize_fn, default_plan, replicate_unparallelized)  # 2
-    inner = _uncompiled(module)
+    early = [] if callable(optimizers) else as_optimizer_list(optimizers)
+    names = names_of_parameters(module, early)  # 1
+    module, inner = _tensor_parallel(module, mesh, config, tensor_parallel)  # 2
     _sequence(inner, config, mesh)  # 3
     stage_plan = _cut_for_pipeline(inner, config, mesh)  # 4
-    rebind_optimizers(optimizers, names, module)  # 5
+    rebind_optimizers(early, names, module)  # 5
     _place(inner, config, device, place)  # 6
-    if build_optimizers is not None:
-        optimizers = as_optimizer_list(build_optimizers())  # 7
-    config = _resolved(config, inner, stage_plan)
-    units = _checkpoint_activations(inner, config, mesh)  # 8
-    engine = _engine(inner, optimizers, config, mesh, device, stage_plan, units)  # 9
+    built = as_optimizer_list(optimizers()) if callable(optimizers) else early  # 7
+    config, units = _units(inner, config, mesh, stage_plan)  # 8
+    engine = _engine(inner, built, config, mesh, device, stage_plan, units)  # 9
     pipeline = _pipeline_runner(inner, engine, config, mesh, device, stage_plan)  # 10
     log(engine.summary())
     return Composed(module, engine, stage_plan, pipeline)
@@ -150,8 +146,7 @@ def recompose_engine(
     ``stage_plan``, its cut): a new engine for a model whose first engine's flat buffers do not fit its optimizer
     (Accelerate's Note: [An optimizer prepared after its model]); the caller removed the old engine's hooks."""
     mesh, inner = _model_parallel(mesh), _uncompiled(module)
-    config = _resolved(config, inner, stage_plan)
-    units = _checkpoint_activations(inner, config, mesh)
+    config, units = _units(inner, config, mesh, stage_plan)
     engine = _engine(inner, as_optimizer_list(optimizers), config, mesh, device, stage_plan, units)
     pipeline = _pipeline_runner(inner, engine, config, mesh, device, stage_plan)
     log(engine.summary())
@@ -171,28 +166,17 @@ def _uncompiled(module: nn.Module) -> nn.Module:
 
 
 def _tensor_parallel(
-    module: nn.Module,
-    mesh: ParallelMesh | None,
-    config: ZeroConfig,
-    parallelize_fn: Callable[[nn.Module], nn.Module] | None,
-    default_plan: str | None,
-    replicate_unparallelized: bool,
-) -> nn.Module:
-    """Step 2: the user's function, then the configured plan (or the check that the model is parallelized)."""
-    if mesh is None or mesh.tp_size == 1:
-        return module
-    if parallelize_fn is not None:
-        module = parallelize_fn(module)
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"parallelize_fn must return an nn.Module, got {type(module).__name__}")
-    apply_tensor_parallelism(
-        _uncompiled(module),
-        mesh,
-        config.parallelism_policy,
-        default_plan=default_plan,
-        replicate_unparallelized=replicate_unparallelized,
-    )
-    return module
+    module: nn.Module, mesh: ParallelMesh | None, config: ZeroConfig, tensor_parallel: TensorParallelism
+) -> tuple[nn.Module, nn.Module]:
+    """Step 2: the user's function, then the configured plan (or the check that the model is parallelized); the
+    module to hand back (the function may have compiled it) and the model inside it, which later steps work on."""
+    if mesh is not None and mesh.tp_size > 1:
+        if tensor_parallel.parallelize_fn is not None:
+            module = tensor_parallel.parallelize_fn(module)
+            if not isinstance(module, nn.Module):
+                raise TypeError(f"parallelize_fn must return an nn.Module, got {type(module).__name__}")
+        apply_tensor_parallelism(_uncompiled(module), mesh, config.parallelism_policy, tensor_parallel.unparallelized)
+    return module, _uncompiled(module)
 
 
 def _sequence(module: nn.Module, config: ZeroConfig, mesh: ParallelMesh | None) -> None:
@@ -222,24 +206,22 @@ def _place(module: nn.Module, config: ZeroConfig, device: torch.device, place: b
         module.to(device)
 
 
-def _resolved(config: ZeroConfig, module: nn.Module, stage_plan: StagePlan | None) -> ZeroConfig:
-    """``config`` with its "auto" sizes resolved for ``module``, and under pipelining with no unit policy of its
-    own, one unit per block (a stage may hold a single block)."""
+def _units(
+    module: nn.Module, config: ZeroConfig, mesh: ParallelMesh | None, stage_plan: StagePlan | None
+) -> tuple[ZeroConfig, list[tuple[str, nn.Module]]]:
+    """Step 8: ``config`` with its "auto" sizes resolved for ``module`` (what the engine reads), and the engine's
+    units, chosen once and checkpointed, partitioning inputs over the tensor-parallel group. Under pipelining with
+    no unit policy configured, a unit is one block (a stage may hold a single block)."""
     if config.has_auto_values:
         config = config.resolve_auto(hidden_size_of(module))
-    if stage_plan is not None and not config.unit_modules and not config.unit_min_params:
-        config = dataclasses.replace(config, unit_modules=(stage_plan.block_class,))
-    return config
-
-
-def _checkpoint_activations(module: nn.Module, config: ZeroConfig, mesh: ParallelMesh | None) -> list[nn.Module]:
-    """Step 8: choose the engine's units, once, and checkpoint them, partitioning inputs over the tensor-parallel
-    group."""
-    units = select_unit_modules(module, config.unit_modules, config.unit_min_params)
+    unit_classes = config.unit_modules
+    if stage_plan is not None and not unit_classes and not config.unit_min_params:
+        unit_classes = (stage_plan.block_class,)
+    units = select_unit_modules(module, unit_classes, config.unit_min_params)
     apply_activation_checkpointing(
         module, config.activation_policy, units, mesh.tp_collectives if mesh is not None else None
     )
-    return units
+    return config, units
 
 
 def _engine(
@@ -249,7 +231,7 @@ def _engine(
     mesh: ParallelMesh | None,
     device: torch.device,
     stage_plan: StagePlan | None,
-    units: list[nn.Module],
+    units: list[tuple[str, nn.Module]],
 ) -> ZeroEngine:
     """Step 9: the engine over the mesh's ZeRO group and model-parallel collectives, with ``units`` and what it must
     know of the whole model (:func:`~ds_strategy.pipeline.model_part`), then what Ulysses (the gradient divide

@@ -1,10 +1,13 @@
-"""Step 1 of the composition (Note: [The order of composition] in :mod:`.model`) under tensor parallelism: apply the
-configured plan (or check that the user's code already parallelized the model), so the engine finds DTensor
-parameters."""
+"""Step 2 of the composition (Note: [The order of composition] in :mod:`.model`) under tensor parallelism: the user's
+function, then the configured plan (or the check that the model is parallelized), so the engine finds DTensor
+parameters; and the one question an adapter answers about it, :class:`TensorParallelism`."""
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import itertools
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -15,31 +18,48 @@ from ..parallel.auto_plan import apply_tensor_parallel_plan, tensor_parallel_pla
 from ..parallel.mesh import ParallelMesh
 
 
+class Unparallelized(enum.Enum):
+    """What becomes of a model that arrives under tensor parallelism with no tensor-parallel parameters and no plan
+    configured; a model the user already parallelized is left as it is whatever the choice."""
+
+    REFUSE = "refuse"  # an error saying how to split it (Fabric: its parallelize_fn should have)
+    AUTO_PLAN = "auto_plan"  # the automatic plan splits it (Accelerate, which takes no parallelize_fn)
+    REPLICATE = "replicate"  # it runs whole on every tensor-parallel rank (Lightning, as ModelParallelStrategy does)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallelism:
+    """How an adapter's model becomes tensor-parallel: ``parallelize_fn``, the user's function already bound to the
+    mesh (Fabric's), runs first; then the configured ``tensor_parallel_plan``; ``unparallelized`` says what becomes of
+    a model neither split. Acts only when the mesh has a tensor-parallel dimension."""
+
+    parallelize_fn: Callable[[nn.Module], nn.Module] | None = None
+    unparallelized: Unparallelized = Unparallelized.REFUSE
+
+
+NOT_PARALLELIZED_HERE = TensorParallelism()  # no function of the user's; a model left unsplit is refused
+
+
 def apply_tensor_parallelism(
     module: nn.Module,
     mesh: ParallelMesh | None,
     policy: ParallelismPolicy,
-    *,
-    default_plan: str | None = None,
-    replicate_unparallelized: bool = False,
+    unparallelized: Unparallelized = Unparallelized.REFUSE,
 ) -> None:
     """Apply ``policy.tensor_parallel_plan`` to ``module`` over ``mesh``'s tensor-parallel dimension, or, when the
-    plan is None, require that the user's own code (``configure_model``, ``parallelize_fn``) did it.
-
-    ``default_plan``: the plan for a model that arrives with no tensor-parallel parameters and no plan configured
-    (Accelerate's "auto"); a model the user already parallelized is left as it is. ``replicate_unparallelized``:
-    such a model instead runs whole on every tensor-parallel rank (Lightning's ModelParallelStrategy does)."""
+    plan is None, require that the user's own code (``configure_model``, ``parallelize_fn``) did it, else do with
+    the model what ``unparallelized`` says."""
     if mesh is None or mesh.tp_size == 1:
         return
     plan = policy.tensor_parallel_plan
-    if plan is None and not _is_parallelized(module):
-        plan = default_plan
+    if plan is None and not _is_parallelized(module) and unparallelized is Unparallelized.AUTO_PLAN:
+        plan = "auto"
     if plan is not None:
         resolved = tensor_parallel_plan(module, mesh.tp_size, sequence_parallel=policy.sequence_parallel, plan=plan)
         apply_tensor_parallel_plan(module, mesh.tp_mesh, resolved, mesh.tp_collectives)
     if _is_parallelized(module):
         return
-    if not replicate_unparallelized:
+    if unparallelized is not Unparallelized.REPLICATE:
         raise ValueError(
             f"tensor_parallel_size={mesh.tp_size} but {type(module).__name__} has no tensor-parallel parameters: "
             f"parallelize it in configure_model (parallelize_module on self.device_mesh['tensor_parallel']) or "

@@ -1,95 +1,47 @@
 """Each component's section of a ZeroConfig: small frozen policies, as FSDP2's ``MixedPrecisionPolicy`` and
-``CPUOffloadPolicy``.
+``CPUOffloadPolicy``; and the one grouping of ZeroConfig's fields that they, the docs and the front-ends share.
 
 ``ZeroConfig`` stays the flat facade that users, DeepSpeed JSON and Hydra write, and the one place fields are
-defaulted, documented and validated; a policy has no defaults and checks nothing. ``ZeroConfig`` builds each from
-its validated fields (``config.precision_policy``, ``config.offload_policy``, ...), under the same field names, so a
-component that takes its policy sees only the settings it acts on, and a reader of its constructor sees which.
-Every ZeroConfig field belongs to exactly one policy or to the engine itself (stage, units, construction, the
-optimizer step and batch sizes); ``tests/unit/test_config_policies.py`` holds that for every new field.
+defaulted, documented and validated; a policy has no defaults and checks nothing. Its fields are not listed here:
+each ZeroConfig field is declared under a :class:`Section` (a heading of the configuration's docs), and a section
+belongs to one policy or to the engine itself (stage, units, construction, the optimizer step and batch sizes).
+``declare_policy_fields`` gives every policy the fields of its sections, in declaration order, with ZeroConfig's
+types, when ZeroConfig is defined; ``ZeroConfig`` builds each from its validated fields
+(``config.precision_policy``, ...), so a component that takes its policy sees only the settings it acts on.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import textwrap
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from ..parallel.pipeline_schedules import stage_count
 
 
-@dataclasses.dataclass(frozen=True)
 class PrecisionPolicy:
     """The dtypes the engine computes, accumulates and communicates in, and fp16's loss scaling
     (``LossScaler`` takes it). One policy, as FSDP2's ``MixedPrecisionPolicy`` holds its ``reduce_dtype``:
     the automatic communication dtype follows ``precision``, and loss scaling exists only for "16-*"."""
 
-    precision: str
-    communication_dtype: str | None
-    grad_accum_dtype: str | None
-    loss_scale: float
-    initial_scale_power: int
-    loss_scale_window: int
-    hysteresis: int
-    consecutive_hysteresis: bool
-    min_loss_scale: float
-    max_consecutive_min_scale_skips: int
 
-
-@dataclasses.dataclass(frozen=True)
 class OffloadPolicy:
     """Where optimizer state and stage-3 parameter shards live off the device, and how NVMe streams them
     (``ds_strategy.offload``'s step runner takes it)."""
 
-    offload_optimizer: str
-    offload_params: str
-    nvme_path: str | None
-    pin_memory: bool
-    offload_ratio: float
-    buffer_count: int
-    buffer_size: int
-    sub_group_size: int
 
-
-@dataclasses.dataclass(frozen=True)
 class CommPolicy:
     """How the engine's collectives are batched, overlapped, compressed and timed: gradient reduction buckets,
     stage-3 gathering ahead of use and after forward, ZeRO++ (qwZ, qgZ, hpZ), the timeouts and the statistics
     an adapter logs. Each trades memory or precision against bytes sent and time waited; none changes what is
     sharded."""
 
-    reduce_bucket_size: int | str
-    allgather_bucket_size: int
-    overlap_comm: bool
-    gradient_reduction: str
-    prefetch_bucket_size: int | str
-    max_live_parameters: int
-    reshard_after_forward: bool
-    collective_timeout: float
-    timeout: float
-    zero_quantized_weights: bool
-    zero_quantized_gradients: bool
-    zero_quantized_gradients_bits: int
-    zero_hpz_partition_size: int
-    log_comm_stats: bool
 
-
-@dataclasses.dataclass(frozen=True)
 class ParallelismPolicy:
     """The model-parallel dimensions beside ZeRO's data parallelism: tensor parallelism (and its plan),
     Ulysses sequence parallelism, and pipeline stages with their schedule, split and gradient reduction: what
     the composition layer builds the mesh, the tensor-parallel plan and the pipeline runner from."""
-
-    tensor_parallel_size: int
-    tensor_parallel_plan: str | Mapping[str, Any] | None
-    sequence_parallel: bool
-    sequence_parallel_size: int
-    pipeline_parallel_size: int
-    pipeline_schedule: str
-    pipeline_microbatches: int | None
-    pipeline_split: str | tuple[str, ...]
-    pipeline_grad_reduction: str
-    pipeline_keep_gathered: bool
 
     @property
     def model_parallel(self) -> bool:
@@ -106,19 +58,35 @@ class ParallelismPolicy:
         return self.pipeline_microbatches or stage_count(self.pipeline_parallel_size, self.pipeline_schedule)
 
 
-@dataclasses.dataclass(frozen=True)
 class ActivationPolicy:
     """Which units recompute their forward in backward, what a checkpoint keeps, and where it keeps its input
     (``apply_activation_checkpointing`` takes it; the units themselves are the engine's); and which per-token
     computations run over tiles of the sequence, recomputed in backward (``apply_sequence_tiling``)."""
 
-    activation_checkpointing: str
-    activation_checkpoint_interval: int
-    partition_activations: bool
-    cpu_checkpointing: bool
-    tiled_mlp: bool
-    tiled_loss: bool
-    tile_tokens: int | str
+
+POLICIES = (PrecisionPolicy, OffloadPolicy, CommPolicy, ParallelismPolicy, ActivationPolicy)
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+    """A group of ZeroConfig fields: a heading of the docs' configuration table (``title``), and the policy that
+    hands them to their component (``policy``; None: the engine reads them itself). Each section belongs to one
+    policy, so the docs, the policies and the front-ends (Hydra's groups) group fields one way."""
+
+    title: str
+    policy: type | None = None
+
+
+def declare_policy_fields(fields: Sequence[dataclasses.Field], annotations: dict[str, Any]) -> None:
+    """Make each policy a frozen dataclass of the ``fields`` (ZeroConfig's, each with its ``section`` in
+    ``metadata``) its sections hold, in declaration order, typed as ZeroConfig types them (``annotations``), and
+    name them at the end of its docstring."""
+    for policy in POLICIES:
+        names = [field.name for field in fields if field.metadata["section"].policy is policy]
+        policy.__annotations__ = {name: annotations[name] for name in names}
+        listed = textwrap.fill("Its fields (declared in ZeroConfig): " + ", ".join(names) + ".", 112)
+        policy.__doc__ = f"{policy.__doc__}\n\n" + textwrap.indent(listed, "    ")
+        dataclasses.dataclass(frozen=True)(policy)
 
 
 Policy = TypeVar("Policy")

@@ -9,7 +9,6 @@ keys that would change it are an error, as in accelerate. Keys that only steer D
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -38,8 +37,11 @@ _REJECTED = {
 }
 
 
-def deepspeed_config_from_accelerate(section: Mapping[str, Any], config_dir: Path) -> tuple[dict[str, Any], list[str]]:
-    """The DeepSpeed config ``deepspeed_config:`` describes, and the keys of it ds_strategy ignores (with why).
+def deepspeed_config_from_accelerate(
+    section: Mapping[str, Any], config_dir: Path
+) -> tuple[dict[str, Any] | Path, list[str]]:
+    """The DeepSpeed config ``deepspeed_config:`` describes (or the JSON file that holds it, for
+    ``ds_strategy.config.sources.load_config`` to read), and the keys of it ds_strategy ignores (with why).
 
     A relative ``deepspeed_config_file`` is looked up from the working directory, as accelerate does, then from
     ``config_dir`` (the YAML's own directory).
@@ -61,7 +63,7 @@ def deepspeed_config_from_accelerate(section: Mapping[str, Any], config_dir: Pat
                 f"deepspeed_config.{both[0]} cannot be combined with deepspeed_config_file (accelerate "
                 f"rejects that too); set it in the JSON file instead"
             )
-        return _read_json(Path(section[_CONFIG_FILE]), config_dir), ignored
+        return _config_file(Path(section[_CONFIG_FILE]), config_dir), ignored
     return _assembled(section), ignored
 
 
@@ -92,11 +94,11 @@ def _assembled(section: Mapping[str, Any]) -> dict[str, Any]:
     return config
 
 
-def _read_json(path: Path, config_dir: Path) -> dict[str, Any]:
+def _config_file(path: Path, config_dir: Path) -> Path:
     candidates = [path] if path.is_absolute() else [Path.cwd() / path, config_dir / path]
     for candidate in candidates:
         if candidate.is_file():
-            return json.loads(candidate.read_text(encoding="utf-8"))
+            return candidate
     raise FileNotFoundError(
         f"deepspeed_config.deepspeed_config_file={str(path)!r} does not exist (looked in "
         f"{', '.join(str(c.parent) for c in candidates)})"

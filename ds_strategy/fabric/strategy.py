@@ -27,7 +27,7 @@ from ..adapters.engine_owner import (
 )
 from ..adapters.optimizer_sections import optimizers_to_train
 from ..adapters.precision_flag import reconcile_precision
-from ..compose import Composed, build_mesh, compose_model
+from ..compose import Composed, TensorParallelism, build_mesh, compose_model
 from ..config import ZeroConfig
 from ..config.sources import LoadedConfig, load_config
 from ..parallel.mesh import LIGHTNING_NAMES, ParallelMesh
@@ -247,7 +247,7 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
             device=self.root_device,
             log=rank_zero_info,
             optimizers=optimizers or (),
-            parallelize_fn=parallelize_fn,
+            tensor_parallel=TensorParallelism(parallelize_fn=parallelize_fn),
         )
         self.composed.append(composed)
         for optimizer in optimizers or ():

@@ -1,11 +1,11 @@
 """Hydra structured configs, built from the dataclasses they configure so that they hold no defaults of their own.
 
 ``StrategyConf`` and ``PrecisionConf`` are ZeroConfig's fields split in two (the ``strategy`` and ``precision``
-groups), each with ZeroConfig's own default. ``ModelConf`` is GPTConfig's fields. A field whose type OmegaConf
-can check (int, float, bool, str, or one of them or None) keeps it, so ``strategy.stage=abc`` fails in Hydra;
-the rest (``int | "auto"`` sizes, ``unit_modules``) are ``Any``, and every value is checked by ZeroConfig itself
-when ``zero_config`` builds one, before any process starts. The structured configs are closed, so an unknown key
-(``strategy.stag=1``) fails in Hydra.
+groups, the latter the fields ZeroConfig declares under its precision section), each with ZeroConfig's own default.
+``ModelConf`` is GPTConfig's fields. A field whose type OmegaConf can check (int, float, bool, str, or one of them
+or None) keeps it, so ``strategy.stage=abc`` fails in Hydra; the rest (``int | "auto"`` sizes, ``unit_modules``) are
+``Any``, and every value is checked by ZeroConfig itself when ``zero_config`` builds one, before any process starts.
+The structured configs are closed, so an unknown key (``strategy.stag=1``) fails in Hydra.
 """
 
 from __future__ import annotations
@@ -16,18 +16,12 @@ import typing
 from typing import Any, Optional
 
 from ..config import ZeroConfig
+from ..config.zero_config import PRECISION_SECTION, fields_of
 from ..models import GPTConfig
 
-# ZeroConfig fields the ``precision`` group sets; the ``strategy`` group holds every other field.
-PRECISION_FIELDS = (
-    "precision",
-    "loss_scale",
-    "initial_scale_power",
-    "loss_scale_window",
-    "hysteresis",
-    "min_loss_scale",
-    "max_consecutive_min_scale_skips",
-)
+# The ``precision`` group is ZeroConfig's precision section (the precision and its loss scaling); the ``strategy``
+# group holds every other field.
+PRECISION_FIELDS = tuple(fields_of(PRECISION_SECTION))
 
 _PRIMITIVES = (int, float, bool, str)
 

@@ -20,7 +20,7 @@ from ..adapters.precision_flag import reconcile_precision
 from ..comm.accounting import StepCommMeter
 from ..comm.process_exit import destroy_process_groups_at_exit
 from ..comm.rank_failure import report_failure
-from ..compose import build_mesh, compose_model
+from ..compose import TensorParallelism, Unparallelized, build_mesh, compose_model
 from ..config import ZeroConfig
 from ..config.sources import LoadedConfig, load_config
 from ..parallel.mesh import LIGHTNING_NAMES, ParallelMesh
@@ -154,8 +154,9 @@ class ZeroStrategyMixin(EngineOwnerMixin):
             mesh=self.parallel_mesh,
             device=self.root_device,
             log=rank_zero_info,
-            build_optimizers=functools.partial(self._build_optimizer, trainer),
-            replicate_unparallelized=True,  # a model without tensor-parallel layers, as under ModelParallelStrategy
+            optimizers=functools.partial(self._build_optimizer, trainer),
+            # a model without tensor-parallel layers runs whole on every tp rank, as under ModelParallelStrategy
+            tensor_parallel=TensorParallelism(unparallelized=Unparallelized.REPLICATE),
         )
         self.engine, self.pipeline = composed.engine, composed.pipeline
         if not self.lightning_module.automatic_optimization:

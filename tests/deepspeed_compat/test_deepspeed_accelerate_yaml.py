@@ -12,7 +12,7 @@ import yaml
 from e2e_runs import DS_STRATEGY, EXAMPLES, free_port, run
 
 from ds_strategy import cli
-from ds_strategy.config.deepspeed.translate import config_from_deepspeed
+from ds_strategy.config.sources import config_from_deepspeed
 from ds_strategy.deepspeed.accelerate_yaml import deepspeed_config_from_accelerate
 
 DATA = Path(__file__).resolve().parents[1] / "data"

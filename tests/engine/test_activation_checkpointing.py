@@ -21,7 +21,8 @@ from ds_strategy.compose.activation_checkpointing import (
     remove_activation_checkpointing,
 )
 from ds_strategy.config import ZeroConfig, ZeroConfigError
-from ds_strategy.config.deepspeed.translate import DeepSpeedConfigWarning, config_from_deepspeed
+from ds_strategy.config.deepspeed.translate import DeepSpeedConfigWarning
+from ds_strategy.config.sources import config_from_deepspeed
 from ds_strategy.models import gpt_config
 from ds_strategy.zero.wrap_policy import select_unit_modules
 

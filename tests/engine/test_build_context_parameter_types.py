@@ -116,7 +116,7 @@ def _train_built_in_context(model: nn.Module, rank: int) -> dict:
         return [torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)]
 
     composed = compose_model(
-        model, ZeroConfig(stage=3), mesh=None, device=torch.device("cpu"), log=print, build_optimizers=optimizers
+        model, ZeroConfig(stage=3), mesh=None, device=torch.device("cpu"), log=print, optimizers=optimizers
     )
     types = {name: type(p).__name__ for name, p in model.named_parameters()}
     initial = _plain(composed.engine.full_state_dict(rank0_only=False))

@@ -433,7 +433,7 @@ def _engine_entry(
     built = _as_built(model)
     build_optimizers = lambda: optimizers(model)  # noqa: E731  over this rank's stages only
     composed = compose_model(
-        model, config, mesh=mesh, device=torch.device("cpu"), log=lambda _: None, build_optimizers=build_optimizers
+        model, config, mesh=mesh, device=torch.device("cpu"), log=lambda _: None, optimizers=build_optimizers
     )
     engine, runner = composed.engine, composed.pipeline
     if build.pretrained_seed is not None:

@@ -99,7 +99,7 @@ def build_pipeline(model_name: str, optimizer: str = "sgd", blocks: int = 4, **f
         mesh=mesh,
         device=torch.device("cpu"),
         log=lambda _: None,
-        build_optimizers=lambda: [optimizer_for(model, optimizer)],
+        optimizers=lambda: [optimizer_for(model, optimizer)],
     )
     return model, composed.engine, composed.pipeline, mesh
 

@@ -59,7 +59,7 @@ def _built(rank: int, world_size: int, model: str, meta: bool, user_plan: dict |
         parallelize_module(module, mesh.tp_mesh, user_plan)
     optimizer = lambda: [torch.optim.SGD(module.parameters(), lr=0.1)]  # noqa: E731  over this rank's stages only
     engine = compose_model(
-        module, config, mesh=mesh, device=torch.device("cpu"), log=lambda _: None, build_optimizers=optimizer
+        module, config, mesh=mesh, device=torch.device("cpu"), log=lambda _: None, optimizers=optimizer
     ).engine
     next_draw = torch.rand(4)
     return {"state": engine.full_state_dict(rank0_only=False), "next_draw": next_draw}

@@ -12,7 +12,7 @@ from ds_strategy.autotune.export import write_hydra_yaml
 from ds_strategy.autotune.gpt_task import GPTTask, StdlibTextData
 from ds_strategy.cli.autotune import parse_bytes
 from ds_strategy.config import ZeroConfig
-from ds_strategy.config.deepspeed.translate import config_from_deepspeed
+from ds_strategy.config.sources import config_from_deepspeed
 from ds_strategy.estimate import estimate_memory
 
 CRASH_EXIT_CODE = 13
@@ -135,6 +135,9 @@ def test_out_of_time_candidates_are_skipped_not_run():
         {"stage": 3, "precision": "bf16-mixed", "gradient_reduction": "reduce_scatter"},
         {"stage": 2, "offload_optimizer": "cpu", "zero_quantized_gradients": True},
         {"stage": 3, "offload_optimizer": "nvme", "offload_params": "cpu", "nvme_path": "/tmp"},
+        # fields the hand-kept writer left out: the writer is now the key tables read backwards
+        {"precision": "16-mixed", "consecutive_hysteresis": True, "grad_accum_dtype": "fp32", "gradient_clipping": 1.0},
+        {"stage": 1, "communication_dtype": "bf16", "gradient_reduction": "all_reduce", "sequence_parallel_size": 2},
     ],
 )
 def test_deepspeed_json_reads_back_to_the_same_config(fields):

@@ -9,8 +9,7 @@ import torch
 
 from ds_strategy.config import ZeroConfig, ZeroConfigError, load_config
 from ds_strategy.config.auto_values import hidden_size_of
-from ds_strategy.config.deepspeed.translate import config_from_deepspeed
-from ds_strategy.config.sources import ENV_VAR
+from ds_strategy.config.sources import ENV_VAR, config_from_deepspeed
 
 
 class Block(torch.nn.Module):

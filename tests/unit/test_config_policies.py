@@ -7,6 +7,7 @@ import pytest
 
 from ds_strategy.config import ZeroConfig
 from ds_strategy.config.policies import ActivationPolicy, CommPolicy, OffloadPolicy, ParallelismPolicy, PrecisionPolicy
+from ds_strategy.config.zero_config import PRECISION_SECTION, fields_of
 
 POLICIES = {
     "precision_policy": PrecisionPolicy,
@@ -66,3 +67,32 @@ def test_policies_have_no_defaults_so_zero_config_stays_the_one_source():
     for policy in POLICIES.values():
         defaulted = [f.name for f in dataclasses.fields(policy) if f.default is not dataclasses.MISSING]
         assert defaulted == [], f"{policy.__name__} defaults {defaulted}; default them in ZeroConfig only"
+
+
+def test_each_section_is_one_run_of_fields_under_one_policy():
+    """One grouping: a section (a heading of the docs) never straddles two policies, and its fields are declared
+    together, so the docs' headings, the policies and Hydra's groups cannot disagree."""
+    sections = [field.metadata["section"] for field in dataclasses.fields(ZeroConfig)]
+    runs = [section for i, section in enumerate(sections) if i == 0 or section is not sections[i - 1]]
+    assert len(runs) == len(set(runs)), "a section's fields are split by another section's"
+    for policy in POLICIES.values():
+        assert _names(policy) == [
+            f.name for f in dataclasses.fields(ZeroConfig) if f.metadata["section"].policy is policy
+        ]
+    engine = [f.name for f in dataclasses.fields(ZeroConfig) if f.metadata["section"].policy is None]
+    assert set(engine) == ENGINE_FIELDS
+
+
+def test_hydras_precision_group_is_the_precision_section():
+    """The precision and every loss-scaling setting (``consecutive_hysteresis`` too); the gradient dtypes stay in the
+    ``strategy`` group."""
+    assert fields_of(PRECISION_SECTION) == [
+        "precision",
+        "loss_scale",
+        "initial_scale_power",
+        "loss_scale_window",
+        "hysteresis",
+        "consecutive_hysteresis",
+        "min_loss_scale",
+        "max_consecutive_min_scale_skips",
+    ]

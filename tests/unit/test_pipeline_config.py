@@ -11,7 +11,8 @@ import torch.distributed.pipelining.schedules as torch_schedules
 
 from ds_strategy.adapters.micro_batch import check_micro_batch
 from ds_strategy.config import ZeroConfig, ZeroConfigError
-from ds_strategy.config.deepspeed.translate import DeepSpeedConfigWarning, config_from_deepspeed
+from ds_strategy.config.deepspeed.translate import DeepSpeedConfigWarning
+from ds_strategy.config.sources import config_from_deepspeed
 from ds_strategy.parallel.pipeline_schedules import SCHEDULES, schedule_class, stages_per_rank
 
 # ZeroConfig fields

@@ -8,6 +8,7 @@ DeepSpeed ignores them. Defaults are DeepSpeed's, from its config models and ``r
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 from .rule_kinds import (
@@ -36,6 +37,9 @@ def _reduce_scatter(key: str, value: Any) -> dict[str, Any]:
 
 
 def _enables(precision: str):
+    """A section's ``enabled`` key: its reading (true sets ``precision``) and its writing (true when the config's
+    precision is that one, else not written)."""
+
     def translate(key: str, value: Any) -> dict[str, Any]:
         if value is True:
             return {"precision": precision}
@@ -43,7 +47,7 @@ def _enables(precision: str):
             return {}
         raise ValueError(f'DeepSpeed {key}={value!r} is not allowed; expected true, false or "auto"')
 
-    return translate
+    return translate, lambda config: True if config.precision == precision else None
 
 
 def _deprecated_offload(field_name: str):
@@ -107,7 +111,10 @@ ZERO_OPTIMIZATION: Table = {
     "stage": field("stage", 0),
     "contiguous_gradients": no_op(True, "gradients always live in flat contiguous buffers"),
     "reduce_scatter": mapped(
-        "`ZeroConfig.gradient_reduction`: true = reduce_scatter, false = all_reduce", True, _reduce_scatter
+        "`ZeroConfig.gradient_reduction`: true = reduce_scatter, false = all_reduce",
+        True,
+        _reduce_scatter,
+        lambda config: None if config.gradient_reduction == "auto" else config.gradient_reduction == "reduce_scatter",
     ),
     "reduce_bucket_size": field("reduce_bucket_size", 500_000_000, keep_auto=True),
     "use_multi_rank_bucket_allreduce": no_op(True, _SPEED_ONLY),
@@ -125,6 +132,7 @@ ZERO_OPTIMIZATION: Table = {
         "the update's arithmetic is the same)",
         1_000_000_000,
         _sub_group_size,
+        operator.attrgetter("sub_group_size"),
     ),
     "cpu_offload": mapped(
         "deprecated: true = `offload_optimizer.device: cpu`", None, _deprecated_offload("offload_optimizer")
@@ -132,9 +140,9 @@ ZERO_OPTIMIZATION: Table = {
     "cpu_offload_param": mapped(
         "deprecated: true = `offload_param.device: cpu`", None, _deprecated_offload("offload_params")
     ),
-    "cpu_offload_use_pin_memory": field("pin_memory", None),
+    "cpu_offload_use_pin_memory": field("pin_memory", None, written=False),
+    **{f"stage3_{name}": rule for name, rule in _STAGE3_ALIASED.items()},  # DeepSpeed's documented names first
     **_STAGE3_ALIASED,
-    **{f"stage3_{name}": rule for name, rule in _STAGE3_ALIASED.items()},
     "stage3_gather_fp16_weights_on_model_save": _STAGE3_ALIASED["gather_16bit_weights_on_model_save"],
     "ignore_unused_parameters": no_op(True, "parameters without gradients are skipped in any case"),
     "legacy_stage1": no_op(False, "one stage-1 implementation"),
@@ -158,7 +166,7 @@ ZERO_OPTIMIZATION: Table = {
 }
 FP16: Table = {
     "enabled": mapped(
-        '`ZeroConfig.precision="16-mixed"` ("auto": the framework\'s precision)', False, _enables("16-mixed")
+        '`ZeroConfig.precision="16-mixed"` ("auto": the framework\'s precision)', False, *_enables("16-mixed")
     ),
     "auto_cast": no_op(False, "the precision plugin decides what runs in half precision"),
     "loss_scale": field("loss_scale", 0.0),
@@ -171,7 +179,7 @@ FP16: Table = {
 }
 BF16: Table = {
     "enabled": mapped(
-        '`ZeroConfig.precision="bf16-mixed"` ("auto": the framework\'s precision)', False, _enables("bf16-mixed")
+        '`ZeroConfig.precision="bf16-mixed"` ("auto": the framework\'s precision)', False, *_enables("bf16-mixed")
     ),
     "immediate_grad_update": no_op(False, "gradients are reduced into their shard as backward produces them"),
     "check_grad_overflow": no_op(True, "bf16 has fp32's range; no overflow check is needed"),
@@ -358,7 +366,12 @@ DEEPSPEED: Table = {
     "train_batch_size": field("train_batch_size", NO_DEFAULT),
     "train_micro_batch_size_per_gpu": field("train_micro_batch_size_per_gpu", NO_DEFAULT),
     "gradient_accumulation_steps": field("gradient_accumulation_steps", NO_DEFAULT),
-    "gradient_clipping": mapped('`ZeroConfig.gradient_clipping` ("auto": the framework\'s clipping)', 1.0, _clipping),
+    "gradient_clipping": mapped(
+        '`ZeroConfig.gradient_clipping` ("auto": the framework\'s clipping)',
+        1.0,
+        _clipping,
+        operator.attrgetter("gradient_clipping"),
+    ),
     "communication_data_type": field("communication_dtype", None),
     "zero_optimization": ZERO_OPTIMIZATION,
     "fp16": FP16,

@@ -6,12 +6,15 @@ is listed once in a warning), or *rejected* (a feature ds_strategy does not have
 value listed as allowed, passes silently, since it asks for nothing). ``honoured`` keys are mapped keys that set
 no field because ds_strategy always does what they ask. Each rule carries DeepSpeed's default for the key: it
 is what ``"auto"`` means where DeepSpeed's meaning of a key has a default, and the compatibility table shows it.
+A mapped rule may also say how the key's value follows from a ZeroConfig (``written_from``): the DeepSpeed writer
+(``ds_strategy.config.deepspeed.write``) is that, read over the tables.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import operator
 from collections.abc import Callable
 from typing import Any, Union
 
@@ -37,6 +40,7 @@ class Rule:
     default: Any = NO_DEFAULT
     translate: Translate | None = None  # MAPPED only
     quiet: Callable[[Any], bool] | None = None  # NO_OP / REJECTED: values that need no warning / no error
+    written_from: Callable[[Any], Any] | None = None  # MAPPED: a ZeroConfig -> this key's value (None: not written)
 
     def is_quiet(self, value: Any) -> bool:
         if self.quiet is not None:
@@ -47,9 +51,10 @@ class Rule:
 Table = dict[str, Union[Rule, "Table"]]  # a section: key -> rule, or key -> nested section
 
 
-def field(name: str, default: Any, *, keep_auto: bool = False) -> Rule:
+def field(name: str, default: Any, *, keep_auto: bool = False, written: bool = True) -> Rule:
     """The value is ZeroConfig's ``name``; ``"auto"`` is DeepSpeed's default, or stays "auto" when ZeroConfig
-    resolves it from the model (``keep_auto``)."""
+    resolves it from the model (``keep_auto``). The writer writes the field here unless ``written`` is False (a
+    deprecated key, whose current one is written instead)."""
 
     def translate(key: str, value: Any) -> dict[str, Any]:
         if value == AUTO and not keep_auto:
@@ -57,11 +62,13 @@ def field(name: str, default: Any, *, keep_auto: bool = False) -> Rule:
         return {name: value}
 
     auto = ' ("auto": from the hidden size)' if keep_auto else ""
-    return Rule(Kind.MAPPED, f"`ZeroConfig.{name}`{auto}", default, translate)
+    written_from = operator.attrgetter(name) if written else None
+    return Rule(Kind.MAPPED, f"`ZeroConfig.{name}`{auto}", default, translate, written_from=written_from)
 
 
-def mapped(note: str, default: Any, translate: Translate) -> Rule:
-    return Rule(Kind.MAPPED, note, default, translate)
+def mapped(note: str, default: Any, translate: Translate, written_from: Callable[[Any], Any] | None = None) -> Rule:
+    """``written_from``: how the writer derives the key's value from a ZeroConfig (None: the key is not written)."""
+    return Rule(Kind.MAPPED, note, default, translate, written_from=written_from)
 
 
 def honoured(note: str, default: Any) -> Rule:

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
-import os
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -70,15 +68,13 @@ class DeepSpeedConfig:
     sections: OptimizerSections
 
 
-def read_deepspeed_config(ds: Mapping[str, Any] | str | os.PathLike) -> DeepSpeedConfig:
-    """Read a DeepSpeed config (a dict, or a path to its JSON file) with DeepSpeed's meaning.
+def translate_deepspeed_config(ds: Mapping[str, Any]) -> DeepSpeedConfig:
+    """A DeepSpeed config's mapping read with DeepSpeed's meaning (a file is read by ``ds_strategy.config.sources``,
+    whose ``read_deepspeed_config`` and ``config_from_deepspeed`` take either).
 
     Raises ``ValueError`` naming the dotted key for rejected keys, unknown keys inside sections and bad values;
     warns once (``DeepSpeedConfigWarning``) listing ignored top-level keys and no-op keys set to a non-default.
     """
-    if isinstance(ds, (str, os.PathLike)):
-        with open(ds, encoding="utf-8") as file:
-            ds = json.load(file)
     if not isinstance(ds, Mapping):
         raise ValueError(f"a DeepSpeed config must be a JSON object, got {type(ds).__name__}: {ds!r}")
     unknown = [str(key) for key in ds if key not in DEEPSPEED]
@@ -112,11 +108,6 @@ def read_deepspeed_config(ds: Mapping[str, Any] | str | os.PathLike) -> DeepSpee
     except ZeroConfigError as error:  # defaults are valid, so a field set here is at fault
         raise ValueError(f"DeepSpeed {origins.get(error.field, error.field)}: {error}") from error
     return DeepSpeedConfig(zero, read_optimizer_sections(ds.get("optimizer"), ds.get("scheduler")))
-
-
-def config_from_deepspeed(ds: Mapping[str, Any] | str | os.PathLike) -> ZeroConfig:
-    """The ZeroConfig a DeepSpeed config describes; see ``read_deepspeed_config``."""
-    return read_deepspeed_config(ds).zero
 
 
 def _rules(options: Any, table: Table, prefix: str) -> Iterator[tuple[str, Any, Rule]]:

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import ds_strategy
 from ds_strategy.config import ZeroConfig, ZeroConfigError
-from ds_strategy.config.deepspeed.translate import read_deepspeed_config
+from ds_strategy.config.sources import read_deepspeed_config
 from ds_strategy.parallel.mesh import mesh_shape
 from ds_strategy.parallel.ulysses import HF_ATTENTION_NAME, sequence_parallel_loss, shard_sequence
 from ds_strategy.zero.engine import ZeroEngine
