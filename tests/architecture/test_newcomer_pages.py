@@ -79,13 +79,14 @@ def _example(words: list[str]) -> tuple[Path, list[str]] | None:
 
 # argparse parses the command line as usual, then the script stops before it trains
 PARSE_ONLY = """
-import argparse, runpy, sys
+import argparse, os, runpy, sys
 parse = argparse.ArgumentParser.parse_args
 def parsed(self, *args, **kwargs):
     parse(self, *args, **kwargs)
     raise SystemExit(0)
 argparse.ArgumentParser.parse_args = parsed
 sys.argv = sys.argv[1:]
+sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))  # as `python script.py` has it, not the working folder
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
