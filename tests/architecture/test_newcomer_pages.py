@@ -14,6 +14,7 @@
   ```` ```text ```` blocks (quoted messages) wrap instead (``docs/stylesheets/extra.css``).
 * Troubleshooting quotes the code's own messages: each line of its ```` ```text ```` blocks, cut at its ``<...>``
   placeholders, is pieces of one string literal of ``ds_strategy`` (in order).
+* No paragraph of the site is longer than ``PARAGRAPH_WORDS`` words.
 * Choosing a configuration's figures are the estimator's: every ``NN.NN GB`` its prose names is in one of the page's
   generated ``ds-strategy estimate`` outputs (which ``test_docs.py`` keeps current).
 """
@@ -236,3 +237,18 @@ def test_the_choosing_page_figures_are_the_estimators():
     shown = {figure for _, block in blocks for figure in re.findall(r"\d[\d,]*\.\d\d GB", block)}
     named = set(re.findall(r"\d[\d,]*\.\d\d GB", prose))
     assert named and named <= shown, f"figures the estimator does not print: {named - shown}"
+
+
+PARAGRAPH_WORDS = 120
+
+
+def test_no_paragraph_is_a_wall_of_text():
+    """A paragraph (or list item) of more than ``PARAGRAPH_WORDS`` words is split where its subject turns."""
+    long = []
+    for page in sorted(DOCS.rglob("*.md")):
+        text = re.sub(r"<!-- begin:.*?<!-- end:[^>]*-->", "", _without_fences(page.read_text()), flags=re.S)
+        for paragraph in re.split(r"\n\s*\n|\n(?=\s*(?:[-*]|\d+\.) )", text):
+            words = len(paragraph.split())
+            if words > PARAGRAPH_WORDS and not paragraph.lstrip().startswith(("|", "#")):
+                long.append(f"{page.relative_to(REPO)}: {words} words: {' '.join(paragraph.split()[:8])} ...")
+    assert long == [], "\n".join(long)
