@@ -11,8 +11,7 @@ tests assert (``tests/engine``); this is what a user sees of it over a run.
 
 ``memory``: GPT ``small`` (25.5M parameters) on 2 ranks, fp32 AdamW, ``--steps`` steps of DDP, ZeRO stages 0-3 and
 the two CPU-offload presets, one after the other on the same 2 processes. A rank's memory is its peak anonymous
-resident memory
-(``RssAnon`` of ``/proc/self/status``, sampled every half millisecond by ``PeakRssAnon``, with
+resident memory (``RssAnon`` of ``/proc/self/status``, sampled every half millisecond by ``PeakRssAnon``, with
 ``MALLOC_MMAP_THRESHOLD_`` at 1 MiB so freed blocks leave) above what it held before the model was built: model
 states, activations and communication buffers, what a rank really adds. Beside each bar, ``ds-strategy estimate``'s
 model-state bytes for the same stage and offload (device + host: on a CPU run both are this RAM, which is why offload
