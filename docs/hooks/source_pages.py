@@ -41,7 +41,14 @@ LANGUAGES = {".py": "python", ".yaml": "yaml", ".yml": "yaml", ".json": "json", 
 
 @cache
 def tracked() -> frozenset[str]:
-    listed = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    """The repository's files, as git tracks them (every file under the folders sources live in, without git)."""
+    try:
+        listed = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        roots = ("ds_strategy", "kernels", "configs", "benchmarks", "examples", "tests")
+        return frozenset(
+            p.relative_to(REPO).as_posix() for root in roots for p in (REPO / root).rglob("*") if p.is_file()
+        )
     return frozenset(listed.splitlines())
 
 
