@@ -32,8 +32,8 @@ CLONE = Path(__file__).resolve().parents[1]
 # the clone's folders that install under another name (setup.py's REMAPPED)
 INSTALLED_AS = {"ds_strategy": "ds_strategy", "kernels": "ds_strategy/kernels", "configs": "ds_strategy/configs"}
 REFUSAL = re.compile(
-    r"^(?P<refusing>\S+) needs the optional package '(?P<package>[\w.]+)', which is not installed: "
-    r"pip install '(?P<install>[^']+)'$"
+    r"^(?P<refusing>\S+) needs the optional package '(?P<package>[\w.]+)', which is not installed[^:]*: "
+    r"pip install (?P<install>'[^']+'(?: '[^']+')*)$"
 )
 
 

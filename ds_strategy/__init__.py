@@ -1,10 +1,10 @@
 """ds_strategy: DeepSpeed's ZeRO as a native plugin for the PyTorch ecosystem.
 
-The engine needs torch alone; each adapter needs its own framework (``pip install "ds-strategy[lightning]"``,
-``[accelerate]``, ``[transformers]``, ``[hydra]``). When Lightning is installed, importing the package registers the
-``zero*`` strategy names with Lightning's Trainer (and ``pytorch_lightning``'s, if installed) and with Fabric. The
-Accelerate adapter is ``ds_strategy.accelerate.ZeroAccelerator``, the Hugging Face Trainer's
-``ds_strategy.transformers.ZeroTrainer``.
+The engine needs torch alone; each adapter needs its own framework, which its extra installs (from a clone ``pip
+install -e ".[lightning]"``, ``[accelerate]``, ``[transformers]``, ``[hydra]``). When Lightning is installed,
+importing the package registers the ``zero*`` strategy names with Lightning's Trainer (and ``pytorch_lightning``'s,
+if installed) and with Fabric. The Accelerate adapter is ``ds_strategy.accelerate.ZeroAccelerator``, the Hugging
+Face Trainer's ``ds_strategy.transformers.ZeroTrainer``.
 
 Note: [Registering the strategy names]
 Lightning offers no entry point through which another package adds strategy names (its entry points are callback

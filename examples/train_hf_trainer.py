@@ -3,10 +3,13 @@
     torchrun --nproc_per_node 2 examples/train_hf_trainer.py --deepspeed examples/ds_config.json
     torchrun --nproc_per_node 2 examples/train_hf_trainer.py --stage 3
 
-The script is what a DeepSpeed user already runs, with ``Trainer`` replaced by ``ZeroTrainer``: the DeepSpeed JSON
-("auto" values included) goes to ``TrainingArguments(deepspeed=...)`` as before (or to ``zero_config=``, which needs
-no deepspeed package). The model is built from a config (no download) and trained on token rows of the Python
-standard library's source; ``save_model`` writes a directory ``from_pretrained`` loads, gathered from the shards.
+The script is what a DeepSpeed user already runs, with ``Trainer`` replaced by ``ZeroTrainer`` and
+``TrainingArguments`` by ``ZeroTrainingArguments``, which takes the DeepSpeed JSON ("auto" values included) as
+``deepspeed=`` without the deepspeed package: the ``[transformers]`` extra is all it needs. (With the deepspeed package
+installed, transformers' own ``TrainingArguments(deepspeed=...)`` works too and trains the same; it only adds the
+DeepSpeed set-up that ``ZeroTrainer`` then undoes.) The model is built from a config (no download) and trained on
+token rows of the Python standard library's source; ``save_model`` writes a directory ``from_pretrained`` loads,
+gathered from the shards.
 """
 
 import argparse
@@ -15,7 +18,7 @@ import torch
 import transformers
 
 from ds_strategy.data import stdlib_tokens
-from ds_strategy.transformers import ZeroTrainer
+from ds_strategy.transformers import ZeroTrainer, ZeroTrainingArguments
 
 SEQ = 64
 
@@ -49,7 +52,7 @@ def main() -> None:
         num_key_value_heads=2,
         max_position_embeddings=SEQ,
     )
-    args = transformers.TrainingArguments(
+    args = ZeroTrainingArguments(  # was: transformers.TrainingArguments(
         output_dir=options.out,
         per_device_train_batch_size=16,  # examples/ds_config.json: train_micro_batch_size_per_gpu
         gradient_accumulation_steps=2,

@@ -1,10 +1,13 @@
 """``ZeroTrainer``: transformers' ``Trainer`` on ds_strategy's ZeRO engine, through a ``ZeroAccelerator``.
 
-The switch from DeepSpeed is the class name: ``ZeroTrainer(model, args=TrainingArguments(..., deepspeed=
-"ds_config.json"), ...)`` (or ``zero_config=`` with a DeepSpeed JSON, ZeroConfig fields or a ZeroConfig, or
-``$DS_STRATEGY_CONFIG``; see :mod:`.trainer_config`). The Trainer's loop runs unchanged: forward, backward,
-accumulation, clipping, the optimizer step and evaluation reach the engine through the accelerator. What changes is
-what the Trainer would do with a module whose parameters are shards:
+The switch from DeepSpeed is the class names: ``ZeroTrainer(model, args=ZeroTrainingArguments(..., deepspeed=
+"ds_config.json"), ...)``, which needs nothing beyond the ``[transformers]`` extra (or ``zero_config=`` with a
+DeepSpeed JSON, ZeroConfig fields or a ZeroConfig, or ``$DS_STRATEGY_CONFIG``; see :mod:`.trainer_config`).
+transformers' own ``TrainingArguments(deepspeed=...)`` works too where the deepspeed package is installed (transformers
+imports it to build those arguments); it trains the same, the ZeroTrainer undoing the DeepSpeed set-up it started.
+The Trainer's loop runs unchanged: forward, backward, accumulation, clipping, the optimizer step and evaluation reach
+the engine through the accelerator. What changes is what the Trainer would do with a module whose parameters are
+shards:
 
 - ``save_model`` gathers the model unit by unit into rank 0's state dict, in the dtypes the model was given in
   (DDP's rule, see ``ZeroAccelerator.consolidated_state_dict``), and writes it with ``save_pretrained``: a directory

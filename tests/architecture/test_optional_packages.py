@@ -10,7 +10,7 @@ train.py`` through Hydra; and the ``ds-strategy`` command). A case takes 5-15 s 
 Lightning, transformers and the peers, so the cases run side by side, two at a time.
 
 Two kinds of case: one package missing from a machine that has every other (``deepspeed``, ``triton``, ...), and a
-machine with one extra only (``extra_lightning``: ``pip install "ds-strategy[lightning]"``; ``extra_transformers``;
+machine with one extra only (``extra_lightning``: ``pip install -e ".[lightning]"``; ``extra_transformers``;
 ``core``: no framework at all), where each entry point of that extra trains and each adapter of another refuses.
 ``CI`` proves the extras' cases again for real, from wheels installed in fresh virtual environments (``.ci/run``).
 
@@ -49,18 +49,20 @@ FRAMEWORKS = {
     "deepspeed": ("deepspeed",),
 }
 # The modules whose whole purpose is a package, which refuse to import without it (with every module under them),
-# and the install command the refusal must name; a package's entry precedes its subpackages'.
+# and the install command the refusal must name: the extra's requirements, which install today (Note: [The install
+# command a missing package names] in ds_strategy/optional_packages.py); a package's entry precedes its subpackages'.
+LIGHTNING_INSTALL = "pip install 'lightning>=2.5'"
 REFUSALS = {
-    "ds_strategy.lightning": ({"lightning"}, "ds-strategy[lightning]"),
-    "ds_strategy.lightning.standalone": ({"pytorch_lightning"}, "ds-strategy[lightning]"),
-    "ds_strategy.fabric": ({"lightning"}, "ds-strategy[lightning]"),
-    "ds_strategy.autotune": ({"lightning"}, "ds-strategy[lightning]"),
-    "ds_strategy.accelerate": ({"accelerate"}, "ds-strategy[accelerate]"),
-    "ds_strategy.transformers": ({"transformers", "accelerate"}, "ds-strategy[transformers]"),
+    "ds_strategy.lightning": ({"lightning"}, LIGHTNING_INSTALL),
+    "ds_strategy.lightning.standalone": ({"pytorch_lightning"}, LIGHTNING_INSTALL),
+    "ds_strategy.fabric": ({"lightning"}, LIGHTNING_INSTALL),
+    "ds_strategy.autotune": ({"lightning"}, LIGHTNING_INSTALL),
+    "ds_strategy.accelerate": ({"accelerate"}, "pip install 'accelerate>=1.0'"),
+    "ds_strategy.transformers": ({"transformers", "accelerate"}, "pip install 'accelerate>=1.0' 'transformers>=5.0'"),
     "ds_strategy.transformers.trl_trainers": ({"trl"}, "pip install 'trl'"),
-    "ds_strategy.hydra": ({"hydra"}, "ds-strategy[hydra]"),
-    "ds_strategy.kernels.grad_stats": ({"triton"}, "ds-strategy[triton]"),
-    "ds_strategy.kernels.quantize": ({"triton"}, "ds-strategy[triton]"),
+    "ds_strategy.hydra": ({"hydra"}, "pip install 'hydra-core>=1.3' 'omegaconf>=2.3'"),
+    "ds_strategy.kernels.grad_stats": ({"triton"}, "pip install 'triton'"),
+    "ds_strategy.kernels.quantize": ({"triton"}, "pip install 'triton'"),
 }
 
 
@@ -155,7 +157,7 @@ def test_everything_that_does_not_need_the_package_imports_and_trains_without_it
     # ds_strategy.ZeroStrategy and the other Lightning names: there with Lightning, else an error saying what to install
     names = report["adapter_names"]
     if "lightning" in CASES[case]:
-        assert all(_names_what_to_install(error, hidden, "ds-strategy[lightning]") for error in names.values()), names
+        assert all(_names_what_to_install(error, hidden, LIGHTNING_INSTALL) for error in names.values()), names
     else:
         assert names == dict.fromkeys(names) and len(names) == 3, names
 

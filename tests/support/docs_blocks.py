@@ -5,7 +5,10 @@ A page of ``docs/`` holds a generated block between ``<!-- begin: NAME -->`` and
 * ``strategies table``, ``config table``, ``deepspeed table``: what ``ds-strategy config-table`` prints, from the
   strategy presets, ``ZeroConfig`` and the DeepSpeed key rules;
 * ``notes index``: every ``Note: [Title]`` block in the code, with its file;
-* ``composition matrix table``: the cells ``composition_runs`` runs and the configurations it checks are refused.
+* ``composition matrix table``: the cells ``composition_runs`` runs and the configurations it checks are refused;
+* ``zero config reference``: every ``ZeroConfig`` field, under the section its declaration opens, for the API reference;
+* ``estimate ...``: a ``ds-strategy estimate`` command and what it prints, for the worked examples of choosing a
+  configuration.
 
 ``python tests/support/docs_blocks.py`` rewrites every block; ``tests/architecture/test_docs.py`` fails when one is
 stale.
@@ -68,6 +71,55 @@ def composition_matrix_table() -> str:
     return "\n".join(lines)
 
 
+# the estimator's commands whose output the worked examples of docs/choosing-a-configuration.md show
+ESTIMATES = {
+    "estimate 7B on 8": "ds-strategy estimate --params 7e9 --world-size 8",
+    "estimate 70B on 64": "ds-strategy estimate --params 70e9 --world-size 64 --stage 3 --no-offload",
+    "estimate 70B tp8 on 64": "ds-strategy estimate --params 8.75e9 --world-size 8 --no-offload",
+    "estimate 70B on 8": "ds-strategy estimate --params 70e9 --world-size 8 --stage 3",
+    "estimate MoE on 16": "ds-strategy estimate --params 46.7e9 --world-size 16 --stage 3 --no-offload",
+    "estimate MoE on 8": "ds-strategy estimate --params 46.7e9 --world-size 8 --stage 3",
+}
+
+
+def estimate_output(command: str) -> str:
+    """``command`` (a ``ds-strategy estimate ...`` line) and what it prints: its heading line and its table."""
+    import contextlib
+    import io
+    import shlex
+
+    from ds_strategy.cli import main as cli
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert cli(shlex.split(command)[1:]) == 0, command
+    return f"```shell\n{command}\n```\n\n{printed.getvalue().strip()}"
+
+
+def zero_config_reference() -> str:
+    """Every ZeroConfig field as a heading of its own (``#stage`` finds it), with its type, default and meaning,
+    under the section heading its declaration opens (``setting(section=...)``), in declaration order."""
+    import dataclasses
+
+    from ds_strategy.config import ZeroConfig
+    from ds_strategy.config.zero_config import shown_default
+
+    lines = []
+    for field in dataclasses.fields(ZeroConfig):
+        if field.metadata["section"]:
+            title, _, gloss = _markdown(field.metadata["section"]).rstrip(":").partition(" (")
+            lines += [f"### {title}", ""] + ([f"({gloss}", ""] if gloss else [])
+        kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
+        lines += [f"#### `{field.name}`", "", f"`{kind}`, default {_markdown(shown_default(field))}", ""]
+        lines += [_markdown(field.metadata["doc"]), ""]
+    return "\n".join(lines).strip()
+
+
+def _markdown(text: str) -> str:
+    """A docstring's reST literals (````x````) as Markdown code spans."""
+    return text.replace("``", "`")
+
+
 def generated() -> dict[str, str]:
     """Each generated block's content by its name."""
     from ds_strategy.cli.config_table import blocks
@@ -76,6 +128,8 @@ def generated() -> dict[str, str]:
         **blocks(),
         "notes index": notes_index(),
         "composition matrix table": composition_matrix_table(),
+        "zero config reference": zero_config_reference(),
+        **{name: estimate_output(command) for name, command in ESTIMATES.items()},
     }
 
 
