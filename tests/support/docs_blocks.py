@@ -6,7 +6,7 @@ A page of ``docs/`` holds a generated block between ``<!-- begin: NAME -->`` and
   strategy presets, ``ZeroConfig`` and the DeepSpeed key rules;
 * ``notes index``: every ``Note: [Title]`` block in the code, with its file;
 * ``composition matrix table``: the cells ``composition_runs`` runs and the configurations it checks are refused;
-* ``zero config reference``: every ``ZeroConfig`` field, under the section its declaration opens, for the API reference;
+* ``zero config reference``: every ``ZeroConfig`` field, under the heading of its section, for the API reference;
 * ``estimate ...``: a ``ds-strategy estimate`` command and what it prints, for the worked examples of choosing a
   configuration.
 
@@ -98,16 +98,17 @@ def estimate_output(command: str) -> str:
 
 def zero_config_reference() -> str:
     """Every ZeroConfig field as a heading of its own (``#stage`` finds it), with its type, default and meaning,
-    under the section heading its declaration opens (``setting(section=...)``), in declaration order."""
+    under the heading of its section (``setting(section=...)``), in declaration order."""
     import dataclasses
 
     from ds_strategy.config import ZeroConfig
     from ds_strategy.config.zero_config import shown_default
 
-    lines = []
+    lines, section = [], None
     for field in dataclasses.fields(ZeroConfig):
-        if field.metadata["section"]:
-            title, _, gloss = _markdown(field.metadata["section"]).rstrip(":").partition(" (")
+        if field.metadata["section"] is not section:
+            section = field.metadata["section"]
+            title, _, gloss = _markdown(section.title).rstrip(":").partition(" (")
             lines += [f"### {title}", ""] + ([f"({gloss}", ""] if gloss else [])
         kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
         lines += [f"#### `{field.name}`", "", f"`{kind}`, default {_markdown(shown_default(field))}", ""]
