@@ -65,7 +65,8 @@ def consolidate(
         raise ValueError(f"consolidate out={str(out)!r}: the file name must end in one of {', '.join(SUFFIXES)}")
     if not weights_only and out.suffix == ".safetensors":
         raise ValueError(
-            f"consolidate out={str(out)!r}: optimizer state (weights_only=False) is written only to .pt, .pth or .ckpt files"
+            f"consolidate out={str(out)!r}: optimizer state (weights_only=False) is written only to .pt, .pth or "
+            f".ckpt files"
         )
     where, manifest = open_checkpoint(path)
     if not weights_only and manifest.optimizer_state is None:

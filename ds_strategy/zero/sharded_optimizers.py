@@ -59,6 +59,7 @@ class ShardedOptimizers:
         self.optimizers: list[torch.optim.Optimizer] = []
         self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (optimizer index, group index)
         self._elementwise: dict[tuple[int, int], bool] = {}
+        self._given: list[list[list[int]]] = []  # per optimizer, per group: id(param) in the order given
         for optimizer in optimizers:
             self.add(optimizer, self.where_in(optimizer))
 
@@ -89,10 +90,21 @@ class ShardedOptimizers:
         """Hold ``optimizer`` (``where``: :meth:`where_in`'s answer for it); returns its index."""
         oi = len(self.optimizers)
         self.optimizers.append(optimizer)
+        self._given.append([[id(p) for p in group["params"]] for group in optimizer.param_groups])
         self._where.update({key: (oi, gi) for key, gi in where.items()})
         for gi, group in enumerate(optimizer.param_groups):
             self._elementwise[oi, gi] = group_is_elementwise(optimizer, group)
         return oi
+
+    def given_order(self, optimizer_index: int, module: nn.Module) -> list[list[str]]:
+        """Per param group of that optimizer, the names (in ``module``) of the parameters it held when given, in its
+        order, frozen ones included ("" for one ``module`` does not have): the positions a one-process
+        ``optimizer.state_dict()`` keys its state by (Note: [A whole optimizer state] in
+        ``ds_strategy.checkpoint.full_optimizer``)."""
+        names: dict[int, str] = {}
+        for name, p in module.named_parameters():
+            names.setdefault(id(p), name)
+        return [[names.get(key, "") for key in group] for group in self._given[optimizer_index]]
 
     def __len__(self) -> int:
         return len(self.optimizers)
