@@ -117,14 +117,15 @@ class ZeroFabricCheckpointing:
         """Restore the model (and optimizer) from their shards, then every other requested entry; return the
         entries that were not requested. Everything is checked before anything is restored. A bare module
         (``fabric.load_raw``) gets its weights only, also before ``fabric.setup``. A single file loads as the
-        module docstring says. ``weights_only`` applies to a single file; rank 0's ``meta.pt`` is read as
-        :func:`ds_strategy.checkpoint.load` reads it."""
+        module docstring says. ``weights_only`` is torch.load's for a single file; for a directory, True reads rank
+        0's ``meta.pt`` with torch's allow-list too, None and False as trusted (Note: [Unpickling meta.pt] in
+        :mod:`ds_strategy.checkpoint.directory`)."""
         path = self.broadcast(str(path))
         if Path(path).is_file():
             return self._load_file(path, state, strict, weights_only)
         if isinstance(state, nn.Module):
             engine = self._engine_of_module(state)
-            checkpoint.load(path, state, engine, load_optimizer=False, strict=strict)
+            checkpoint.load(path, state, engine, load_optimizer=False, strict=strict, weights_only=bool(weights_only))
             return {}
         if isinstance(state, Optimizer) or not state:
             raise ValueError(
@@ -133,10 +134,12 @@ class ZeroFabricCheckpointing:
                 f"fabric.load(path, {{'model': model, 'optimizer': optimizer}})"
             )
         engine, module_key, optimizer_keys = self._engine_keys(state, "load")
-        saved = _saved_entries(path)
+        saved = _saved_entries(path, bool(weights_only))
         _validate_keys_for_strict_loading(state.keys(), saved.keys(), strict=strict)
         load_optimizer = bool(optimizer_keys) and all(_is_marker(saved.get(key)) for key in optimizer_keys)
-        remainder = checkpoint.load(path, engine.module, engine, load_optimizer=load_optimizer, strict=strict)
+        remainder = checkpoint.load(
+            path, engine.module, engine, load_optimizer=load_optimizer, strict=strict, weights_only=bool(weights_only)
+        )
         for key, obj in state.items():
             if key in (module_key, *optimizer_keys) or key not in remainder:
                 continue
@@ -227,10 +230,10 @@ def _optimizer_index(engine: ZeroEngine, optimizer: Optimizer) -> int:
     return next(iter(indices))
 
 
-def _saved_entries(path: str) -> dict[str, Any]:
+def _saved_entries(path: str, weights_only: bool) -> dict[str, Any]:
     """Rank 0's extra state of the checkpoint at ``path``, read after checking that the checkpoint is complete."""
     where, manifest = directory.open_checkpoint(path)
-    return directory.read_meta(where, manifest)["extra"]
+    return directory.read_meta(where, manifest, weights_only)["extra"]
 
 
 def _is_marker(value: Any) -> bool:

@@ -178,12 +178,19 @@ class ZeroCheckpointing:
         module = self.lightning_module
         fitting = module.trainer.state.fn == "fit"
         if Path(path).is_file():
-            return self._load_single_file(path, fitting)
-        extra = checkpoint.load(path, module, self.engine, load_optimizer=fitting, strict=module.strict_loading)
+            return self._load_single_file(path, fitting, bool(weights_only))
+        extra = checkpoint.load(
+            path,
+            module,
+            self.engine,
+            load_optimizer=fitting,
+            strict=module.strict_loading,
+            weights_only=bool(weights_only),
+        )
         extra.pop(OPTIMIZER_ORDER, None)
         return extra
 
-    def _load_single_file(self, path: str, fitting: bool) -> dict[str, Any]:
+    def _load_single_file(self, path: str, fitting: bool, weights_only: bool) -> dict[str, Any]:
         """Each rank memory-maps the file and takes its shards of ``state_dict`` (checked whole first, as
         :func:`ds_strategy.checkpoint.pretrained.load_weights` does); loops, schedulers, callbacks and the rest
         go back to Lightning. When fitting, each optimizer takes its shards of the saved whole state (keyed by
@@ -191,7 +198,7 @@ class ZeroCheckpointing:
         ``ds_strategy.checkpoint.full_optimizer``); where no whole state fits this run (tensor or pipeline
         parallelism, a whole-tensor or offloaded optimizer) only the param-group hyperparameters are restored and the
         moments start afresh (warned), as DeepSpeed's ``load_full_weights`` does."""
-        loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
         if not isinstance(loaded, dict) or "state_dict" not in loaded:
             raise checkpoint.CheckpointError(
                 f"{path} is a file without a 'state_dict' entry: not a Lightning checkpoint (a plain state dict "

@@ -114,3 +114,32 @@ def test_full_file_is_ddp_s_layout_and_resumes_at_every_stage_and_world_size(tmp
 def test_an_unknown_state_dict_type_is_refused_naming_the_allowed_ones():
     with pytest.raises(ValueError, match="state_dict_type='whole'.*'sharded', 'full'"):
         ZeroFabricStrategy(stage=2, state_dict_type="whole")
+
+
+class _Unlisted:
+    """An object torch's weights_only allow-list does not hold."""
+
+    value = 3
+
+
+def _load_directory_weights_only(rank: int, world_size: int, tmp: str) -> dict:
+    set_lightning_environment(rank)
+    fabric = L.Fabric(accelerator="cpu", devices=world_size, strategy=ZeroFabricStrategy(stage=2))
+    fabric.launch()
+    model, optimizer = fabric.setup(*(lambda m: (m, _optimizer(m)))(_model()))
+    fabric.save(f"{tmp}/ckpt", {"model": model, "optimizer": optimizer, "step": 2, "mine": _Unlisted()})
+    trusted = {"model": model, "optimizer": optimizer, "step": 0}
+    fabric.load(f"{tmp}/ckpt", trusted, weights_only=False, strict=False)
+    try:
+        fabric.load(f"{tmp}/ckpt", {"model": model, "optimizer": optimizer}, weights_only=True, strict=False)
+        refused = None
+    except Exception as error:  # CheckpointError naming what torch's allow-list refused
+        refused = str(error)
+    return {"step": trusted["step"], "refused": refused}
+
+
+def test_weights_only_is_honoured_for_a_checkpoint_directory_s_metadata(tmp_path):
+    """Issue 45, item 5: ``fabric.load(..., weights_only=True)`` unpickles ``meta.pt`` with torch's allow-list."""
+    (outcome,) = run_ranks(_load_directory_weights_only, 1, str(tmp_path))
+    assert outcome["step"] == 2
+    assert outcome["refused"] is not None and "meta.pt" in outcome["refused"] and "_Unlisted" in outcome["refused"]
