@@ -322,5 +322,5 @@ def test_fabric_trains_with_the_config_sections_like_lightning():
         error = (ranks[0]["state"][key.removeprefix("net.")] - value).norm() / value.norm()  # the MLP, unwrapped
         assert error < 1e-5, f"{key}: relative error {error:.2e}"
     assert ranks[0]["lr"] == pytest.approx(last_lr)
-    assert (ranks[0]["optimizer"], ranks[0]["scheduler"]) == ("AdamW", "DeepSpeedSchedule")
+    assert (ranks[0]["optimizer"], ranks[0]["scheduler"]) == ("AdamW", "WarmupLR")  # DeepSpeed's class name
     assert "fabric.setup was given SGD" in ranks[0]["warnings"][0]
