@@ -143,3 +143,21 @@ def test_weights_only_is_honoured_for_a_checkpoint_directory_s_metadata(tmp_path
     (outcome,) = run_ranks(_load_directory_weights_only, 1, str(tmp_path))
     assert outcome["step"] == 2
     assert outcome["refused"] is not None and "meta.pt" in outcome["refused"] and "_Unlisted" in outcome["refused"]
+
+
+def test_a_whole_optimizer_state_is_refused_by_name_where_it_cannot_describe_the_shards():
+    """An offloaded optimizer (like tensor and pipeline parallelism and whole-tensor optimizers) keeps
+    state_dict_type='sharded': gathering or loading a whole state is refused, saying why."""
+    from ds_strategy.checkpoint.full_optimizer import full_optimizer_state, load_full_optimizer_state
+    from ds_strategy.config import ZeroConfig
+    from ds_strategy.offload import step_runner_for
+    from ds_strategy.zero.engine import ZeroEngine
+
+    model = _model()
+    config = ZeroConfig(stage=2, offload_optimizer="cpu")
+    engine = ZeroEngine(model, _optimizer(model), config, step_runner=step_runner_for(config))
+    with pytest.raises(ValueError, match="optimizer's state is offloaded; keep state_dict_type='sharded'"):
+        full_optimizer_state(engine)
+    with pytest.raises(ValueError, match="loading a whole optimizer state: the optimizer's state is offloaded"):
+        load_full_optimizer_state(engine, {"state": {}, "param_groups": []})
+    engine.remove_hooks()
