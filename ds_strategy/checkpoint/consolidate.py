@@ -25,7 +25,7 @@ from .flat_piece import quiet_single_process
 from .manifest import Kind, Manifest, StateKind, model_key, optimizer_key
 from .storage import METADATA, ChecksummedReader, dcp_failure
 
-SUFFIXES = (".pt", ".ckpt", ".safetensors")  # .ckpt: torch.save, as Lightning names its files
+SUFFIXES = (".pt", ".pth", ".ckpt", ".safetensors")  # .pth: torch's own (litgpt's); .ckpt: Lightning's
 # Key of a Lightning checkpoint's extra state under which the Lightning adapter records, per param group, the names
 # of the parameters in the order the user's optimizer listed them (which a torch.optim state dict is keyed by).
 OPTIMIZER_ORDER = "ds_strategy_optimizer_parameter_order"
@@ -39,7 +39,7 @@ def consolidate(
     weights_only: bool = True,
     exclude_frozen_parameters: bool = False,
 ) -> Path:
-    """Write the checkpoint at ``path`` as one state dict to ``out`` (``.pt``/``.ckpt``, or ``.safetensors``);
+    """Write the checkpoint at ``path`` as one state dict to ``out`` (``.pt``/``.pth``/``.ckpt``, or ``.safetensors``);
     returns ``out``.
 
     Trainable parameters are the masters the checkpoint stores (fp32 under mixed precision), written in the dtype
@@ -65,7 +65,8 @@ def consolidate(
         raise ValueError(f"consolidate out={str(out)!r}: the file name must end in one of {', '.join(SUFFIXES)}")
     if not weights_only and out.suffix == ".safetensors":
         raise ValueError(
-            f"consolidate out={str(out)!r}: optimizer state (weights_only=False) is written only to .pt or .ckpt files"
+            f"consolidate out={str(out)!r}: optimizer state (weights_only=False) is written only to .pt, .pth or "
+            f".ckpt files"
         )
     where, manifest = open_checkpoint(path)
     if not weights_only and manifest.optimizer_state is None:

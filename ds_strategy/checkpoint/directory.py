@@ -244,10 +244,18 @@ def latest(root: Path) -> Path | None:
     return max(completed, key=lambda path: (completed[path], path.name), default=None)
 
 
-def read_meta(directory: Path, manifest: Manifest) -> dict[str, Any]:
-    """Rank 0's ``meta.pt``, checked against ``manifest``: ``{"param_groups": [...] or None, "extra": {...}}``."""
+def read_meta(directory: Path, manifest: Manifest, weights_only: bool = False) -> dict[str, Any]:
+    """Rank 0's ``meta.pt``, checked against ``manifest``: ``{"param_groups": [...] or None, "extra": {...}}``.
+
+    Note: [Unpickling meta.pt]
+    What ds_strategy writes there (param groups, the loss scaler's state, the markers of entries in the shard files)
+    is plain types that ``torch.load(weights_only=True)`` reads; what the user's program saved beside the model
+    (Fabric's other entries, Lightning's loops, callbacks and hyperparameters) may be any object. So it is read
+    with ``weights_only=False`` (the checkpoint is trusted, as one's own checkpoint directory is), unless the caller
+    asks for ``weights_only=True`` (``fabric.load(..., weights_only=True)``, ``trainer.fit(ckpt_path=...,
+    weights_only=True)``): then torch's allow-list applies, and an object outside it fails to load naming it."""
     verify(directory / META, manifest.checksums.get(META))
     try:
-        return torch.load(directory / META, map_location="cpu", weights_only=False)
+        return torch.load(directory / META, map_location="cpu", weights_only=weights_only)
     except Exception as error:
         raise CheckpointError(f"{directory / META} cannot be read: {error}") from error

@@ -138,11 +138,11 @@ def _checkpoint_files(path) -> tuple[dict[Path, set[str] | None], object]:
         return dict(sorted(files.items())), path
     if path.is_dir() and (path / SINGLE_FILE).is_file():
         return {path / SINGLE_FILE: None}, path / SINGLE_FILE
-    if path.is_file() and path.suffix in (".safetensors", ".pt", ".bin"):
+    if path.is_file() and path.suffix in (".safetensors", ".pt", ".pth", ".bin"):
         return {path: None}, path
     raise FileNotFoundError(
         f"load_weights({str(path)!r}): expected a directory holding {INDEX_FILE} or {SINGLE_FILE}, or a "
-        f".safetensors or .pt file"
+        f".safetensors, .pt, .pth or .bin file"
     )
 
 

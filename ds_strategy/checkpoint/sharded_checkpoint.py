@@ -122,6 +122,7 @@ def load(
     *,
     load_optimizer: bool = True,
     strict: bool = True,
+    weights_only: bool = False,
 ) -> dict[str, Any]:
     """Restore ``module`` (and ``engine``'s master weights and optimizer) from the checkpoint at ``path``;
     returns the ``extra`` state rank 0 saved. Every rank calls it.
@@ -129,7 +130,7 @@ def load(
     Everything is checked and read before anything is changed: a checkpoint that is incomplete, damaged or of
     a different model raises :class:`CheckpointError` and leaves the training state as it was. With
     ``strict=False`` names missing on either side are skipped. A weights-only checkpoint leaves the optimizer
-    as it is.
+    as it is. ``weights_only``: how rank 0's ``meta.pt`` is unpickled (Note: [Unpickling meta.pt]).
     """
     where, manifest = directory.open_checkpoint(local_path(path))
     reader = ChecksummedReader(where, manifest.checksums)
@@ -139,7 +140,7 @@ def load(
         raise
     except Exception as error:
         raise CheckpointError(f"{where / METADATA} cannot be read: {error}") from error
-    meta = directory.read_meta(where, manifest)
+    meta = directory.read_meta(where, manifest, weights_only)
     restore = plan_restore(module, engine, manifest, metadata, meta, where, load_optimizer, strict)
     try:
         with quiet_single_process():

@@ -10,7 +10,7 @@ import torch
 
 from ..checkpoint import CheckpointError, consolidate
 
-HELP = "write a sharded ds_strategy checkpoint as one .pt or .safetensors state dict"
+HELP = "write a sharded ds_strategy checkpoint as one .pt/.pth or .safetensors state dict"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -18,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "checkpoint", help="checkpoint directory (as written by ZeroStrategy or ds_strategy.checkpoint.save)"
     )
-    parser.add_argument("out", help="output file; its suffix, .pt/.ckpt or .safetensors, picks the format")
+    parser.add_argument("out", help="output file; its suffix, .pt/.pth/.ckpt or .safetensors, picks the format")
     parser.add_argument(
         "--dtype",
         choices=sorted(DTYPES),
@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--with-optimizer",
         action="store_true",
-        help="also write the optimizer state, keyed by parameter name (.pt/.ckpt only); a Lightning Trainer's "
+        help="also write the optimizer state, keyed by parameter name (.pt/.pth/.ckpt only); a Lightning Trainer's "
         "checkpoint, always written as a Lightning file that load_from_checkpoint loads, then also resumes under DDP",
     )
     parser.add_argument("--exclude-frozen", action="store_true", help="leave out parameters with requires_grad=False")

@@ -10,11 +10,17 @@ precision or offload setting; see :mod:`ds_strategy.checkpoint.directory` for th
 checkpoint holds one sharded model (with several set up, save each to its own path), as with DeepSpeed and FSDP.
 ``fabric.strategy.get_module_state_dict(model)`` gathers the whole state dict, from the fp32 masters.
 
-A single file (``torch.save``d, as DDP or one device write it) loads too, as DeepSpeed's ``load_full_weights``
-and FSDP load it: every rank reads the file, a model set up by ``fabric.setup`` takes its shards of the weights
-(``checkpoint.pretrained.load_weights``), any other module (``fabric.load_raw`` before ``setup``) loads the state
-dict whole, and the other entries are restored as Fabric restores them. Its optimizer state is refused by name: the file
-holds the unsharded optimizer's, which is not cut into the engine's shards.
+With ``state_dict_type="full"`` (FSDP's choice, :mod:`ds_strategy.adapters.state_dict_type`) ``fabric.save`` writes
+one ``torch.save`` file instead, as DDP writes it: the model's whole state dict and each optimizer's whole state
+(``optimizer.state_dict()`` of one process, keyed by position: Note: [A whole optimizer state] in
+:mod:`ds_strategy.checkpoint.full_optimizer`) gathered onto rank 0, which writes them with the other entries.
+
+A single file (this one, or DDP's or one device's) loads too, as DeepSpeed's ``load_full_weights`` and FSDP load it:
+every rank reads the file, a model set up by ``fabric.setup`` takes its shards of the weights
+(``checkpoint.pretrained.load_weights``) and its optimizers their shards of the optimizer state
+(:func:`~ds_strategy.checkpoint.full_optimizer.load_full_optimizer_state`), at any world size and stage, any other
+module (``fabric.load_raw`` before ``setup``) loads the state dict whole, and the other entries are restored as Fabric
+restores them.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from torch.optim import Optimizer
 
 from .. import checkpoint
 from ..checkpoint import directory
+from ..checkpoint.full_optimizer import full_optimizer_state, load_full_optimizer_state
 from ..checkpoint.pretrained import load_weights
 from ..zero.engine import ZeroEngine
 
@@ -53,6 +60,9 @@ class ZeroFabricCheckpointing:
                 "sharded checkpoint directories itself, not through a CheckpointIO plugin"
             )
         engine, module_key, optimizer_keys = self._engine_keys(state, "save")
+        if self.state_dict_type == "full":
+            self._save_full(path, state, engine, module_key, optimizer_keys, filter or {})
+            return
         filtered = sorted({module_key, *optimizer_keys} & set(filter or {}))
         if filtered:
             raise NotImplementedError(
@@ -73,6 +83,30 @@ class ZeroFabricCheckpointing:
             with_optimizer=bool(optimizer_keys),
         )
 
+    def _save_full(
+        self,
+        path,
+        state: dict[str, Any],
+        engine: ZeroEngine,
+        module_key: str,
+        optimizer_keys: list[str],
+        filter: dict[str, Callable[[str, Any], bool]],
+    ) -> None:
+        """One file from rank 0: the model's and optimizers' whole states (gathered: collectives, so every rank
+        calls this) and every other entry, as DDP writes it."""
+        whole: dict[str, Any] = {}
+        for key, obj in state.items():
+            if key == module_key:
+                value = engine.full_state_dict(rank0_only=True)
+            elif key in optimizer_keys:
+                value = full_optimizer_state(engine, _optimizer_index(engine, obj))
+            else:
+                value = obj.state_dict() if isinstance(obj, _Stateful) else obj
+            _apply_filter(key, filter, value, whole)
+        if self.is_global_zero:
+            self.checkpoint_io.save_checkpoint(checkpoint=whole, path=path)
+        self.barrier()
+
     def load_checkpoint(
         self,
         path,
@@ -83,15 +117,15 @@ class ZeroFabricCheckpointing:
         """Restore the model (and optimizer) from their shards, then every other requested entry; return the
         entries that were not requested. Everything is checked before anything is restored. A bare module
         (``fabric.load_raw``) gets its weights only, also before ``fabric.setup``. A single file loads as the
-        module docstring says. ``weights_only`` applies to a single file; rank 0's ``meta.pt`` is read as
-        :func:`ds_strategy.checkpoint.load` reads it."""
+        module docstring says. ``weights_only`` is torch.load's for a single file; for a directory, True reads rank
+        0's ``meta.pt`` with torch's allow-list too, None and False as trusted (Note: [Unpickling meta.pt] in
+        :mod:`ds_strategy.checkpoint.directory`)."""
         path = self.broadcast(str(path))
         if Path(path).is_file():
-            self._refuse_optimizer_from_file(path, state)
-            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+            return self._load_file(path, state, strict, weights_only)
         if isinstance(state, nn.Module):
             engine = self._engine_of_module(state)
-            checkpoint.load(path, state, engine, load_optimizer=False, strict=strict)
+            checkpoint.load(path, state, engine, load_optimizer=False, strict=strict, weights_only=bool(weights_only))
             return {}
         if isinstance(state, Optimizer) or not state:
             raise ValueError(
@@ -100,10 +134,12 @@ class ZeroFabricCheckpointing:
                 f"fabric.load(path, {{'model': model, 'optimizer': optimizer}})"
             )
         engine, module_key, optimizer_keys = self._engine_keys(state, "load")
-        saved = _saved_entries(path)
+        saved = _saved_entries(path, bool(weights_only))
         _validate_keys_for_strict_loading(state.keys(), saved.keys(), strict=strict)
         load_optimizer = bool(optimizer_keys) and all(_is_marker(saved.get(key)) for key in optimizer_keys)
-        remainder = checkpoint.load(path, engine.module, engine, load_optimizer=load_optimizer, strict=strict)
+        remainder = checkpoint.load(
+            path, engine.module, engine, load_optimizer=load_optimizer, strict=strict, weights_only=bool(weights_only)
+        )
         for key, obj in state.items():
             if key in (module_key, *optimizer_keys) or key not in remainder:
                 continue
@@ -134,17 +170,27 @@ class ZeroFabricCheckpointing:
     def _engine_of_module(self, module: nn.Module) -> ZeroEngine | None:
         return next((engine for engine in self.engines if engine.module is module), None)
 
-    def _refuse_optimizer_from_file(self, path: str, state: Any) -> None:
-        """A set-up optimizer in ``state`` cannot take the unsharded optimizer state a single file holds."""
-        held = {id(optimizer) for engine in self.engines for optimizer in engine.optimizers}
-        keys = [key for key, obj in (state or {}).items() if id(obj) in held] if isinstance(state, dict) else []
-        if keys:
-            raise ValueError(
-                f"fabric.load({path!r}, state): {path} is a single-file checkpoint (DDP's or one device's); its "
-                f"model weights load into the sharded model, but its optimizer state is not cut into ZeRO shards. "
-                f"Leave {keys} out of state to continue with a fresh optimizer state, or resume from a checkpoint "
-                f"directory written by ZeroFabricStrategy"
-            )
+    def _load_file(self, path: str, state: Any, strict: bool, weights_only: bool | None) -> dict[str, Any]:
+        """A single file: Fabric's own restore, but a set-up optimizer takes its shards of the whole state."""
+        engines = {id(optimizer): engine for engine in self.engines for optimizer in engine.optimizers}
+        if not isinstance(state, dict) or not any(id(obj) in engines for obj in state.values()):
+            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        loaded = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        _validate_keys_for_strict_loading(state.keys(), loaded.keys(), strict=strict)
+        optimizer_keys = [key for key, obj in state.items() if id(obj) in engines and key in loaded]
+        for key, obj in state.items():  # the weights before the optimizer states
+            if key not in loaded or key in optimizer_keys:
+                continue
+            if isinstance(obj, nn.Module):
+                self.load_module_state_dict(obj, loaded.pop(key), strict=strict)
+            elif isinstance(obj, _Stateful):
+                obj.load_state_dict(loaded.pop(key))
+            else:
+                state[key] = loaded.pop(key)
+        for key in optimizer_keys:
+            engine = engines[id(state[key])]
+            load_full_optimizer_state(engine, loaded.pop(key), _optimizer_index(engine, state[key]))
+        return loaded
 
     def _engine_keys(self, state: dict[str, Any], verb: str) -> tuple[ZeroEngine, str, list[str]]:
         """The engine of the one set-up model in ``state``, its key, and its optimizers' keys: all of them, or
@@ -173,10 +219,21 @@ class ZeroFabricCheckpointing:
         return engine, module_key, optimizer_keys
 
 
-def _saved_entries(path: str) -> dict[str, Any]:
+def _optimizer_index(engine: ZeroEngine, optimizer: Optimizer) -> int:
+    """The position of ``optimizer`` among the engine's; a chain of several has no one whole state."""
+    indices = engine.sharded_optimizers.indices_of(optimizer)
+    if len(indices) != 1:
+        raise ValueError(
+            f"state_dict_type='full': a chain of {len(indices)} optimizers has no one whole optimizer state; give "
+            f"each optimizer its own entry, or keep state_dict_type='sharded'"
+        )
+    return next(iter(indices))
+
+
+def _saved_entries(path: str, weights_only: bool) -> dict[str, Any]:
     """Rank 0's extra state of the checkpoint at ``path``, read after checking that the checkpoint is complete."""
     where, manifest = directory.open_checkpoint(path)
-    return directory.read_meta(where, manifest)["extra"]
+    return directory.read_meta(where, manifest, weights_only)["extra"]
 
 
 def _is_marker(value: Any) -> bool:

@@ -27,6 +27,7 @@ from ..adapters.engine_owner import (
 )
 from ..adapters.optimizer_sections import optimizers_to_train
 from ..adapters.precision_flag import reconcile_precision
+from ..adapters.state_dict_type import checked_state_dict_type
 from ..compose import Composed, TensorParallelism, build_mesh, compose_model
 from ..config import ZeroConfig
 from ..config.sources import LoadedConfig, load_config
@@ -64,7 +65,9 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
     DeepSpeed does.
 
     ``fabric.save``/``fabric.load`` write and read a sharded checkpoint directory, each rank only its shards, and
-    load at any world size or ZeRO stage (see :mod:`.checkpointing`).
+    load at any world size or ZeRO stage (see :mod:`.checkpointing`); with ``state_dict_type="full"`` (FSDP's name
+    and meaning) ``fabric.save`` writes one ``torch.save`` file from rank 0 instead (see
+    :mod:`ds_strategy.adapters.state_dict_type`).
 
     Tensor parallelism (``tensor_parallel_size > 1``) takes Fabric's ``ModelParallelStrategy`` convention: a
     ``parallelize_fn(module, device_mesh) -> module`` applied in setup, over the mesh ``("data_parallel",
@@ -90,9 +93,11 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
         process_group_backend: str | None = None,
         start_method: str = "popen",
         parallelize_fn: Callable[[nn.Module, DeviceMesh], nn.Module] | None = None,
+        state_dict_type: str = "sharded",
         **config_fields: Any,
     ):
         loaded = load_config(config, **config_fields)
+        self.state_dict_type = checked_state_dict_type(state_dict_type, type(self).__name__)
         self.config, self.optimizer_sections = loaded.zero, loaded.sections
         self.config_schedulers: dict[Optimizer, Any] = {}  # the config's scheduler by the optimizer it steps
         if parallelize_fn is not None and self.config.tensor_parallel_size == 1:

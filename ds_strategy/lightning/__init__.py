@@ -10,6 +10,7 @@ from ..optional_packages import needs
 with needs("lightning", "lightning_utilities", needed_by="ds_strategy.lightning"):
     from lightning.pytorch.strategies import StrategyRegistry
 
+    from .grad_norm import grad_norm
     from .precision import ZeroPrecision
     from .strategy import ZeroStrategy
 
@@ -17,4 +18,4 @@ ZeroStrategy.register_strategies(StrategyRegistry)
 if importlib.util.find_spec("pytorch_lightning") is not None:
     from . import standalone  # noqa: F401  (registers with pytorch_lightning's StrategyRegistry)
 
-__all__ = ["PRESETS", "ZeroPrecision", "ZeroStrategy"]
+__all__ = ["PRESETS", "ZeroPrecision", "ZeroStrategy", "grad_norm"]

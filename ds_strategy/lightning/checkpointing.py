@@ -9,6 +9,11 @@ at another world size or ZeRO stage, or a single Lightning file (DDP's, one devi
 turns a directory back into a Lightning file, weights only or (``--with-optimizer``) one a DDP fit resumes from
 (:func:`ds_strategy.checkpoint.consolidate`).
 
+With ``ZeroStrategy(state_dict_type="full")`` (FSDP's choice and meaning, :mod:`ds_strategy.adapters.state_dict_type`)
+``lightning_module_state_dict()`` and ``optimizer_state()`` are whole on rank 0 and empty elsewhere, and a Trainer
+checkpoint is the one ``torch.save`` file rank 0 writes of them, as DDP writes it. A single file, this one or DDP's,
+resumes with its optimizer state cut into this run's shards, at any world size and stage.
+
 Loading waits until after ``setup`` (the engine must exist to know this rank's shard) and restores model and
 optimizer inside ``load_checkpoint``, so Lightning's own model/optimizer restore steps have nothing left to do.
 No Lightning import here: the mixin serves both ``lightning.pytorch`` and ``pytorch_lightning``.
@@ -25,6 +30,7 @@ import torch
 
 from .. import checkpoint
 from ..checkpoint.consolidate import OPTIMIZER_ORDER
+from ..checkpoint.full_optimizer import full_optimizer_state, load_full_optimizer_state, why_not_whole
 from ..checkpoint.pretrained import load_weights
 
 # Lightning's ``_CheckpointConnector`` method that asks for the module state to put in a checkpoint it saves.
@@ -71,6 +77,8 @@ class ZeroCheckpointing:
         method, saves stay correct (:meth:`save_checkpoint` takes the pieces from the engine, not from what this
         returned) and only pay a needless gather.
         """
+        if self.engine is not None and self.state_dict_type == "full":
+            return self.engine.full_state_dict(rank0_only=True)
         if sys._getframe(1).f_code.co_name == _SAVING_CALLER:
             return checkpoint.model_state(self.lightning_module, self.engine)
         if self.engine is None:
@@ -105,6 +113,14 @@ class ZeroCheckpointing:
         """This rank's share of the optimizer state (of the fit's engine after validate/test/predict, see Note: [A
         save after fit and test keeps the optimizer state]); None when there is none to save."""
         engine = self._optimizer_engine()
+        if engine is not None and self.state_dict_type == "full":
+            indices = engine.sharded_optimizers.indices_of(optimizer)
+            if len(indices) != 1:
+                raise ValueError(
+                    f"state_dict_type='full': a chain of {len(indices)} optimizers has no one whole optimizer state; "
+                    f"keep state_dict_type='sharded'"
+                )
+            return full_optimizer_state(engine, next(iter(indices)))
         return None if engine is None else checkpoint.optimizer_state(engine)
 
     def save_checkpoint(self, checkpoint_dict: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
@@ -115,6 +131,11 @@ class ZeroCheckpointing:
                 "writes sharded checkpoint directories itself, not through a CheckpointIO plugin"
             )
         path = self.broadcast(str(filepath))
+        if self.state_dict_type == "full":  # whole on rank 0 already (lightning_module_state_dict, optimizer_state)
+            if self.is_global_zero:
+                self.checkpoint_io.save_checkpoint(checkpoint_dict, path)
+            self.barrier("ZeroStrategy.save_checkpoint")
+            return
         self._warn_directory_suffix(path)
         checkpoint_dict.pop("state_dict")  # this rank's pieces, taken again below whatever Lightning collected
         model = checkpoint.model_state(self.lightning_module, self.engine)
@@ -157,18 +178,27 @@ class ZeroCheckpointing:
         module = self.lightning_module
         fitting = module.trainer.state.fn == "fit"
         if Path(path).is_file():
-            return self._load_single_file(path, fitting)
-        extra = checkpoint.load(path, module, self.engine, load_optimizer=fitting, strict=module.strict_loading)
+            return self._load_single_file(path, fitting, bool(weights_only))
+        extra = checkpoint.load(
+            path,
+            module,
+            self.engine,
+            load_optimizer=fitting,
+            strict=module.strict_loading,
+            weights_only=bool(weights_only),
+        )
         extra.pop(OPTIMIZER_ORDER, None)
         return extra
 
-    def _load_single_file(self, path: str, fitting: bool) -> dict[str, Any]:
+    def _load_single_file(self, path: str, fitting: bool, weights_only: bool) -> dict[str, Any]:
         """Each rank memory-maps the file and takes its shards of ``state_dict`` (checked whole first, as
         :func:`ds_strategy.checkpoint.pretrained.load_weights` does); loops, schedulers, callbacks and the rest
-        go back to Lightning. A torch.optim state dict is keyed by position in the optimizer that wrote it, which
-        the sharded optimizer does not keep, so when fitting only its param-group hyperparameters are restored
-        and the moments start afresh (warned), as DeepSpeed's ``load_full_weights`` does."""
-        loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        go back to Lightning. When fitting, each optimizer takes its shards of the saved whole state (keyed by
+        position in the order the optimizer was given: Note: [A whole optimizer state] in
+        ``ds_strategy.checkpoint.full_optimizer``); where no whole state fits this run (tensor or pipeline
+        parallelism, a whole-tensor or offloaded optimizer) only the param-group hyperparameters are restored and the
+        moments start afresh (warned), as DeepSpeed's ``load_full_weights`` does."""
+        loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
         if not isinstance(loaded, dict) or "state_dict" not in loaded:
             raise checkpoint.CheckpointError(
                 f"{path} is a file without a 'state_dict' entry: not a Lightning checkpoint (a plain state dict "
@@ -176,7 +206,10 @@ class ZeroCheckpointing:
             )
         load_weights(self.engine, loaded.pop("state_dict"))
         saved_optimizers = loaded.pop("optimizer_states", None)
-        if fitting and saved_optimizers and self.engine.optimizers:
+        if fitting and saved_optimizers and self.engine.optimizers and why_not_whole(self.engine) is None:
+            for index, saved_optimizer in enumerate(saved_optimizers):
+                load_full_optimizer_state(self.engine, saved_optimizer, index)
+        elif fitting and saved_optimizers and self.engine.optimizers:
             for optimizer, saved_optimizer in zip(self.engine.optimizers, saved_optimizers):
                 groups = saved_optimizer.get("param_groups", [])
                 if len(groups) == len(optimizer.param_groups):
@@ -184,8 +217,9 @@ class ZeroCheckpointing:
                         group.update({key: value for key, value in saved.items() if key != "params"})
             warnings.warn(
                 f"{path} is a single-file checkpoint: its weights, loops, schedulers and callbacks are restored, and "
-                f"its optimizer's hyperparameters, but its optimizer state (moments) is not cut into ZeRO shards and "
-                f"starts afresh; resume from a ZeroStrategy checkpoint directory to keep it",
+                f"its optimizer's hyperparameters, but its optimizer state (moments) is not cut into this run's shards "
+                f"(tensor or pipeline parallelism, a whole-tensor or offloaded optimizer) and starts afresh; resume "
+                f"from a ZeroStrategy checkpoint directory to keep it",
                 stacklevel=2,
             )
         return loaded

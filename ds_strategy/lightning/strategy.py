@@ -17,6 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from ..adapters.engine_owner import EngineOwnerMixin, zero_grad_through_engine
 from ..adapters.micro_batch import check_micro_batch
 from ..adapters.precision_flag import reconcile_precision
+from ..adapters.state_dict_type import checked_state_dict_type
 from ..comm.accounting import StepCommMeter
 from ..comm.process_exit import destroy_process_groups_at_exit
 from ..comm.rank_failure import report_failure
@@ -63,9 +64,11 @@ class ZeroStrategyMixin(EngineOwnerMixin):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         start_method: str = "popen",
+        state_dict_type: str = "sharded",
         **config_fields: Any,
     ):
         loaded = load_config(config, **config_fields)
+        self.state_dict_type = checked_state_dict_type(state_dict_type, type(self).__name__)
         self.config, self.optimizer_sections = loaded.zero, loaded.sections
         self._micro_batch_checked = False
         super().__init__(

@@ -21,6 +21,7 @@ from ..config import ZeroConfig
 from ..parallel.dtensor_params import local_tensor, point_param_at, spec_of
 from ..precision import GradStats, LossScaler, unscale_and_check_shards
 from ..profiler_ranges import profiler_range
+from . import full_gradients
 from .compile_boundary import eager_hook
 from .flat_param import FlatParam
 from .full_state_dict import compute_weights, gathered_state_dict, master_weights
@@ -708,6 +709,15 @@ class ZeroEngine:
         for group in self.model_parallel:
             group.all_reduce(local, op=op).wait()
         return local if math.isinf(norm_type) else local.pow(1.0 / norm_type)
+
+    def full_grad(self, param: nn.Parameter) -> torch.Tensor | None:
+        """``param``'s whole averaged gradient, as DeepSpeed's ``safe_get_full_grad`` gives it (a collective: see
+        :mod:`.full_gradients`)."""
+        return full_gradients.full_grad(self, param)
+
+    def grad_norms(self, norm_type: float = 2.0) -> dict[str, torch.Tensor]:
+        """Every trained parameter's gradient norm by name, in one collective (see :mod:`.full_gradients`)."""
+        return full_gradients.grad_norms(self, norm_type)
 
     def step(self, optimizer: torch.optim.Optimizer | None = None) -> bool:
         """Run ``optimizer`` (None: every optimizer) on this rank's shards, then bring every rank's parameters up

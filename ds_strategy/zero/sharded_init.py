@@ -9,7 +9,8 @@ Each unit's full buffer exists from the first initialiser that writes it until t
 broadcast (so ranks agree even without a common seed), the rank keeps its shard and the buffer is freed. Peak
 memory is therefore about the units whose initialisers are interleaved (usually one, plus the root) above the
 shards, never the full model. Buffers and frozen parameters, which every rank keeps whole, get storage right
-before the first initialiser whose module contains them. An initialiser must fill tensors in place; one that
+before the first initialiser whose module contains them (an all-frozen module has one of its own: Note: [Frozen
+parameters built on meta]). An initialiser must fill tensors in place; one that
 gives a parameter new storage (``module.to_empty(...)``) has its values copied back into the flat buffer.
 
 Note: [A sharded build equals a normal build]
@@ -73,15 +74,17 @@ def reset_parameters_initialisers(
     valued: frozenset[int] = frozenset(),
 ) -> list[Initialiser]:
     """In module order, the outermost modules below the root (or the root itself when it has no children, a bare
-    ``nn.Linear``) whose ``reset_parameters`` initialises parameters of exactly one unit, skipping modules whose
+    ``nn.Linear``) whose ``reset_parameters`` initialises parameters of at most one unit and any frozen parameters
+    built on meta (Note: [Frozen parameters built on meta]), skipping modules whose
     parameters are already covered (a tied LM head whose weight the embedding already initialised) or all have
     values (their ids in ``valued``: Note: [Values built before the meta build]), and the subtrees in ``skip``
     (initialised otherwise). Parameters only the ``cut_away`` pieces hold belong to no unit: an initialiser may
     write them besides one unit, on scratch, for the generator's sake (Note: [A sharded build equals a normal
     build])."""
     unit_of: dict[int, object] = _unit_of(units, valued)
-    elsewhere = object()
+    elsewhere, loose = object(), object()
     unit_of.update({id(p): elsewhere for piece in cut_away for p in piece.parameters() if id(p) not in unit_of})
+    unit_of.update({id(p): loose for p in _loose_meta_parameters(root) if id(p) not in unit_of})
     covered = {id(p) for module in skip for p in module.parameters()}
     plan: list[Initialiser] = []
 
@@ -89,7 +92,7 @@ def reset_parameters_initialisers(
         if any(module is s for s in skip):
             return
         params = [p for p in module.parameters() if id(p) in unit_of]
-        owners = {id(unit_of[id(p)]) for p in params if unit_of[id(p)] is not elsewhere}
+        owners = {id(unit_of[id(p)]) for p in params if unit_of[id(p)] not in (elsewhere, loose)}
         eligible = module is not root or next(root.children(), None) is None
         if eligible and callable(getattr(module, "reset_parameters", None)) and len(owners) <= 1 and params:
             if any(id(p) not in covered for p in params):
@@ -113,6 +116,17 @@ def reset_parameters_initialisers(
             f"model normally."
         )
     return plan
+
+
+def _loose_meta_parameters(root: nn.Module) -> list[nn.Parameter]:
+    """Note: [Frozen parameters built on meta]
+    A frozen parameter (``requires_grad=False``) is in no unit's flat buffer: every rank keeps it whole, with storage
+    given right before the first initialiser whose module contains it. A module whose parameters are all frozen (the
+    base weights of a LoRA model, a frozen embedding) holds no unit's parameter, yet its ``reset_parameters`` must run
+    as in a normal build, both for its values and for the generator's draws after it. So the initialisers are
+    planned over frozen meta parameters too, as parameters of no unit: they may share an initialiser with one unit's,
+    or have one of their own."""
+    return [p for p in root.parameters() if p.is_meta and not p.requires_grad]
 
 
 def param_init_fn_initialisers(

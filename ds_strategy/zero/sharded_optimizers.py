@@ -7,6 +7,15 @@ own, whole-tensor groups owner by owner (Note: [Elementwise and whole-tensor opt
 that Lightning, Fabric, Accelerate and LR schedulers keep driving the very objects they were given: its class,
 hyperparameters and param groups stay; each group's ``params`` become the flat masters (or, whole-tensor, one view
 per parameter shaped like it), and the state is cleared, to be created lazily on the first step.
+
+Note: [Frozen parameters in an optimizer]
+An optimizer built over ``model.parameters()`` of a partly frozen model (LoRA, PEFT, a frozen backbone) holds
+parameters with ``requires_grad=False``. Torch's optimizers skip a parameter that never gets a gradient, DDP and
+FSDP accept it, and DeepSpeed's ZeRO optimizers keep each group's trainable parameters only. So do these: a frozen
+parameter is no optimizer's here (:meth:`ShardedOptimizers.where_in` passes over it), it has no flat buffer, and
+retargeting leaves each group its trainable parameters' shards (none, for a group of frozen ones only: such a group
+steps nothing, as in one process). Which parameters are frozen is read when the optimizer is given to the engine;
+freezing or unfreezing later is a new setup, as under FSDP.
 """
 
 from __future__ import annotations
@@ -50,18 +59,22 @@ class ShardedOptimizers:
         self.optimizers: list[torch.optim.Optimizer] = []
         self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (optimizer index, group index)
         self._elementwise: dict[tuple[int, int], bool] = {}
+        self._given: list[list[list[int]]] = []  # per optimizer, per group: id(param) in the order given
         for optimizer in optimizers:
             self.add(optimizer, self.where_in(optimizer))
 
     def where_in(self, optimizer: torch.optim.Optimizer) -> dict[int, int]:
-        """``id(param)`` -> its group index in ``optimizer``, which must hold each parameter once and none that an
-        optimizer already here holds."""
+        """``id(param)`` -> its group index in ``optimizer`` of each trainable parameter it holds, which it must
+        hold once and no optimizer already here may hold (frozen ones are passed over: Note: [Frozen parameters in an
+        optimizer])."""
         if any(held is optimizer for held in self.optimizers):
             raise ValueError(f"this {type(optimizer).__name__} is already given for this model; give each once")
         check_supported(optimizer)
         index: dict[int, int] = {}
         for gi, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
+                if not p.requires_grad:
+                    continue
                 if id(p) in index and index[id(p)] != gi:
                     raise ValueError("a parameter appears in two optimizer param groups")
                 if id(p) in self._where:
@@ -77,10 +90,21 @@ class ShardedOptimizers:
         """Hold ``optimizer`` (``where``: :meth:`where_in`'s answer for it); returns its index."""
         oi = len(self.optimizers)
         self.optimizers.append(optimizer)
+        self._given.append([[id(p) for p in group["params"]] for group in optimizer.param_groups])
         self._where.update({key: (oi, gi) for key, gi in where.items()})
         for gi, group in enumerate(optimizer.param_groups):
             self._elementwise[oi, gi] = group_is_elementwise(optimizer, group)
         return oi
+
+    def given_order(self, optimizer_index: int, module: nn.Module) -> list[list[str]]:
+        """Per param group of that optimizer, the names (in ``module``) of the parameters it held when given, in its
+        order, frozen ones included ("" for one ``module`` does not have): the positions a one-process
+        ``optimizer.state_dict()`` keys its state by (Note: [A whole optimizer state] in
+        ``ds_strategy.checkpoint.full_optimizer``)."""
+        names: dict[int, str] = {}
+        for name, p in module.named_parameters():
+            names.setdefault(id(p), name)
+        return [[names.get(key, "") for key in group] for group in self._given[optimizer_index]]
 
     def __len__(self) -> int:
         return len(self.optimizers)
@@ -173,7 +197,9 @@ class ShardedOptimizers:
         for member in as_optimizer_list(optimizer):
             where = self.where_in(member)
             if not set(where) <= trainable:
-                raise ValueError("the optimizer holds parameters that are not trainable parameters of this model")
+                raise ValueError(
+                    "the optimizer holds trainable parameters (requires_grad=True) that this model does not have"
+                )
             index = self.add(member, where)
             for fp in flat_params:
                 if id(fp.params[0]) in where:

@@ -54,6 +54,13 @@ def test_with_optimizer_writes_optimizer_state_by_parameter_name(trained, tmp_pa
     models.TinyGPT().load_state_dict(full["state_dict"], strict=True)
 
 
+def test_pth_is_written_as_pt_is(trained, tmp_path):
+    """``.pth``, torch's own suffix and litgpt's file name (``lit_model.pth``), is accepted where ``.pt`` is."""
+    path, model, _ = trained
+    assert main(["consolidate", str(path), str(tmp_path / "out" / "lit_model.pth")]) == 0
+    models.TinyGPT().load_state_dict(torch.load(tmp_path / "out" / "lit_model.pth"), strict=True)
+
+
 def test_exclude_frozen_leaves_out_parameters_that_do_not_train(tmp_path):
     model = models.FrozenParamModel()
     engine = ZeroEngine(model, torch.optim.AdamW(models.param_groups(model)), ZeroConfig(stage=2))

@@ -108,6 +108,15 @@ def test_schedule_matches_deepspeeds_own_scheduler_class(name):
     assert [b for pair in ours[1] for b in pair] == pytest.approx([b for pair in theirs[1] for b in pair], rel=1e-12)
 
 
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_schedule_built_from_a_scheduler_section_has_deepspeeds_class_name(name):
+    """Code written for DeepSpeed checks the class by name (Lightning's DeepSpeed tests: ``WarmupLR``)."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    section = {"type": name, "params": SCHEDULES[name]}
+    scheduler = read_optimizer_sections(None, section).build_scheduler(optimizer)
+    assert type(scheduler).__name__ == name
+
+
 def _built(optimizer_section):
     return read_optimizer_sections(optimizer_section, None).build_optimizer([torch.nn.Parameter(torch.zeros(2))])
 
@@ -313,5 +322,5 @@ def test_fabric_trains_with_the_config_sections_like_lightning():
         error = (ranks[0]["state"][key.removeprefix("net.")] - value).norm() / value.norm()  # the MLP, unwrapped
         assert error < 1e-5, f"{key}: relative error {error:.2e}"
     assert ranks[0]["lr"] == pytest.approx(last_lr)
-    assert (ranks[0]["optimizer"], ranks[0]["scheduler"]) == ("AdamW", "DeepSpeedSchedule")
+    assert (ranks[0]["optimizer"], ranks[0]["scheduler"]) == ("AdamW", "WarmupLR")  # DeepSpeed's class name
     assert "fabric.setup was given SGD" in ranks[0]["warnings"][0]

@@ -162,7 +162,7 @@ class Cell:
     stage: int
     entry: str
     precision: str = "32-true"
-    optimizers: str = "sgd"  # or "whole+sgd": see make_optimizers
+    optimizers: str = "sgd"  # or "whole+sgd", "frozen": see make_optimizers
 
     @property
     def id(self) -> str:
@@ -232,6 +232,22 @@ OPTIMIZER_CELLS = (
     Cell("meta", "ulysses sp", 3, "accelerate", optimizers="whole+sgd"),
     Cell("normal", "pp x dp", 3, "lightning", optimizers="whole+sgd"),
 )
+# Frozen parameters in the optimizer (issue 45): the embeddings and the first decoder layer frozen, SGD over
+# ``model.parameters()`` (as torch skips a parameter without a gradient, the engine skips a frozen one), given with the
+# model (engine, Lightning's configure_optimizers) or after it (Fabric's setup_module then setup_optimizers, litgpt's
+# LoRA order; Accelerate's prepare of the model, then of the optimizer). The second half builds on meta at stage 3:
+# the frozen decoder layer is an all-frozen module there, which must be initialised as a normal build initialises it.
+FROZEN_CELLS = (
+    Cell("normal", "dp", 0, "engine", optimizers="frozen"),
+    Cell("normal", "dp", 1, "accelerate", optimizers="frozen"),
+    Cell("normal", "dp", 2, "fabric", optimizers="frozen"),
+    Cell("normal", "dp", 3, "lightning", optimizers="frozen"),
+    Cell("meta", "dp", 3, "engine", optimizers="frozen"),
+    Cell("meta", "dp", 3, "lightning", optimizers="frozen"),
+    Cell("init_module", "dp", 3, "fabric", optimizers="frozen"),
+    Cell("meta", "dp", 3, "accelerate", optimizers="frozen"),
+)
+
 # A whole-tensor optimizer over matrices tensor parallelism splits is refused, naming a parameter: (cell, words).
 REFUSED_OPTIMIZER_CELLS = ((Cell("normal", "tp", 1, "engine", optimizers="whole+sgd"), "tensor parallelism splits"),)
 
@@ -293,10 +309,20 @@ class NormalizedSGD(torch.optim.Optimizer):
                     p.add_(p.grad / p.grad.norm().clamp_min(1e-12), alpha=-group["lr"])
 
 
+def freeze(model: torch.nn.Module, kind: str) -> torch.nn.Module:
+    """Under ``kind`` "frozen", the embeddings and the first decoder layer frozen (``requires_grad=False``); else
+    nothing."""
+    if kind == "frozen":
+        model.model.embed_tokens.requires_grad_(False)
+        model.model.layers[0].requires_grad_(False)
+    return model
+
+
 def make_optimizers(model: torch.nn.Module, kind: str) -> list[torch.optim.Optimizer]:
-    """``kind`` "sgd": SGD at lr 1 on every parameter; "whole+sgd": NormalizedSGD at lr 0.1 on the decoder layers'
-    matrices and SGD at lr 1 on the rest (a pipeline stage may hold no matrix: then SGD alone)."""
-    if kind == "sgd":
+    """``kind`` "sgd": SGD at lr 1 on every parameter; "frozen": the same over a model :func:`freeze` froze in part;
+    "whole+sgd": NormalizedSGD at lr 0.1 on the decoder layers' matrices and SGD at lr 1 on the rest (a pipeline stage
+    may hold no matrix: then SGD alone)."""
+    if kind in ("sgd", "frozen"):
         return [torch.optim.SGD(model.parameters(), lr=1.0)]
     named = list(model.named_parameters())
     hidden = [p for n, p in named if p.ndim == 2 and ".layers." in n]
@@ -310,7 +336,7 @@ def reference(
     """One process, the normally built model (converted to ``dtype``), trained by ``make_optimizers(optimizers)``
     on each whole global batch (mean token loss), its forward in ``torch.autocast`` to ``autocast`` if given."""
     torch.set_num_threads(1)
-    model = build_model(seed).to(dtype)
+    model = freeze(build_model(seed).to(dtype), optimizers)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     stepping = make_optimizers(model, optimizers)
     losses = []
@@ -373,11 +399,11 @@ def _step_loss(layout: Layout, model, x: torch.Tensor, y: torch.Tensor, pipeline
     return _plain_loss(model, x, y)
 
 
-def _make(build: Build, rank: int, layout: Layout, empty: Callable[[], contextlib.AbstractContextManager]):
+def _make(build: Build, rank: int, layout: Layout, empty: Callable[[], contextlib.AbstractContextManager], kind: str):
     """The model under seed 0, built normally or, where ``build`` says so, under the context ``empty()`` (for
-    ``init_module``, the entry point's)."""
+    ``init_module``, the entry point's), then frozen in part as the optimizers' ``kind`` says (:func:`freeze`)."""
     with empty() if build.empty_on(rank, layout) else contextlib.nullcontext():
-        return build_model(0)
+        return freeze(build_model(0), kind)
 
 
 def run_cell(rank: int, world_size: int, cell: Cell, pretrained: str) -> dict:
@@ -387,8 +413,7 @@ def run_cell(rank: int, world_size: int, cell: Cell, pretrained: str) -> dict:
     build, layout = BUILDS[cell.build], LAYOUTS[cell.layout]
     fields = {"stage": cell.stage, "precision": cell.precision, **layout.fields(), **dict(build.fields)}
     export_to = export_dir(pretrained, cell) if cell in EXPORT_CELLS else None
-    optimizers = functools.partial(make_optimizers, kind=cell.optimizers)
-    return ENTRY_RUNNERS[cell.entry](rank, build, layout, fields, pretrained, export_to, optimizers)
+    return ENTRY_RUNNERS[cell.entry](rank, build, layout, fields, pretrained, export_to, cell.optimizers)
 
 
 def _as_built(model: torch.nn.Module) -> dict:
@@ -417,9 +442,7 @@ def _unprefixed(state: dict) -> dict:
     return {k.removeprefix("model."): v for k, v in state.items()}
 
 
-def _engine_entry(
-    rank: int, build: Build, layout: Layout, fields: dict, pretrained: str, export_to, optimizers
-) -> dict:
+def _engine_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrained: str, export_to, kind: str) -> dict:
     from ds_strategy import checkpoint
     from ds_strategy.checkpoint.pretrained import load_weights
     from ds_strategy.compose import build_mesh, compose_model
@@ -429,9 +452,9 @@ def _engine_entry(
     config = ZeroConfig(**fields)
     mesh = build_mesh(config, "cpu")
     assert mesh.dp_rank == layout.dp_rank(rank)
-    model = _make(build, rank, layout, lambda: torch.device("meta"))
+    model = _make(build, rank, layout, lambda: torch.device("meta"), kind)
     built = _as_built(model)
-    build_optimizers = lambda: optimizers(model)  # noqa: E731  over this rank's stages only
+    build_optimizers = lambda: make_optimizers(model, kind)  # noqa: E731  over this rank's stages only
     composed = compose_model(
         model, config, mesh=mesh, device=torch.device("cpu"), log=lambda _: None, optimizers=build_optimizers
     )
@@ -457,7 +480,7 @@ BUFFER_VALUE = 0.5  # the plain buffer every Lightning cell's configure_model cr
 
 
 def _lightning_entry(
-    rank: int, build: Build, layout: Layout, fields: dict, pretrained: str, export_to, optimizers
+    rank: int, build: Build, layout: Layout, fields: dict, pretrained: str, export_to, kind: str
 ) -> dict:
     import lightning as L
     import torchmetrics
@@ -479,6 +502,7 @@ def _lightning_entry(
         def configure_model(self):
             if self.empty and not hasattr(self, "model"):
                 self.model = build_model(0)
+            freeze(self.model, kind)
             if build.user_plan and not hasattr(self, "metric"):
                 user_parallelize(self.model, self.device_mesh["tensor_parallel"])
             if not hasattr(self, "metric"):
@@ -503,7 +527,7 @@ def _lightning_entry(
             self.extras["mean_loss"] = self.metric.compute().item()  # over every rank and step
 
         def configure_optimizers(self):
-            several = optimizers(self.model)  # chained: automatic optimization takes one optimizer
+            several = make_optimizers(self.model, kind)  # chained: automatic optimization takes one optimizer
             return several[0] if len(several) == 1 else ds_strategy.ChainedOptimizer(*several)
 
     trainer = L.Trainer(
@@ -537,9 +561,7 @@ def _lightning_entry(
     return {**outcome, "initial": _unprefixed(outcome["initial"]), "final": _unprefixed(outcome["final"])}
 
 
-def _fabric_entry(
-    rank: int, build: Build, layout: Layout, fields: dict, pretrained: str, export_to, optimizers
-) -> dict:
+def _fabric_entry(rank: int, build: Build, layout: Layout, fields: dict, pretrained: str, export_to, kind: str) -> dict:
     import lightning as L
 
     from ds_strategy import ZeroFabricStrategy
@@ -547,12 +569,19 @@ def _fabric_entry(
     fabric = L.Fabric(accelerator="cpu", devices=layout.world, strategy=ZeroFabricStrategy(**fields))
     fabric.launch()
     # init_module(empty_init=True) builds on meta under stage 3 only; below it means "leave uninitialised"
-    model = _make(build, rank, layout, lambda: fabric.init_module(empty_init=True if fields["stage"] == 3 else None))
+    model = _make(
+        build, rank, layout, lambda: fabric.init_module(empty_init=True if fields["stage"] == 3 else None), kind
+    )
     # (the "meta" and "init_module" builds are one path here: Fabric builds on meta only through init_module)
     built = _as_built(model)
     if build.user_plan:
         user_parallelize(model, fabric.strategy.device_mesh["tensor_parallel"])
-    model, *stepping = fabric.setup(model, *optimizers(model))
+    if kind == "frozen":  # litgpt's order: the model, then an optimizer over model.parameters()
+        model = fabric.setup_module(model)
+        stepping = fabric.setup_optimizers(*make_optimizers(model, kind))
+        stepping = stepping if isinstance(stepping, tuple) else [stepping]
+    else:
+        model, *stepping = fabric.setup(model, *make_optimizers(model, kind))
     if build.pretrained_seed is not None:
         fabric.strategy.load_pretrained(pretrained)
     sp_group = fabric.strategy.device_mesh["sequence_parallel"].get_group() if layout.sp > 1 else None
@@ -592,7 +621,7 @@ def _train_prepared(
 
 
 def _accelerate_entry(
-    rank: int, build: Build, layout: Layout, fields: dict, pretrained: str, export_to, optimizers
+    rank: int, build: Build, layout: Layout, fields: dict, pretrained: str, export_to, kind: str
 ) -> dict:
     from accelerate import init_empty_weights
     from accelerate.state import AcceleratorState, GradientState
@@ -604,14 +633,18 @@ def _accelerate_entry(
     GradientState._reset_state()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(layout.world), LOCAL_WORLD_SIZE=str(layout.world))
     accelerator = ZeroAccelerator(fields, cpu=True)
-    model = _make(build, rank, layout, init_empty_weights)
+    model = _make(build, rank, layout, init_empty_weights, kind)
     built = _as_built(model)
     # the global batches in order, one data-parallel slice per loader batch: the prepared loader must hand this rank
     # its slice of each (the ranks of one sequence-parallel group or pipeline reading the same)
     every = batches(MODEL, STEPS, GLOBAL_BATCH)
     rows = TensorDataset(torch.cat([x for x, _ in every]), torch.cat([y for _, y in every]))
     loader = DataLoader(rows, batch_size=GLOBAL_BATCH // layout.dp)
-    model, *stepping, loader = accelerator.prepare(model, *optimizers(model), loader)
+    if kind == "frozen":  # the model first, then an optimizer over model.parameters()
+        model, loader = accelerator.prepare(model, loader)
+        stepping = [accelerator.prepare(*make_optimizers(model, kind))]
+    else:
+        model, *stepping, loader = accelerator.prepare(model, *make_optimizers(model, kind), loader)
     if build.pretrained_seed is not None:
         accelerator.load_pretrained(pretrained)
     sp_group = accelerator.torch_device_mesh["sp"].get_group() if layout.sp > 1 else None

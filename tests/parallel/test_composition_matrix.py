@@ -19,6 +19,7 @@ from composition_runs import (
     BUFFER_VALUE,
     BUILDS,
     EXPORT_CELLS,
+    FROZEN_CELLS,
     LAYOUTS,
     OPTIMIZER_CELLS,
     REFUSED_CONFIGS,
@@ -51,7 +52,8 @@ def pretrained(tmp_path_factory) -> str:
 def matrix(pretrained):
     """Each world size's cells in one process group; the references per seed in this process."""
     results = {}
-    every = [*CELLS, *BF16_CELLS, *EXPORT_CELLS, *OPTIMIZER_CELLS, *(cell for cell, _ in REFUSED_OPTIMIZER_CELLS)]
+    refused = (cell for cell, _ in REFUSED_OPTIMIZER_CELLS)
+    every = [*CELLS, *BF16_CELLS, *EXPORT_CELLS, *OPTIMIZER_CELLS, *FROZEN_CELLS, *refused]
     for world in sorted({LAYOUTS[c.layout].world for c in every}):
         cells = [c for c in every if LAYOUTS[c.layout].world == world]
         for outcome in run_ranks(run_cells, world, cells, pretrained, timeout=600):
@@ -62,6 +64,7 @@ def matrix(pretrained):
     for seed in {BUILDS[c.build].seed for c in EXPORT_CELLS}:
         references["bf16-mixed", seed] = reference(seed, autocast=torch.bfloat16)
     references["whole+sgd"] = reference(0, optimizers="whole+sgd")
+    references["frozen"] = reference(0, optimizers="frozen")
     return results, references
 
 
@@ -161,6 +164,22 @@ def test_several_optimizers_one_of_them_whole_tensor_train_as_one_process(matrix
     _assert_initial_equal(cell.id, initial, expected["initial"])
     for name, value in expected["params"].items():
         torch.testing.assert_close(final[name], value, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cell", FROZEN_CELLS, ids=[c.id for c in FROZEN_CELLS])
+def test_frozen_parameters_in_the_optimizer_train_as_one_process(matrix, cell):
+    """Issue 45, items 1-2: an optimizer over ``model.parameters()`` of a partly frozen model, given with the model or
+    after it, at every stage and entry point, and the all-frozen decoder layer built on meta at stage 3, start as a
+    normal build and train as one process (whose SGD skips the frozen parameters); the frozen ones never change."""
+    results, references = matrix
+    expected = references["frozen"]
+    initial, final = _gathered(results[cell.id])
+    _assert_initial_equal(cell.id, initial, expected["initial"])
+    for name, value in expected["params"].items():
+        torch.testing.assert_close(final[name], value, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
+    frozen = "model.layers.0.mlp.up_proj.weight"
+    assert torch.equal(final[frozen], expected["initial"][frozen])
 
 
 @pytest.mark.slow

@@ -222,6 +222,33 @@ class DeepSpeedSchedule(LRScheduler):
         return {key: value for key, value in super().state_dict().items() if key not in ("lr_at", "momentum_at")}
 
 
+# Each schedule under DeepSpeed's class name (``deepspeed.runtime.lr_schedules.WarmupLR`` ...), which code written for
+# DeepSpeed checks (``type(scheduler).__name__ == "WarmupLR"``, Lightning's DeepSpeed tests).
+class LRRangeTest(DeepSpeedSchedule):
+    """DeepSpeed's LRRangeTest."""
+
+
+class OneCycle(DeepSpeedSchedule):
+    """DeepSpeed's OneCycle."""
+
+
+class WarmupLR(DeepSpeedSchedule):
+    """DeepSpeed's WarmupLR."""
+
+
+class WarmupDecayLR(DeepSpeedSchedule):
+    """DeepSpeed's WarmupDecayLR."""
+
+
+class WarmupCosineLR(DeepSpeedSchedule):
+    """DeepSpeed's WarmupCosineLR."""
+
+
+SCHEDULE_CLASSES: dict[str, type[DeepSpeedSchedule]] = {
+    cls.__name__: cls for cls in (LRRangeTest, OneCycle, WarmupLR, WarmupDecayLR, WarmupCosineLR)
+}
+
+
 def schedule_parameters(name: str) -> Sequence[str]:
     """The ``scheduler.params`` keys DeepSpeed's ``name`` schedule takes: its formula's, and where it resumes."""
     return [*inspect.signature(SCHEDULES[name]).parameters, "last_batch_iteration"]
@@ -232,4 +259,4 @@ def build_schedule(optimizer: torch.optim.Optimizer, name: str, params: dict[str
     last_batch_iteration = params.pop("last_batch_iteration", -1)
     made = SCHEDULES[name](**params)
     lr_at, momentum_at = made if isinstance(made, tuple) else (made, None)
-    return DeepSpeedSchedule(optimizer, lr_at, momentum_at, last_batch_iteration)
+    return SCHEDULE_CLASSES[name](optimizer, lr_at, momentum_at, last_batch_iteration)

@@ -304,8 +304,7 @@ def test_single_file_checkpoint_loads_into_the_sharded_model_and_before_setup(ra
         _assert_same(outcome["loaded"], expected)
         _assert_same(outcome["raw_before_setup"], raw)
         _assert_same(outcome["raw_after_setup"], raw)
-        error = outcome["optimizer_error"]
-        assert error is not None and "optimizer state is not cut into ZeRO shards" in error and "['optimizer']" in error
+        assert outcome["optimizer_error"] is None  # its optimizer state is cut into shards (test_full_state_dict)
 
 
 @pytest.mark.slow
