@@ -103,6 +103,7 @@ def qgz_shards():
     return run_ranks(qgz_one_backward, 2, timeout=300)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", ["int4", "int8"])
 def test_qgz_reduces_one_backward_to_the_unquantized_shard_within_the_packet_bound(qgz_shards, bits):
     """The value check the training runs above cannot make (AdamW without a reference step hides a wrong scale): after
