@@ -42,8 +42,11 @@ from mutations import MUTATIONS, Mutation
 
 ROOT = Path(__file__).resolve().parents[2]
 # where each installed package's source lives in the checkout (setup.py's Note: [Where each package comes from])
-INSTALLED_SHAPE = {"ds_strategy": ROOT / "ds_strategy", "ds_strategy/kernels": ROOT / "kernels"}
-INSTALLED_SHAPE["ds_strategy/configs"] = ROOT / "configs"
+INSTALLED_SHAPE = {
+    "ds_strategy": ROOT / "ds_strategy",
+    "ds_strategy/kernels": ROOT / "kernels",
+    "ds_strategy/configs": ROOT / "configs",
+}
 LAUNCHER_VARIABLES = ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "RANK")
 TEST_TIMEOUT_S = 900
 
@@ -92,11 +95,9 @@ def installed_copy(into: Path) -> Path:
 
 def _installed_path(mutation: Mutation) -> Path:
     """Where the mutation's file lands in the installed shape."""
-    for target, source in sorted(INSTALLED_SHAPE.items(), key=lambda item: -len(str(item[1]))):
-        try:
+    for target, source in INSTALLED_SHAPE.items():  # the source folders do not nest
+        if (ROOT / mutation.path).is_relative_to(source):
             return Path(target) / (ROOT / mutation.path).relative_to(source)
-        except ValueError:
-            continue
     raise MutationNotApplicable(f"{mutation.name}: {mutation.path} is not part of the installed package")
 
 
