@@ -109,12 +109,22 @@ def reports(request, tmp_path_factory) -> dict[str, Future]:
     """The reports of the cases this session selected, started side by side when the first is needed."""
     specs = (getattr(item, "callspec", None) for item in request.session.items if item.module is request.module)
     selected = [spec.params["case"] for spec in specs if spec is not None]  # the one parametrized test's cases
+    selected.append(REFERENCE_CASE)  # every case's losses are compared with its
     out_dir = tmp_path_factory.mktemp("optional_absent")
     with ThreadPoolExecutor(max_workers=PARALLEL) as pool:
         futures = {case: pool.submit(_run_case, case, out_dir) for case in dict.fromkeys(selected)}
         yield futures
         for future in futures.values():
             future.cancel()
+
+
+# Note: [The reference of the absent-package cases]
+# Whether a package is installed must not change what an entry point that does not need it computes: each entry
+# point trains the same seeded model on the same batches in every case, so its losses must be the ones it reaches on
+# the machine with every entry point (the ``deepspeed`` case: nothing of ours imports DeepSpeed). "The loss fell" alone
+# would pass a run that trained wrongly.
+REFERENCE_CASE = "deepspeed"
+LOSS_RTOL = 1e-6
 
 
 def _refusal(module: str, refused: dict[str, str]) -> tuple[str, str] | None:
@@ -167,9 +177,13 @@ def test_everything_that_does_not_need_the_package_imports_and_trains_without_it
     assert case != "deepspeed" or expected == set(ENTRY_POINTS), "one case has every entry point"
     failed = {name: run["error"] for name, run in runs.items() if run["error"]}
     assert failed == {}, f"with {hidden} missing these entry points fail"
+    reference = reports[REFERENCE_CASE].result()["entry_points"]
     for name in expected - {"cli"}:
         losses = runs[name]["values"]
         assert len(losses) == STEPS and losses[-1] < losses[0], f"{name} did not train: losses {losses}"
+        assert losses == pytest.approx(reference[name]["values"], rel=LOSS_RTOL), (
+            f"{name} trains otherwise with {hidden} missing (Note: [The reference of the absent-package cases])"
+        )
     assert runs["cli"]["values"] == [ESTIMATE_BYTES]
 
 

@@ -13,10 +13,12 @@ from dataclasses import dataclass
 import lightning as L
 import models
 import torch
+import torch.nn.functional as F
 from distributed import run_ranks, set_lightning_environment
 from lightning.pytorch.loggers.logger import Logger
 from torch.utils.data import DataLoader, TensorDataset
 
+from ds_strategy.comm.quantized import BLOCK_SIZE
 from ds_strategy.config import ZeroConfig
 from ds_strategy.data import stdlib_tokens
 from ds_strategy.zero.engine import ZeroEngine
@@ -116,6 +118,72 @@ def train_all(rank: int, world_size: int, runs: dict) -> dict:
         name: train(rank, world_size, run) if isinstance(run, Run) else run(rank, world_size)
         for name, run in runs.items()
     }
+
+
+# -- qgZ by value -------------------------------------------------------------------------------------------------
+PER_RANK_QGZ = 4
+QGZ_VARIANTS = {
+    "plain": {},
+    "int4": {"zero_quantized_gradients": True},
+    "int8": {"zero_quantized_gradients": True, "zero_quantized_gradients_bits": 8},
+}
+
+
+def _local_flat_gradients(engine: ZeroEngine, model: torch.nn.Module, batch, world_size: int) -> list[list]:
+    """Per rank, per flat buffer of ``engine``: the gradient that rank's slice gives on its own, laid out flat as the
+    buffer lays out its parameters (zero padding), from a normally built copy in this process."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    flats = []
+    for rank in range(world_size):
+        torch.manual_seed(0)
+        plain = models.TinyGPT()
+        plain(tuple(t[rank * PER_RANK_QGZ : (rank + 1) * PER_RANK_QGZ] for t in batch)).backward()
+        grads = {name: p.grad for name, p in plain.named_parameters()}
+        per_buffer = []
+        for fp in engine.flat_params:
+            flat = torch.zeros(fp.padded_numel)
+            for p, slot in zip(fp.params, fp.slots):
+                flat[slot.offset : slot.offset + slot.numel] = grads[names[id(p)]].reshape(-1)
+            per_buffer.append(flat)
+        flats.append(per_buffer)
+    return flats
+
+
+def qgz_one_backward(rank: int, world_size: int) -> dict:
+    """One backward of the tiny GPT under stage 3, unquantised and under qgZ at 4 and 8 bits: per flat buffer, the
+    reduced gradient shard the optimizer would step with, the exact mean of the ranks' local gradients over that
+    shard, and the bound quantisation may move it by (each rank's chunk is off by at most half a step of its block's
+    scale, ``max|x| / qmax / 2``; the shard is their sum over the ranks, divided by their number)."""
+    torch.set_num_threads(1)
+    batch = models.TinyGPT.make_batch(torch.Generator().manual_seed(1234), PER_RANK_QGZ * world_size)
+    mine = tuple(t[rank * PER_RANK_QGZ : (rank + 1) * PER_RANK_QGZ] for t in batch)
+    return {name: _reduced_shards(rank, world_size, batch, mine, options) for name, options in QGZ_VARIANTS.items()}
+
+
+def _reduced_shards(rank: int, world_size: int, batch, mine, options: dict) -> list[dict]:
+    torch.manual_seed(0)
+    model = models.TinyGPT()
+    engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.0), ZeroConfig(stage=3, **NATIVE, **options))
+    model(mine).backward()
+    bits = options.get("zero_quantized_gradients_bits", 4)
+    qmax = 2 ** (bits - 1) - 1
+    shards = []
+    for fp, local in zip(engine.flat_params, zip(*_local_flat_gradients(engine, model, batch, world_size))):
+        window = slice(fp.shard_offset, fp.shard_offset + fp.shard_numel)
+        chunks = torch.stack([flat[window] for flat in local])  # [ranks, shard]
+        blocks = -(-fp.shard_numel // BLOCK_SIZE) * BLOCK_SIZE
+        block_max = F.pad(chunks.abs(), (0, blocks - fp.shard_numel)).view(world_size, -1, BLOCK_SIZE).amax(dim=2)
+        bound = (block_max / qmax / 2).repeat_interleave(BLOCK_SIZE, dim=1)[:, : fp.shard_numel].sum(dim=0)
+        shards.append(
+            {
+                "name": fp.name,
+                "reduced": engine.reducer.reduced_grad(fp).float().clone(),
+                "exact": chunks.mean(dim=0),
+                "bound": bound / world_size,
+            }
+        )
+    engine.remove_hooks()
+    return shards
 
 
 # -- Lightning ---------------------------------------------------------------------------------------------------

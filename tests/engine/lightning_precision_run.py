@@ -16,13 +16,17 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from ds_strategy.lightning import ZeroStrategy
 from ds_strategy.models import GPT, gpt_config
 
 STEPS = 5
 INJECT_AT = 2  # batch index whose gradient gets an inf on rank 1
+# Plain SGD, whose step follows the gradient: the bf16 fit's losses are then one process's under autocast to bf16
+# rounding (AdamW at this rate moves every weight by about lr whatever its gradient, and bf16-rounded gradients near
+# zero flip those steps: the losses drifted 4% apart in 5 steps)
+LR = 0.5
 
 
 def _text_windows(count: int) -> TensorDataset:
@@ -77,7 +81,7 @@ class TinyGPTModule(pl.LightningModule):
         return torch.cat([p.detach().float().flatten() for p in self.parameters()])
 
     def configure_optimizers(self):
-        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        optimizer = torch.optim.SGD(self.parameters(), lr=LR)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
@@ -133,6 +137,32 @@ def fit_fp16_with_injected_overflow() -> dict:
         "param_dtypes": sorted({str(p.dtype) for p in module.parameters()}),
         "gate_removed": "lr_scheduler_step" not in vars(module),
     }
+
+
+def bf16_autocast_reference(world_size: int = 2) -> list[list[float]]:
+    """What the bf16-mixed fit's ranks must log, from one process: the same seeded model and optimizer in fp32 under
+    bf16 autocast, each step on the batches Lightning's distributed sampler deals the ranks (for training it always
+    shuffles, seeded by ``PL_GLOBAL_SEED``, 0 when unset, at epoch 0), the step following the mean of their losses.
+    Per rank, the losses of its own batches."""
+    module = TinyGPTModule()
+    configured = module.configure_optimizers()
+    optimizer, scheduler = configured["optimizer"], configured["lr_scheduler"]["scheduler"]
+    windows = _text_windows(64)
+    loaders = [
+        DataLoader(windows, batch_size=4, sampler=DistributedSampler(windows, world_size, rank, shuffle=True, seed=0))
+        for rank in range(world_size)
+    ]
+    losses = [[] for _ in range(world_size)]
+    for _, batches in zip(range(STEPS), zip(*loaders)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            step_losses = [module.model(*batch)[1].float() for batch in batches]
+        torch.stack(step_losses).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        for rank, loss in enumerate(step_losses):
+            losses[rank].append(loss.item())
+    return losses
 
 
 if __name__ == "__main__":

@@ -69,8 +69,8 @@ def _block_splitting_threshold(model: torch.nn.Module) -> int:
 
 
 def thresholds_match_ddp(rank: int, world_size: int) -> dict:
-    """For each model, DDP's losses and, for each threshold, stage 3's; whether some unit held persistent and
-    partitioned parameters together, and the unit classes."""
+    """For each model, DDP's losses and parameters and, for each threshold, stage 3's; whether some unit held
+    persistent and partitioned parameters together, and the unit classes."""
     torch.set_num_threads(1)
     steps = hf_models.batches(STEPS, world_size, vocab=min(hf_models.VOCAB, pipeline_runs.VOCAB))
     results = {}
@@ -82,9 +82,9 @@ def thresholds_match_ddp(rank: int, world_size: int) -> dict:
         for label, threshold in thresholds.items():
             model = _build(name)
             config = ZeroConfig(stage=3, param_persistence_threshold=threshold).resolve_auto(hidden_size_of(model))
-            engine = ZeroEngine(model, hf_models.adamw(model), config)
+            engine = ZeroEngine(model, hf_models.sgd(model), config)
             runs[label] = {
-                "losses": hf_models.train_zero(model, engine, rank, world_size, steps),
+                "trained": hf_models.train_zero(model, engine, rank, world_size, steps),
                 "threshold": config.param_persistence_threshold,
                 "mixed_unit": any(
                     unit.partitioned and len(unit.partitioned) < len(unit.flat_params) for unit in engine.units[1:]

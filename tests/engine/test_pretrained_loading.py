@@ -24,7 +24,7 @@ SLACK = 3 * MiB  # allocator and interpreter noise in a sampled RssAnon
 
 def _engine(rank: int):
     model = hf_models.build("gpt2", meta=True, seed=rank + 7, **SHAPE)  # seeds differ: values must come from disk
-    return model, ZeroEngine(model, hf_models.adamw(model), ZeroConfig(stage=3, param_persistence_threshold=0))
+    return model, ZeroEngine(model, hf_models.sgd(model), ZeroConfig(stage=3, param_persistence_threshold=0))
 
 
 def _load_and_train(rank: int, world_size: int, path: str, damaged: str | None) -> dict:
@@ -86,12 +86,12 @@ def test_save_pretrained_wrote_several_files_with_an_index(checkpoint):
 
 def test_two_ranks_load_sharded_and_train_like_ddp_on_from_pretrained(two_ranks):
     for rank in two_ranks:
-        torch.testing.assert_close(torch.tensor(rank["zero"]), torch.tensor(rank["ddp"]), rtol=1e-5, atol=0.0)
+        hf_models.assert_trains_like_ddp(rank["zero"], rank["ddp"])
 
 
 def test_four_ranks_load_sharded_and_train_like_ddp_on_from_pretrained(checkpoint):
     for rank in run_ranks(_load_and_train, 4, str(checkpoint / "hf"), None, timeout=300):
-        torch.testing.assert_close(torch.tensor(rank["zero"]), torch.tensor(rank["ddp"]), rtol=1e-5, atol=0.0)
+        hf_models.assert_trains_like_ddp(rank["zero"], rank["ddp"])
 
 
 def test_loading_holds_at_most_one_unit_and_one_tensor_above_the_baseline(two_ranks):

@@ -31,7 +31,7 @@ def _hf_meta_build_and_train(rank: int, world_size: int, name: str) -> dict:
     normal = hf_models.build(name)
     after_normal_build = torch.rand(4)
     meta = hf_models.build(name, meta=True)
-    engine = ZeroEngine(meta, hf_models.adamw(meta), STAGE3)
+    engine = ZeroEngine(meta, hf_models.sgd(meta), STAGE3)
     after_meta_build = torch.rand(4)
     differing = _differing(engine.full_state_dict(rank0_only=False), normal.state_dict())
     steps = hf_models.batches(STEPS, world_size)
@@ -104,8 +104,7 @@ def test_hf_model_built_on_meta_equals_a_normal_build_bitwise(runs, name):
 @pytest.mark.parametrize("name", ["gpt2", "llama", "mixtral"])
 def test_hf_model_built_on_meta_trains_like_ddp_on_a_normal_build(runs, name):
     for rank in runs:
-        zero, ddp = torch.tensor(rank[name]["zero"]), torch.tensor(rank[name]["ddp"])
-        torch.testing.assert_close(zero, ddp, rtol=1e-5, atol=0.0)
+        hf_models.assert_trains_like_ddp(rank[name]["zero"], rank[name]["ddp"], name)
 
 
 def test_param_init_fn_and_rank0_source_equal_a_normal_build(runs):

@@ -1,5 +1,6 @@
 """Stage 3 gathers every parameter a forward reads, whatever stays persistent: trained on 2 gloo ranks at four kinds
-of persistence threshold on four Hugging Face models, every loss equals DDP's (tests/engine/stage3_persistence_runs.py).
+of persistence threshold on four Hugging Face models, every loss and parameter equals DDP's under SGD
+(tests/engine/stage3_persistence_runs.py).
 
 A unit is a module whose forward hooks gather it (Note: [A unit is a module that runs forward] in
 ``ds_strategy.zero.wrap_policy``). T5 keeps its blocks in a ``ModuleList``, which auto-detection once chose as the unit:
@@ -10,9 +11,9 @@ module outside every unit (BERT's word embedding, tied to the MLM head) belongs 
 step: its unit is freed after its own forward, before the head reads it.
 """
 
+import hf_models
 import pytest
 import stage3_persistence_runs as runs
-import torch
 import transformers
 from distributed import run_ranks
 from torch import nn
@@ -32,7 +33,7 @@ def test_tiny_t5_at_the_auto_threshold_trains_like_ddp(threshold_runs):
         auto = t5["runs"]["auto"]
         assert auto["threshold"] == 10 * runs.T5["d_model"] and auto["mixed_unit"]
         assert auto["unit_classes"] == ["T5Block"]
-        torch.testing.assert_close(torch.tensor(auto["losses"]), torch.tensor(t5["ddp"]), rtol=1e-5, atol=0.0)
+        hf_models.assert_trains_like_ddp(auto["trained"], t5["ddp"], "t5 auto")
 
 
 @pytest.mark.slow
@@ -42,9 +43,7 @@ def test_stage3_equals_ddp_at_every_persistence_threshold(threshold_runs, model)
         result = rank[model]
         assert result["runs"]["split"]["mixed_unit"]  # the threshold splits a unit, as the property needs
         for label, run in result["runs"].items():
-            torch.testing.assert_close(
-                torch.tensor(run["losses"]), torch.tensor(result["ddp"]), rtol=1e-5, atol=0.0, msg=f"{model} {label}"
-            )
+            hf_models.assert_trains_like_ddp(run["trained"], result["ddp"], f"{model} {label}")
 
 
 def test_a_container_never_becomes_a_unit():

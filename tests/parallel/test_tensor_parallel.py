@@ -62,6 +62,7 @@ def four_ranks():
     jobs["stage3_hpz"] = {"stage": 3, "tp": 2, "zero": {"zero_hpz_partition_size": 2}}
     quantized = {"zero_quantized_weights": True, "zero_quantized_gradients": True}
     jobs["stage3_quantized"] = {"stage": 3, "tp": 2, "zero": quantized}
+    jobs["stage3_quantized_step"] = {**jobs["stage3_quantized"], "steps": 1, "clip": 0.0, "optimizer": "sgd"}
     return run_ranks(train_jobs, 4, jobs, timeout=900), jobs
 
 
@@ -87,6 +88,29 @@ def test_dp2_tp2_with_quantized_weights_and_gradients_trains_close_to_single_pro
     for run in runs:
         torch.testing.assert_close(run["stage3_quantized"]["losses"], reference["losses"], rtol=1e-2, atol=0)
         assert run["stage3_quantized"]["losses"][1:] != run["stage3"]["losses"][1:]  # the rounding did happen
+
+
+# int4 rounds each element of a rank's chunk by up to half a step of its block's scale (max|x| / 7 / 2, about 7% of
+# the block's largest gradient; a block of 256 spans several small parameters, so a parameter whose gradient is small
+# beside its block's neighbours' is rounded by far more than 7% of its own), and int8 weights move the forward a
+# little: rounding each of 2 replicas' chunks with a step of max/7 leaves about 1/10 of a gradient's norm. So the step
+# is compared over the whole model, in relative norm: measured 0.138 (per parameter 0.03-0.28). A gradient of the
+# wrong scale (half of it: 0.5) or of one replica only is off by 0.5 or more.
+QUANTIZED_STEP_RTOL = 0.25
+
+
+def test_dp2_tp2_quantized_gradient_step_is_one_process_gradient_within_the_rounding(four_ranks):
+    """The value check the losses above cannot make (clipping normalises a wrong scale away): one step of plain SGD at
+    lr 1 without clipping moves each parameter by minus its gradient, which qgZ over the data-parallel group must
+    deliver within the int4 rounding."""
+    runs, jobs = four_ranks
+    reference = train_reference(2, **{k: v for k, v in jobs["stage3_quantized_step"].items() if k != "stage"})
+    expected = torch.cat([value.reshape(-1) for value in reference["update"].values()])
+    for rank, run in enumerate(runs):
+        update = run["stage3_quantized_step"]["update"]
+        got = torch.cat([update[name].reshape(-1) for name in reference["update"]])
+        error = ((got - expected).norm() / expected.norm()).item()
+        assert 0 < error <= QUANTIZED_STEP_RTOL, f"rank {rank}: the step is off by {error:.2e} (relative)"
 
 
 def test_a_tensor_parallel_size_that_does_not_divide_the_world_is_refused():

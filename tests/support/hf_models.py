@@ -1,5 +1,6 @@
 """Small Hugging Face causal LMs built from configs (no weights downloaded), and the two loops their tests compare:
-ZeRO on this rank, and torch DDP on a normally built copy, on the same token batches."""
+ZeRO on this rank, and torch DDP on a normally built copy, on the same token batches, each returning its losses and
+final parameters, which :func:`assert_trains_like_ddp` compares."""
 
 import torch
 import transformers
@@ -88,18 +89,40 @@ def _train(forward, step, rank: int, world_size: int, steps: list[torch.Tensor])
     return losses
 
 
-def train_zero(model, engine, rank: int, world_size: int, steps: list[torch.Tensor]) -> list[float]:
-    return _train(model, engine.step, rank, world_size, steps)
+def train_zero(model, engine, rank: int, world_size: int, steps: list[torch.Tensor]) -> dict:
+    """ZeRO on this rank: the global losses and the whole parameters after the last step."""
+    losses = _train(model, engine.step, rank, world_size, steps)
+    state = engine.full_state_dict(rank0_only=False)
+    return {"losses": losses, "params": {name: state[name] for name, _ in model.named_parameters()}}
 
 
-def train_ddp(model, rank: int, world_size: int, steps: list[torch.Tensor], lr: float = 1e-3) -> list[float]:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, eps=1e-6)
+def train_ddp(model, rank: int, world_size: int, steps: list[torch.Tensor]) -> dict:
+    """DDP on a normally built copy, under :func:`sgd`: the global losses and the parameters after the last step."""
+    optimizer = sgd(model)
 
     def step() -> None:
         optimizer.step()
         optimizer.zero_grad()
 
-    return _train(DistributedDataParallel(model), step, rank, world_size, steps)
+    losses = _train(DistributedDataParallel(model), step, rank, world_size, steps)
+    return {"losses": losses, "params": {name: p.detach().clone() for name, p in model.named_parameters()}}
+
+
+def sgd(model, lr: float = 0.1) -> torch.optim.SGD:
+    """The optimizer of the runs compared with DDP: plain SGD, whose step is ``lr`` times the gradient, so a gradient
+    of the wrong scale moves the parameters (Note: [An optimizer whose update scales with the gradient] in
+    ``engine/test_gradient_scale.py``); under AdamW a sum for a mean over 2 ranks moved the losses by 2e-6."""
+    return torch.optim.SGD(model.parameters(), lr=lr)
+
+
+def assert_trains_like_ddp(zero: dict, ddp: dict, what: str = "", rtol: float = 1e-5) -> None:
+    """Losses to ``rtol`` elementwise, and each parameter to ``rtol`` in relative norm (Note: [Why parameters are
+    compared in norm] in ``training_loops.py``)."""
+    torch.testing.assert_close(torch.tensor(zero["losses"]), torch.tensor(ddp["losses"]), rtol=rtol, atol=0.0, msg=what)
+    assert zero["params"].keys() == ddp["params"].keys(), what
+    for name, expected in ddp["params"].items():
+        error = (zero["params"][name] - expected).norm() / expected.norm().clamp_min(1e-12)
+        assert error <= rtol, f"{what} {name}: relative error {error:.2e} > {rtol:.0e}"
 
 
 def adamw(model, lr: float = 1e-3) -> torch.optim.AdamW:

@@ -1,6 +1,7 @@
 """What a Lightning user switching from ``deepspeed_stage_3``, ``fsdp`` or ``ModelParallelStrategy`` to ``zero*``
-does, on Lightning's own ``BoringModel`` (issue 26): each test is the user's code from the issue, on one process
-where the issue says so and on 2 gloo ranks otherwise."""
+does, on Lightning's own ``BoringModel`` (issue 26): each test is the user's code from the issue, on 2 gloo ranks
+wherever it claims something of sharding (one rank shards nothing), on one process where what it checks is a path or
+a refusal."""
 
 import copy
 import json
@@ -39,7 +40,10 @@ def _trainer(world_size: int, strategy="zero3", **kwargs) -> L.Trainer:
 # -- 1: init_module(empty_init=True) under stage 3 ---------------------------------------------------------------
 class _WeightsAtFitStart(L.Callback):
     def on_fit_start(self, trainer, module):
-        self.weights = trainer.strategy.engine.full_state_dict(rank0_only=False)
+        engine = trainer.strategy.engine
+        self.weights = engine.full_state_dict(rank0_only=False)
+        self.held = sum(fp.shard.numel() for fp in engine.flat_params)  # what this rank keeps between steps
+        self.total = sum(fp.numel for fp in engine.flat_params)
 
 
 def _init_module_empty_init(rank: int, world_size: int) -> dict:
@@ -49,17 +53,21 @@ def _init_module_empty_init(rank: int, world_size: int) -> dict:
         module = BoringModel()
     built_on = module.layer.weight.device.type
     trainer.fit(module)
-    return {"built_on": built_on, "weight": seen.weights["layer.weight"]}
+    return {"built_on": built_on, "weight": seen.weights["layer.weight"], "held": seen.held, "total": seen.total}
 
 
 def test_init_module_empty_init_at_stage3_builds_sharded_and_initialised():
-    """Trainer(strategy="zero3") + init_module(empty_init=True) is configure_model's build: on meta, then
-    initialised by ``reset_parameters`` shard by shard (uninitialised memory reached |w| ~ 1e34 before)."""
-    (rank,) = run_ranks(_init_module_empty_init, 1)
-    assert rank["built_on"] == "meta"
+    """Trainer(strategy="zero3") + init_module(empty_init=True) is configure_model's build: on meta, then each of
+    the 2 ranks holds half of the weights, initialised by ``reset_parameters`` shard by shard (uninitialised memory
+    reached |w| ~ 1e34 before), one model on both."""
+    ranks = run_ranks(_init_module_empty_init, 2)
     bound = 1 / 32**0.5  # nn.Linear(32, 2).reset_parameters: uniform in +-1/sqrt(fan_in)
-    assert rank["weight"].abs().max() <= bound
-    assert rank["weight"].std() > bound / 4  # not zeros either
+    for rank in ranks:
+        assert rank["built_on"] == "meta"
+        assert rank["held"] == -(-rank["total"] // 2), (rank["held"], rank["total"])
+        assert torch.equal(rank["weight"], ranks[0]["weight"])
+        assert rank["weight"].abs().max() <= bound
+        assert rank["weight"].std() > bound / 4  # not zeros either
 
 
 # -- 2: a save never deletes a user's files --------------------------------------------------------------------
@@ -123,12 +131,12 @@ def test_save_checkpoint_after_fit_and_test_keeps_the_optimizer_state(tmp_path, 
     """As under DDP, the save after ``trainer.test`` has the fit's Adam moments, so resuming from it equals an
     uninterrupted run. Before, the test's engine (no optimizer) made it a weights-only save, warned, and a resume
     restarted Adam's moments."""
-    (outcome,) = run_ranks(_fit_test_save, 1, strategy, tmp_path)
-    assert not [w for w in outcome["warnings"] if "without optimizer state" in w], outcome["warnings"]
+    for outcome in run_ranks(_fit_test_save, 2, strategy, tmp_path):  # 2 ranks: the moments are sharded
+        assert not [w for w in outcome["warnings"] if "without optimizer state" in w], outcome["warnings"]
+        for name, value in outcome["uninterrupted"].items():
+            torch.testing.assert_close(outcome["resumed"][name], value, rtol=1e-6, atol=1e-7, msg=name)
     manifest = json.loads((tmp_path / "a.ckpt" / "manifest.json").read_text())
     assert manifest["optimizer_state"]["layer.weight"].keys() == {"exp_avg", "exp_avg_sq", "step"}
-    for name, value in outcome["uninterrupted"].items():
-        torch.testing.assert_close(outcome["resumed"][name], value, rtol=1e-6, atol=1e-7, msg=name)
 
 
 # -- 7: lightning_module_state_dict ------------------------------------------------------------------------------
@@ -197,20 +205,44 @@ class _MetricModel(BoringModel):
         self.log("accuracy", self.accuracy)
         return super().validation_step(batch, batch_idx)
 
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(_validation_rows(), batch_size=VALIDATION_BATCH)
+
+
+VALIDATION_BATCH = 8
+
+
+def _validation_rows() -> torch.Tensor:
+    return torch.randn(64, 32, generator=torch.Generator().manual_seed(5))
+
+
+def _accuracy_of(state: dict, rows: torch.Tensor, scale: float) -> float:
+    """The metric computed by hand: the trained layer's first output, scaled, against the sign of the first input."""
+    output = (rows @ state["layer.weight"].T + state["layer.bias"]) * scale
+    return ((output[:, 0].sigmoid() > 0.5) == (rows[:, 0] > 0)).float().mean().item()
+
 
 def _fit_with_metric(rank: int, world_size: int) -> dict:
     trainer = _trainer(world_size, val_check_interval=2)
     module = _MetricModel()
-    trainer.fit(module)
-    return {"scale": module.scale.item(), "accuracy": trainer.callback_metrics["accuracy"].item()}
+    trainer.fit(module)  # validates once, after the last step: with the final weights
+    return {
+        "scale": module.scale.item(),
+        "accuracy": trainer.callback_metrics["accuracy"].item(),
+        "state": trainer.strategy.lightning_module_state_dict(),
+    }
 
 
 def test_metrics_and_buffers_built_in_configure_model_at_stage3_are_real():
     """Only parameters go to meta: before, the metric's states and the buffer stayed there ("Cannot copy out of
-    meta tensor" when the metric was logged, a buffer with its value lost)."""
-    (rank,) = run_ranks(_fit_with_metric, 1)
-    assert rank["scale"] == 0.5
-    assert 0.0 <= rank["accuracy"] <= 1.0
+    meta tensor" when the metric was logged, a buffer with its value lost). On 2 ranks the logged accuracy is the
+    metric synced over both ranks' first validation batch (rows 0-15: the distributed sampler deals rank r every
+    other row from r), equal to the accuracy computed by hand from the trained weights."""
+    ranks = run_ranks(_fit_with_metric, 2)
+    expected = _accuracy_of(ranks[0]["state"], _validation_rows()[: 2 * VALIDATION_BATCH], 0.5)
+    for rank in ranks:
+        assert rank["scale"] == 0.5
+        assert rank["accuracy"] == pytest.approx(expected, abs=1e-6)
 
 
 # -- 5: a single-file checkpoint from DDP or one device -----------------------------------------------------------
@@ -243,11 +275,11 @@ def _load_single_file(rank: int, world_size: int, out: Path) -> dict:
 
 def test_single_file_checkpoint_of_one_device_loads_for_test_and_fit(tmp_path):
     """FSDP loads it; before, "is a file, not a ds_strategy checkpoint"."""
-    (rank,) = run_ranks(_load_single_file, 1, tmp_path)
-    assert rank["tested"].keys() == rank["saved"].keys()
-    for key, value in rank["saved"].items():
-        assert torch.equal(rank["tested"][key], value), key
-    assert rank["global_step"] == 4 and rank["steps_run"] == 2  # resumed at step 2 of 4
+    for rank in run_ranks(_load_single_file, 2, tmp_path):  # DDP's file, loaded into weights sharded over 2 ranks
+        assert rank["tested"].keys() == rank["saved"].keys()
+        for key, value in rank["saved"].items():
+            assert torch.equal(rank["tested"][key], value), key
+        assert rank["global_step"] == 4 and rank["steps_run"] == 2  # resumed at step 2 of 4
 
 
 # -- 6: from a sharded checkpoint back to plain Lightning ----------------------------------------------------------
