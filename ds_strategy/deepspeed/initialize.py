@@ -71,6 +71,12 @@ def initialize(
     if dist_init_required is not False:
         init_distributed(distributed_port=distributed_port)
     loaded, raw = _read_config(args, config, config_params)
+    if loaded.zero.pipeline_parallel_size > 1:
+        raise NotImplementedError(
+            f"deepspeed.initialize with pipeline_parallel_size={loaded.zero.pipeline_parallel_size}: DeepSpeed "
+            f"pipelines through its PipelineModule and engine.train_batch, which are not implemented; train a "
+            f"pipelined model under the Lightning or Fabric adapter (ZeroStrategy.from_deepspeed_config)"
+        )
     mesh = build_mesh(loaded.zero, _device().type) if loaded.zero.parallelism_policy.model_parallel else None
     dp_rank, dp_size = (mesh.dp_rank, mesh.dp_size) if mesh is not None else (comm.get_rank(), comm.get_world_size())
     zero_config = _batch_sizes(loaded.zero, dp_size)
