@@ -11,9 +11,9 @@ on ds_strategy instead: the section becomes the DeepSpeed config accelerate woul
 ``MULTI_GPU`` (on CPU-only machines ZeroAccelerator trains them on CPU with gloo). FSDP and Megatron-LM would
 shard a second time and are rejected.
 
-Without ``--config_file`` it is DeepSpeed's launcher instead: ``ds-strategy launch --num_gpus 2 train.py --deepspeed_config
-ds.json`` runs a ``deepspeed.initialize`` script (``import ds_strategy.deepspeed as deepspeed``) under torchrun, its
-options mapped as :mod:`ds_strategy.deepspeed.launcher` says.
+Without ``--config_file`` it is DeepSpeed's launcher instead: ``ds-strategy launch --num_gpus 2 train.py
+--deepspeed_config ds.json`` runs a ``deepspeed.initialize`` script (``import ds_strategy.deepspeed as deepspeed``)
+under torchrun, its options mapped as :mod:`ds_strategy.deepspeed.launcher` says.
 
 A script whose workers never build a ZeroAccelerator (an unmodified ``Accelerator()`` script) fails the launch,
 after it ran: each of its processes trained alone (see ``ds_strategy.accelerate.deepspeed_compat``).

@@ -63,8 +63,10 @@ def load_engine_checkpoint(
     if tag is None:
         latest = load_dir / LATEST
         if not latest.is_file():
-            log.warning(f"Unable to find latest file at {latest}, if trying to load latest checkpoint please ensure "
-                        f"this file exists or pass an explicit checkpoint tag when loading a checkpoint.")
+            log.warning(
+                f"Unable to find latest file at {latest}, if trying to load latest checkpoint please ensure "
+                f"this file exists or pass an explicit checkpoint tag when loading a checkpoint."
+            )
             return None, None
         tag = latest.read_text().strip()
     path = load_dir / str(tag)

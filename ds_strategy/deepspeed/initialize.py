@@ -112,7 +112,8 @@ def _compose(module: nn.Module, config: ZeroConfig, mesh: ParallelMesh | None, o
 
 def _read_config(args: Any, config: Any, config_params: Any) -> tuple[LoadedConfig, Mapping[str, Any]]:
     """The config named by exactly one of ``config`` (or its old name ``config_params``) and
-    ``args.deepspeed_config``, read as DeepSpeed's; also the mapping as written (for keys only the data loader reads)."""
+    ``args.deepspeed_config``, read as DeepSpeed's; also the mapping as written (for keys only the data loader
+    reads)."""
     if config is None:
         config = config_params
     from_args = getattr(args, "deepspeed_config", None)
@@ -158,7 +159,15 @@ def _optimizer(optimizer: Any, parameters: list, loaded: LoadedConfig) -> torch.
 def _scheduler(lr_scheduler: Any, optimizer: torch.optim.Optimizer | None, loaded: LoadedConfig) -> Any:
     """Note: [The script's optimizer wins under deepspeed.initialize]."""
     if lr_scheduler is not None:
-        return lr_scheduler(optimizer) if callable(lr_scheduler) else lr_scheduler
+        if callable(lr_scheduler):
+            return lr_scheduler(optimizer)
+        if getattr(lr_scheduler, "optimizer", optimizer) is not optimizer:
+            raise AssertionError(  # DeepSpeed's own check, raised as DeepSpeed raises it
+                "Client Optimizer is not instantiated but Client LR Scheduler is instantiated: the scheduler steps "
+                "another optimizer than the one that trains; pass that optimizer too, or a callable that builds the "
+                "scheduler from the optimizer"
+            )
+        return lr_scheduler
     sections = loaded.sections
     if sections.scheduler is None:
         return None

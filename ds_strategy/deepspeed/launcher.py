@@ -6,7 +6,8 @@ Honoured: ``--num_gpus``/``--num_accelerators`` (processes per node), ``--num_no
 processes per node = their common ``slots``, master = the first host; torchrun starts no remote processes, so the
 command runs on every node with its ``--node_rank``, as with torchrun itself), ``--module``, ``--no_python`` and
 ``--no_local_rank``. As DeepSpeed's launcher, each process gets ``--local_rank=<n>`` after the script's arguments
-unless ``--no_local_rank`` (and ``LOCAL_RANK``, ``RANK``, ``WORLD_SIZE`` from torchrun). Refused, by name: ``--launcher``
+unless ``--no_local_rank`` (and ``LOCAL_RANK``, ``RANK``, ``WORLD_SIZE`` from torchrun). Refused, by name:
+``--launcher``
 other than pdsh's default, ``--ssh_port``, ``--force_multi``, ``--autotuning``, ``--elastic_training``,
 ``--bind_cores_to_rank``.
 """

@@ -85,7 +85,9 @@ def GatheredParameters(  # noqa: N802 (DeepSpeed's name)
         yield
         if modifier_rank is not None:
             _broadcast_from(params, modifier_rank)
-            _write_back(engine, params)
+            values = [p.detach().clone() for p in params]
+    if modifier_rank is not None:
+        _write_back(engine, params, values)
 
 
 def _engine_holding(params: list[nn.Parameter]):
@@ -106,12 +108,13 @@ def _broadcast_from(params: list[nn.Parameter], modifier_rank: int | None) -> No
             comm.broadcast(p.data, src=modifier_rank)
 
 
-def _write_back(engine, params: list[nn.Parameter]) -> None:
-    """The values now in ``params`` into the engine's fp32 masters, then every compute copy refreshed from them."""
+def _write_back(engine, params: list[nn.Parameter], values: list[torch.Tensor]) -> None:
+    """``values`` (the gathered ``params`` as the block left them) into the engine's fp32 masters, then every compute
+    copy refreshed from them."""
     names = {id(p): name for name, p in engine.zero.module.named_parameters()}
     with torch.no_grad():
-        for p in params:
-            flat = p.data.reshape(-1)
+        for p, value in zip(params, values):
+            flat = value.reshape(-1)
             for _, master, start in engine.zero.master_pieces(names[id(p)]):
                 master.copy_(flat.narrow(0, start, master.numel()).to(master.dtype))
     engine.zero.refresh_from_masters()

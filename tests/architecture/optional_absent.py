@@ -361,7 +361,6 @@ def run_cli() -> list[float]:
 def train_deepspeed_initialize(scratch: Path) -> list[float]:
     """``ds_strategy.deepspeed.initialize`` as a DeepSpeed script calls it (``import ds_strategy.deepspeed as
     deepspeed``), stage 3 with AdamW from the config, STEPS steps on one fixed batch in a process group of one."""
-    import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 

@@ -12,10 +12,9 @@ copy). Nothing else differs. Rank 0 writes what the run saw, step by step, to ``
 import argparse
 import json
 
+import deepspeed
 import torch
 import torch.nn.functional as F
-
-import deepspeed
 
 FEATURES, HIDDEN, SAMPLES = 12, 20, 256
 
