@@ -1,7 +1,7 @@
 """A DeepSpeed tutorial script (``scripts/deepspeed_tutorial.py``: AdamW and WarmupLR from the config or the
-script's own AdamW, accumulation, clipping, DeepSpeed's data loader, checkpoints with client state, resume) runs
-with its import line changed to ``import ds_strategy.deepspeed as deepspeed`` and nothing else, on 2 ranks, and
-trains as real DeepSpeed trained it: per micro-step losses equal to 1e-6 in fp32 at ZeRO stages 0-3, with CPU offload, with the
+script's own AdamW, accumulation, clipping, DeepSpeed's data loader, checkpoints with client state, resume) runs with
+its import line changed to ``import ds_strategy.deepspeed as deepspeed`` and nothing else, on 2 ranks, and trains as
+real DeepSpeed trained it: per micro-step losses equal to 1e-6 in fp32 at ZeRO stages 0-3, with CPU offload, with the
 config's optimizer and the script's; fp16 dynamic loss scaling skips the same steps. It resumes from DeepSpeed's own
 checkpoint and from its own, also at another stage.
 
