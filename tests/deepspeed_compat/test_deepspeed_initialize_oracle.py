@@ -50,9 +50,9 @@ def run_tutorial(rank: int, world_size: int, script: str, scratch: str, runs: li
     set_torchrun_environment(rank, world_size)
     records = {}
     for label, config, arguments in runs:
-        config_path = Path(scratch, f"{label}.rank{rank}.json")
+        config_path = Path(scratch, f"{label.replace('/', '.')}.rank{rank}.json")
         config_path.write_text(json.dumps(config))
-        out = Path(scratch, f"{label}.out.json")
+        out = Path(scratch, f"{label.replace('/', '.')}.out.json")
         argv = sys.argv
         sys.argv = [script, "--deepspeed_config", str(config_path), *arguments, "--out", str(out)]
         try:
