@@ -3,11 +3,14 @@ DeepSpeed's refusals are ours, ``comm`` and the argument helpers answer as DeepS
 options become torchrun's."""
 
 import argparse
+import json
+import warnings
 
 import pytest
 import torch
 from distributed import run_ranks, set_torchrun_environment
 from e2e_runs import DS_STRATEGY, free_port, run
+from test_deepspeed_config_rules import CONFIGS, HF_FILLS, NEEDS_MISSING_FEATURE, _read_quietly
 
 import ds_strategy.deepspeed as deepspeed
 from ds_strategy.deepspeed.launcher import add_deepspeed_arguments, torchrun_arguments
@@ -116,3 +119,59 @@ def test_ds_strategy_launch_runs_a_deepspeed_script_with_local_rank(tmp_path):
     out = tmp_path / "seen"
     run([DS_STRATEGY, "launch", "--num_gpus", "2", "--master_port", free_port(), script, "--out", out])
     assert [(tmp_path / f"seen.{rank}").read_text() for rank in range(2)] == ["0 2", "1 2"]
+
+
+def _filled(node, fills, key=None):
+    """A config with its "auto" values as Hugging Face's integration fills them (a plain script writes numbers)."""
+    if isinstance(node, dict):
+        return {k: _filled(v, fills, k) for k, v in node.items()}
+    return fills.get(key, node) if node == "auto" else node
+
+
+def start_each_config(rank, world_size, configs):
+    """Each config: ``initialize`` a small model under it and take one optimizer step; the configs that failed."""
+    set_torchrun_environment(rank, world_size)
+    fills = {**HF_FILLS, "train_batch_size": HF_FILLS["train_micro_batch_size_per_gpu"] * world_size}
+    failed = {}
+    for name, raw in configs.items():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16))
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                engine, *_ = deepspeed.initialize(
+                    model=model,
+                    model_parameters=model.parameters(),
+                    config=_filled(raw, fills),
+                    optimizer=None if "optimizer" in raw else torch.optim.AdamW(model.parameters(), lr=1e-3),
+                )
+            x = torch.randn(4, 16, dtype=torch.float16 if engine.fp16_enabled() else torch.float32)
+            x = x.bfloat16() if engine.bfloat16_enabled() else x
+            engine.backward(engine(x).float().pow(2).mean())
+            engine.step()
+            engine.destroy()
+        except Exception as error:  # noqa: BLE001  reported by name below
+            failed[name] = f"{type(error).__name__}: {error}"
+    return failed
+
+
+def _imports_today(path) -> bool:
+    """Whether ds_strategy reads the config (the corpus also holds configs DeepSpeed itself rejects)."""
+    try:
+        _read_quietly(path)
+    except ValueError:
+        return False
+    return path.name not in NEEDS_MISSING_FEATURE
+
+
+@pytest.mark.slow
+def test_every_shipped_deepspeed_config_starts_a_deepspeed_script():
+    """The public projects' DeepSpeed JSONs that ds_strategy reads (tests/data/deepspeed_configs) each start a
+    ``deepspeed.initialize`` script and take a step, on 2 ranks; the one asking for automatic tensor parallelism
+    (``autotp_size``) refuses this model, which has no attention to split, by name, as DeepSpeed's AutoTP needs one."""
+    configs = {p.stem: json.loads(p.read_text()) for p in CONFIGS if _imports_today(p)}
+    assert len(configs) >= 30
+    failed = run_ranks(start_each_config, 2, configs, timeout=900)[0]
+    autotp = [name for name, raw in configs.items() if "autotp_size" in json.dumps(raw)]
+    assert autotp and all("plan='auto' does not recognise the attention modules" in failed.pop(n) for n in autotp)
+    assert failed == {}
