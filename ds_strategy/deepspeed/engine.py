@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..adapters.engine_owner import release_engine
 from ..zero.engine import ZeroEngine
 from .engine_checkpoint import load_engine_checkpoint, save_engine_checkpoint
 from .missing_methods import missing_method_error
@@ -204,8 +205,6 @@ class DeepSpeedEngine(nn.Module):
 
     def destroy(self) -> None:
         """Detach the engine from the model: its hooks removed, stage-3 parameters back to shards."""
-        from ..adapters.engine_owner import release_engine
-
         release_engine(self.zero)
 
     # -- checkpoints -------------------------------------------------------------------------------------------

@@ -26,6 +26,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from .. import checkpoint
 from ..config.deepspeed.lr_schedules import DeepSpeedSchedule
 from . import comm
@@ -123,8 +125,6 @@ def _convert(path: Path, out: Path) -> str | None:
 
 
 def _any_rank(flag: bool) -> bool:
-    import torch
-
     count = torch.tensor([float(flag)])
     comm.all_reduce(count)
     return bool(count.item())
