@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 from deepspeed_initialize_cases import CASES, RESUMED, SAVE_AT, STEPS, WORLD_SIZE
 from distributed import run_ranks, set_torchrun_environment
+from e2e_runs import DS_STRATEGY, free_port, run
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "scripts" / "deepspeed_tutorial.py"
@@ -135,6 +136,21 @@ def test_a_stage3_checkpoint_resumes_at_stage1(ours):
     assert ours["stage3@stage1/resumed"]["losses"] == pytest.approx(
         ours["stage3"]["losses"][2 * SAVE_AT :], abs=LOSS_ATOL, rel=0
     )
+
+
+def test_launched_by_ds_strategy_launch_it_resumes_from_deepspeeds_checkpoint(tmp_path, references):
+    """The whole way a user runs it: ``ds-strategy launch --num_gpus 2`` (torchrun, ``--local_rank`` passed as
+    DeepSpeed's launcher passes it), DeepSpeed's checkpoint converted in a child process, DeepSpeed's continuation."""
+    config = tmp_path / "ds_config.json"
+    config.write_text(json.dumps(CASES["stage2"][0]))
+    out = tmp_path / "run.json"
+    checkpoint = DATA / "stage2_checkpoint"
+    run(
+        [DS_STRATEGY, "launch", "--num_gpus", WORLD_SIZE, "--master_port", free_port(), converted_script(tmp_path)]
+        + ["--deepspeed_config", config, "--steps", STEPS - SAVE_AT, "--resume", checkpoint, "--out", out],
+        timeout=300,
+    )
+    assert_same_run(json.loads(out.read_text()), references["stage2"]["resumed"])
 
 
 def test_the_converted_script_differs_by_one_line(tmp_path):
