@@ -12,6 +12,7 @@ from . import comm, zero
 from .arguments import add_config_arguments, init_distributed
 from .engine import DeepSpeedEngine
 from .initialize import initialize
+from .missing_methods import missing_module_name_error
 
 __all__ = [
     "DeepSpeedEngine",
@@ -22,3 +23,8 @@ __all__ = [
     "initialize",
     "zero",
 ]
+
+
+def __getattr__(name: str):
+    """A DeepSpeed name this module lacks: an ``AttributeError`` saying what to use instead."""
+    raise missing_module_name_error(name)

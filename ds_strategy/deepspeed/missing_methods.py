@@ -1,5 +1,6 @@
-"""DeepSpeed engine methods :class:`~.engine.DeepSpeedEngine` does not have, each with what to use instead: a script
-that calls one stops with an ``AttributeError`` saying so, never a silent no-op."""
+"""DeepSpeed engine methods :class:`~.engine.DeepSpeedEngine` does not have, and names of the ``deepspeed`` module
+``ds_strategy.deepspeed`` does not have, each with what to use instead: a script that reaches for one stops with an
+``AttributeError`` saying so, never a silent no-op."""
 
 from __future__ import annotations
 
@@ -26,6 +27,24 @@ INSTEAD = {
     "load_universal_checkpoint": "load_checkpoint(load_dir) loads at any world size and stage already",
     "set_train_micro_batch_size": "set train_micro_batch_size_per_gpu in the config and build the engine again",
 }
+
+
+# The ``deepspeed`` module's names -> what to do here instead.
+MODULE_INSTEAD = {
+    "checkpointing": "torch.utils.checkpoint, or activation_checkpointing in the config",
+    "pipe": "pipelining is configured by pipeline_parallel_size under the Lightning or Fabric adapter",
+    "PipelineModule": "pipelining is configured by pipeline_parallel_size under the Lightning or Fabric adapter",
+    "init_inference": "inference engines are not implemented; call the model (stage 3: under zero.GatheredParameters)",
+    "ops": "DeepSpeed's kernels are not shipped; torch's optimizers (ds_strategy's CPU Adam when offloaded) step",
+    "moe": "DeepSpeed's MoE layers are not implemented",
+    "DeepSpeedConfig": "ds_strategy.config.load_config(path, deepspeed=True) reads a DeepSpeed JSON",
+}
+
+
+def missing_module_name_error(name: str) -> AttributeError:
+    """The error for ``deepspeed.<name>``: what to use instead when it is one of DeepSpeed's."""
+    hint = f" (DeepSpeed's, not implemented: {MODULE_INSTEAD[name]})" if name in MODULE_INSTEAD else ""
+    return AttributeError(f"module 'ds_strategy.deepspeed' has no attribute {name!r}{hint}")
 
 
 def missing_method_error(name: str) -> AttributeError | None:

@@ -69,6 +69,13 @@ def test_engine_refuses_what_it_lacks_by_name_and_answers_as_deepspeed():
         assert seen["returned"] == (True, None, None)
 
 
+def test_a_deepspeed_module_name_we_lack_says_what_to_use_instead():
+    with pytest.raises(AttributeError, match="checkpointing.*torch.utils.checkpoint"):
+        deepspeed.checkpointing  # noqa: B018
+    assert not hasattr(deepspeed, "not_a_deepspeed_name")
+    assert callable(deepspeed.zero.GatheredParameters) and callable(deepspeed.comm.barrier)
+
+
 def test_add_config_arguments_adds_deepspeeds_flags():
     parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
     args = parser.parse_args(["--deepspeed", "--deepspeed_config", "ds.json"])
