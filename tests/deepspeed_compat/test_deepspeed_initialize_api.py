@@ -69,6 +69,38 @@ def test_engine_refuses_what_it_lacks_by_name_and_answers_as_deepspeed():
         assert seen["returned"] == (True, None, None)
 
 
+def save_or_load(rank, world_size, path, stage, load):
+    """Train 2 steps at ``stage`` and save, or (``load``) load; the whole weights and the counters after."""
+    set_torchrun_environment(rank, world_size)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    config = {
+        "train_batch_size": 4,
+        "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+    }
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    if load:
+        _, client_state = engine.load_checkpoint(path)
+    else:
+        for _ in range(2):
+            x = torch.randn(4 // world_size, 6)
+            engine.backward(engine(x).pow(2).mean())
+            engine.step()
+        engine.save_checkpoint(path, client_state={"epoch": 3})
+        client_state = {"epoch": 3}
+    return engine.module_state_dict(), engine.global_steps, engine.global_samples, client_state
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_on_2_ranks_at_stage_3_loads_on_1_rank_at_stage_1(tmp_path):
+    saved = run_ranks(save_or_load, 2, str(tmp_path), 3, False)[0]
+    loaded = run_ranks(save_or_load, 1, str(tmp_path), 1, True)[0]
+    assert saved[1:] == loaded[1:] == (2, 8, {"epoch": 3})
+    assert saved[0].keys() == loaded[0].keys()
+    assert all(torch.equal(saved[0][name], loaded[0][name]) for name in saved[0])
+
+
 def test_a_deepspeed_module_name_we_lack_says_what_to_use_instead():
     with pytest.raises(AttributeError, match="checkpointing.*torch.utils.checkpoint"):
         deepspeed.checkpointing  # noqa: B018
