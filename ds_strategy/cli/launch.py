@@ -11,6 +11,10 @@ on ds_strategy instead: the section becomes the DeepSpeed config accelerate woul
 ``MULTI_GPU`` (on CPU-only machines ZeroAccelerator trains them on CPU with gloo). FSDP and Megatron-LM would
 shard a second time and are rejected.
 
+Without ``--config_file`` it is DeepSpeed's launcher instead: ``ds-strategy launch --num_gpus 2 train.py
+--deepspeed_config ds.json`` runs a ``deepspeed.initialize`` script (``import ds_strategy.deepspeed as deepspeed``)
+under torchrun, its options mapped as :mod:`ds_strategy.deepspeed.launcher` says.
+
 A script whose workers never build a ZeroAccelerator (an unmodified ``Accelerator()`` script) fails the launch,
 after it ran: each of its processes trained alone (see ``ds_strategy.accelerate.deepspeed_compat``).
 """
@@ -25,21 +29,29 @@ import sys
 import tempfile
 from pathlib import Path
 
-HELP = "run a script under accelerate's launcher, with ZeRO settings from the config's ds_strategy section"
+HELP = (
+    "run a script under accelerate's launcher, with ZeRO settings from the config's ds_strategy section; without "
+    "--config_file, DeepSpeed's launcher options (--num_gpus, --hostfile, ...) mapped onto torchrun"
+)
 
 _OTHER_SHARDING_TYPES = ("FSDP", "MEGATRON_LM")
 _OTHER_SHARDING_SECTIONS = ("fsdp_config", "megatron_lm_config")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..deepspeed.launcher import add_deepspeed_arguments
+
     parser.add_argument(
-        "--config_file", required=True, help="accelerate YAML with a ds_strategy: section of ZeroConfig fields"
+        "--config_file", default=None, help="accelerate YAML with a ds_strategy: section of ZeroConfig fields"
     )
+    add_deepspeed_arguments(parser)
     parser.add_argument("training_script", help="the script each process runs")
     parser.add_argument("training_script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.config_file is None:
+        return _run_deepspeed_style(args)
     import yaml
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -87,6 +99,18 @@ def run(args: argparse.Namespace) -> int:
             )
             return 1
     return 0
+
+
+def _run_deepspeed_style(args: argparse.Namespace) -> int:
+    """DeepSpeed's launcher options mapped onto torchrun (:mod:`ds_strategy.deepspeed.launcher`)."""
+    from ..deepspeed.launcher import torchrun_arguments
+
+    try:
+        torchrun = torchrun_arguments(args)
+    except (OSError, ValueError) as error:
+        print(f"ds-strategy launch: {error}", file=sys.stderr)
+        return 2
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", *torchrun]).returncode
 
 
 def _from_deepspeed_backend(settings: dict, config_dir: Path) -> dict | Path:

@@ -358,10 +358,40 @@ def run_cli() -> list[float]:
     return [float(json.loads(estimate.getvalue())[0]["device"])]
 
 
+def train_deepspeed_initialize(scratch: Path) -> list[float]:
+    """``ds_strategy.deepspeed.initialize`` as a DeepSpeed script calls it (``import ds_strategy.deepspeed as
+    deepspeed``), stage 3 with AdamW from the config, STEPS steps on one fixed batch in a process group of one."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import ds_strategy.deepspeed as deepspeed
+
+    dist.init_process_group("gloo", init_method=f"file://{scratch / 'deepspeed_store'}", rank=0, world_size=1)
+    try:
+        model = _regression_model()
+        config = {
+            "train_batch_size": 16,
+            "zero_optimization": {"stage": 3},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        }
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        x, y = _regression_batch()
+        losses = []
+        for _ in range(STEPS):
+            loss = F.mse_loss(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        return losses
+    finally:
+        dist.destroy_process_group()
+
+
 # Every entry point, what runs it, and the top-level packages it needs: each runs where none of them is hidden.
 ENTRY_POINTS = {
     "engine": (train_engine, ()),
     "cli": (lambda scratch: run_cli(), ()),
+    "deepspeed_initialize": (train_deepspeed_initialize, ()),
     "lightning_zero2": (lambda scratch: train_lightning("zero2"), ("lightning",)),
     "lightning_zero3": (lambda scratch: train_lightning("zero3"), ("lightning",)),
     "fabric_zero2": (lambda scratch: train_fabric(), ("lightning",)),

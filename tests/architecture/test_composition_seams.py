@@ -10,7 +10,7 @@ import ds_strategy
 from ds_strategy.zero.engine import ZeroEngine
 
 ROOT = Path(ds_strategy.__file__).parent
-ADAPTERS = ("lightning", "fabric", "accelerate", "transformers", "hydra", "adapters")
+ADAPTERS = ("lightning", "fabric", "accelerate", "transformers", "hydra", "deepspeed", "adapters")
 # What only ds_strategy.compose may call: each is one step of Note: [The order of composition].
 COMPOSITION_STEPS = {
     "build_parallel_mesh",

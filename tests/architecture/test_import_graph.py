@@ -13,7 +13,15 @@ from pathlib import Path
 import ds_strategy
 
 ROOT = Path(ds_strategy.__file__).parent
-ADAPTERS = ("lightning", "fabric", "accelerate", "hydra", "transformers", "adapters")  # adapters/: what they share
+ADAPTERS = (
+    "lightning",
+    "fabric",
+    "accelerate",
+    "hydra",
+    "transformers",
+    "deepspeed",
+    "adapters",
+)  # adapters/: what they share
 # Tools built on the adapters: ``ds-strategy launch`` starts Accelerate's launcher with its config source, and the
 # autotuner's trials train through Lightning's Trainer. They sit beside the adapters, outside the core.
 TOOLS = ("cli", "autotune")

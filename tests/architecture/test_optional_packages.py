@@ -79,9 +79,9 @@ CASES = {
 }
 # what a user of each extra runs, all of which must train there
 EXTRA_ENTRY_POINTS = {
-    "extra_lightning": {"engine", "cli", "lightning_zero2", "lightning_zero3", "fabric_zero2"},
-    "extra_transformers": {"engine", "cli", "accelerate", "hf_trainer"},
-    "core": {"engine", "cli"},
+    "extra_lightning": {"engine", "cli", "deepspeed_initialize", "lightning_zero2", "lightning_zero3", "fabric_zero2"},
+    "extra_transformers": {"engine", "cli", "deepspeed_initialize", "accelerate", "hf_trainer"},
+    "core": {"engine", "cli", "deepspeed_initialize"},
 }
 
 

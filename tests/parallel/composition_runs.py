@@ -252,6 +252,18 @@ FROZEN_CELLS = (
 REFUSED_OPTIMIZER_CELLS = ((Cell("normal", "tp", 1, "engine", optimizers="whole+sgd"), "tensor parallelism splits"),)
 
 
+# ``deepspeed.initialize`` (issue 46), outside the pairwise set: its engine's backward/step over a normal build, a
+# ``zero.Init`` build on meta at stages 1 and 3, DeepSpeed's automatic tensor parallelism; a pipeline layout refused
+# (DeepSpeed pipelines through its own PipelineModule and engine).
+DEEPSPEED_CELLS = (
+    Cell("normal", "dp", 0, "deepspeed"),
+    Cell("meta", "dp", 1, "deepspeed"),
+    Cell("meta", "dp", 3, "deepspeed"),
+    Cell("normal", "tp", 2, "deepspeed"),
+)
+REFUSED_DEEPSPEED_CELLS = ((Cell("normal", "pp", 1, "deepspeed"), "pipeline_parallel_size=2"),)
+
+
 def pairwise_cells() -> list[Cell]:
     """A deterministic greedy pairwise-covering set: every pair of values of two axes appears in some cell (a build
     path an entry point does not have pairs with no cell). Starting from ``REQUIRED``, each round takes the cell
@@ -666,7 +678,30 @@ def _accelerate_entry(
     return outcome
 
 
+def _deepspeed_entry(
+    rank: int, build: Build, layout: Layout, fields: dict, pretrained: str, export_to, optimizers
+) -> dict:
+    """A ``deepspeed.initialize`` script: the model built under ``zero.Init`` for an empty build, the script's own
+    optimizer, ``engine.backward``/``engine.step`` per batch."""
+    import ds_strategy.deepspeed as deepspeed
+    from ds_strategy.config import ZeroConfig
+
+    config = ZeroConfig(**fields, train_micro_batch_size_per_gpu=GLOBAL_BATCH // layout.dp)
+    with deepspeed.zero.Init(enabled=build.empty_on(rank, layout)):
+        model = build_model(0)
+    built = _as_built(model)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizers(model)[0], config=config)
+    initial = engine.zero.full_state_dict(rank0_only=False)
+    for x, y in _my_batches(layout, rank):
+        engine.backward(_plain_loss(engine, x, y))
+        engine.step()
+    final = engine.zero.full_state_dict(rank0_only=False)
+    engine.destroy()
+    return _outcome(initial, final, set(engine.module.state_dict()), built)
+
+
 ENTRY_RUNNERS = {
+    "deepspeed": _deepspeed_entry,
     "engine": _engine_entry,
     "lightning": _lightning_entry,
     "fabric": _fabric_entry,
@@ -677,7 +712,7 @@ ENTRY_RUNNERS = {
 def run_cells(rank: int, world_size: int, cells: list[Cell], pretrained: str) -> dict:
     """Every cell in turn in one process group (starting ranks is the slow part); a cell refused (one of
     ``REFUSED_OPTIMIZER_CELLS``) gives the error it raised."""
-    refused = {cell for cell, _ in REFUSED_OPTIMIZER_CELLS}
+    refused = {cell for cell, _ in (*REFUSED_OPTIMIZER_CELLS, *REFUSED_DEEPSPEED_CELLS)}
     outcomes = {}
     for cell in cells:
         if cell not in refused:
@@ -686,6 +721,6 @@ def run_cells(rank: int, world_size: int, cells: list[Cell], pretrained: str) ->
         try:
             run_cell(rank, world_size, cell, pretrained)
             outcomes[cell.id] = {"refused": None}
-        except ValueError as error:
+        except (ValueError, NotImplementedError) as error:
             outcomes[cell.id] = {"refused": str(error)}
     return outcomes

@@ -18,11 +18,13 @@ from composition_runs import (
     BF16_CELLS,
     BUFFER_VALUE,
     BUILDS,
+    DEEPSPEED_CELLS,
     EXPORT_CELLS,
     FROZEN_CELLS,
     LAYOUTS,
     OPTIMIZER_CELLS,
     REFUSED_CONFIGS,
+    REFUSED_DEEPSPEED_CELLS,
     REFUSED_OPTIMIZER_CELLS,
     build_model,
     export_dir,
@@ -52,8 +54,8 @@ def pretrained(tmp_path_factory) -> str:
 def matrix(pretrained):
     """Each world size's cells in one process group; the references per seed in this process."""
     results = {}
-    refused = (cell for cell, _ in REFUSED_OPTIMIZER_CELLS)
-    every = [*CELLS, *BF16_CELLS, *EXPORT_CELLS, *OPTIMIZER_CELLS, *FROZEN_CELLS, *refused]
+    refused = (cell for cell, _ in (*REFUSED_OPTIMIZER_CELLS, *REFUSED_DEEPSPEED_CELLS))
+    every = [*CELLS, *BF16_CELLS, *EXPORT_CELLS, *OPTIMIZER_CELLS, *FROZEN_CELLS, *DEEPSPEED_CELLS, *refused]
     for world in sorted({LAYOUTS[c.layout].world for c in every}):
         cells = [c for c in every if LAYOUTS[c.layout].world == world]
         for outcome in run_ranks(run_cells, world, cells, pretrained, timeout=600):
@@ -119,7 +121,7 @@ def _assert_extras(cell_results: list[dict], losses: list[float]) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cell", CELLS, ids=[c.id for c in CELLS])
+@pytest.mark.parametrize("cell", CELLS + list(DEEPSPEED_CELLS), ids=[c.id for c in CELLS + list(DEEPSPEED_CELLS)])
 def test_cell_starts_as_a_normal_build_and_trains_as_one_process(matrix, cell):
     results, references = matrix
     expected = references[BUILDS[cell.build].seed]
@@ -190,7 +192,11 @@ def test_frozen_parameters_in_the_optimizer_train_as_one_process(matrix, cell):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cell, words", REFUSED_OPTIMIZER_CELLS, ids=[c.id for c, _ in REFUSED_OPTIMIZER_CELLS])
+@pytest.mark.parametrize(
+    "cell, words",
+    (*REFUSED_OPTIMIZER_CELLS, *REFUSED_DEEPSPEED_CELLS),
+    ids=[c.id for c, _ in (*REFUSED_OPTIMIZER_CELLS, *REFUSED_DEEPSPEED_CELLS)],
+)
 def test_whole_tensor_optimizer_over_split_matrices_is_refused_by_name(matrix, cell, words):
     results, _ = matrix
     for rank in results[cell.id]:
