@@ -51,6 +51,8 @@ MOMENTS = (
     "ulysses_all_to_all",
     "evaluation",
     "barrier",
+    "accelerate_save",
+    "hf_trainer_save",
 )
 FAULTS = ("sigkill", "raise")
 
@@ -125,8 +127,7 @@ def _nvme(rank: int, fault: Fault, out: Path, reference: Path) -> None:
 
 def _save(rank: int, fault: Fault, out: Path, reference: Path) -> None:
     model, engine = build()
-    # a kill while this rank writes its shard (as the operator's report), a raise as DCP's save starts
-    fault.inside(*((ChecksummedWriter, "write_data") if fault.kind == "sigkill" else (dcp, "save")), "save")
+    _arm_save(fault, "save")
     _train(model, engine, fault, root=out / "checkpoints")
 
 
@@ -195,6 +196,70 @@ def _fabric(rank: int, fault: Fault, out: Path, reference: Path) -> None:
         fabric.barrier()
 
 
+def _accelerate_save(rank: int, fault: Fault, out: Path, reference: Path) -> None:
+    """An accelerate loop at stage 2 that calls ``accelerator.save_state(checkpoints/step_K)`` after every step."""
+    from accelerate.state import AcceleratorState, GradientState
+    from distributed import set_torchrun_environment
+    from pipeline_runs import batches, loss_fn, mlp_stack
+
+    from ds_strategy.accelerate import ZeroAccelerator
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    set_torchrun_environment(rank, WORLD_SIZE)
+    accelerator = ZeroAccelerator({"stage": 2, "timeout": TIMEOUT_S, "collective_timeout": TIMEOUT_S}, cpu=True)
+    torch.manual_seed(0)
+    model = mlp_stack()
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    _arm_save(fault, "accelerate_save")
+    for step, (x, y) in enumerate(batches("mlp", STEPS, 4), start=1):
+        fault.step = step
+        accelerator.backward(loss_fn(model(x[rank * 2 : rank * 2 + 2]), y[rank * 2 : rank * 2 + 2]))
+        optimizer.step()
+        optimizer.zero_grad()
+        accelerator.save_state(str(out / "checkpoints" / f"step_{step}"))
+
+
+def _hf_trainer_save(rank: int, fault: Fault, out: Path, reference: Path) -> None:
+    """``ZeroTrainer.train()`` of a tiny Llama at stage 2, saving a checkpoint every step."""
+    from accelerate.state import AcceleratorState, GradientState
+    from distributed import set_torchrun_environment
+    from hf_trainer_runs import TokenRows, arguments
+
+    import hf_models
+    from ds_strategy.transformers import ZeroTrainer
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    set_torchrun_environment(rank, WORLD_SIZE)
+    args = arguments(
+        out / "checkpoints", max_steps=STEPS, save_steps=1, eval_strategy="no", gradient_accumulation_steps=1
+    )
+    trainer = ZeroTrainer(
+        model=hf_models.build("llama"),
+        args=args,
+        train_dataset=TokenRows(2 * WORLD_SIZE * STEPS, 1),
+        zero_config={"stage": 2, "timeout": TIMEOUT_S, "collective_timeout": TIMEOUT_S},
+    )
+    _arm_save(fault, "hf_trainer_save", step_of=lambda: trainer.state.global_step)
+    trainer.train()
+
+
+def _arm_save(fault: Fault, moment: str, step_of=None) -> None:
+    """The save's fault: a kill while this rank writes its shard, a raise as DCP's save starts; ``step_of`` reads
+    the step from the loop that saves (else the loop sets ``fault.step``)."""
+    owner, name = (ChecksummedWriter, "write_data") if fault.kind == "sigkill" else (dcp, "save")
+    if step_of is not None:
+        original = getattr(owner, name)
+
+        def stepped(*args, **kwargs):
+            fault.step = step_of()
+            return original(*args, **kwargs)
+
+        setattr(owner, name, stepped)
+    fault.inside(owner, name, moment)
+
+
 SCENARIOS = {
     "forward": _engine,
     "backward": _engine,
@@ -206,6 +271,8 @@ SCENARIOS = {
     "ulysses_all_to_all": _ulysses,
     "evaluation": _fabric,
     "barrier": _fabric,
+    "accelerate_save": _accelerate_save,
+    "hf_trainer_save": _hf_trainer_save,
 }
 
 

@@ -6,6 +6,9 @@ configured timeout, rank 0 raises :class:`PeerFailedError` naming rank 1 and how
 library issues] in ``ds_strategy/comm/peer_failures.py``), and a save that was cut short is never published: resuming
 from the last complete checkpoint equals the uninterrupted run."""
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 from distributed import run_ranks
@@ -21,9 +24,9 @@ from rank_fault_runs import (
     run_cell,
 )
 
-from ds_strategy.checkpoint import latest
+from ds_strategy.checkpoint import directory, latest
 
-pytestmark = pytest.mark.slow  # twenty two-rank jobs
+pytestmark = pytest.mark.slow  # two dozen two-rank jobs
 
 MARGIN_S = 30.0  # tearing two processes down on a loaded machine
 SAID = {  # what rank 0's error says of rank 1 (a raise inside DCP's load is its CheckpointError, the ValueError inside)
@@ -75,9 +78,22 @@ def test_the_job_ends_non_zero_within_the_timeout(cells, moment, fault):
 
 
 @pytest.mark.parametrize("fault", FAULTS)
-def test_a_save_cut_short_is_not_published_and_resuming_equals_the_uninterrupted_run(cells, reference, fault):
+@pytest.mark.parametrize("moment", ["save", "accelerate_save", "hf_trainer_save"])
+def test_the_save_cut_short_is_not_published_and_those_before_it_are(cells, moment, fault):
+    """Rank 0's error names the checkpoint it was saving: not there, its ``.partial`` left unpublished, every
+    earlier save of the run complete."""
+    result = cells(moment, fault)
+    cut_short = Path(re.search(r"saving the checkpoint (\S+) failed", result["error"]["message"]).group(1))
+    assert not cut_short.exists() and directory.partial_path(cut_short).exists()
+    _, step_dir, *inside = cut_short.relative_to(result["out"]).parts  # checkpoints/<step dir>[/zero_checkpoint]
+    ordinal = int(re.search(r"\d+", step_dir).group())
+    earlier = [Path(result["out"], "checkpoints", re.sub(r"\d+", str(k), step_dir), *inside) for k in range(1, ordinal)]
+    assert earlier and all((path / directory.MANIFEST).is_file() for path in earlier), earlier
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_resuming_from_the_last_complete_checkpoint_equals_the_uninterrupted_run(cells, reference, fault):
     root = cells("save", fault)["out"] / "checkpoints"
-    assert not (root / f"step_{FAULT_STEP}").exists(), sorted(p.name for p in root.iterdir())
     assert latest(root).name == f"step_{FAULT_STEP - 1}"
     resumed = run_ranks(resume_rank, WORLD_SIZE, root)[0]
     assert resumed["start"] == FAULT_STEP - 1
