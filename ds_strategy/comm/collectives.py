@@ -64,7 +64,7 @@ import torch.distributed as dist
 
 from ..profiler_ranges import profiler_range
 from . import rank_failure
-from .peer_failures import PeerFailedError, announced, diagnosis
+from .peer_failures import announced, diagnosis
 from .process_exit import destroy_process_groups_at_exit, leave_process_groups_at_exit
 
 Regions = tuple[tuple[int, int], ...]  # (offset, length) of each rank's slice of a buffer, in rank order

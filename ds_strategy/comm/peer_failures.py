@@ -110,7 +110,11 @@ def peer_failed_error(error: BaseException, what: str) -> PeerFailedError | None
 
 def is_consequence(error: BaseException) -> bool:
     """Whether ``error`` follows from another rank's failure (and must not be recorded as the job's first)."""
-    return isinstance(error, PeerFailedError) or _consequence(error) or peer_failed_error(error, LIBRARY_COLLECTIVE) is not None
+    return (
+        isinstance(error, PeerFailedError)
+        or _consequence(error)
+        or peer_failed_error(error, LIBRARY_COLLECTIVE) is not None
+    )
 
 
 def _consequence(error: BaseException) -> bool:

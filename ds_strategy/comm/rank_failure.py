@@ -3,7 +3,7 @@ within seconds and says so, instead of waiting out ``collective_timeout``.
 
 Note: [How a failed rank ends the job]
 A rank leaves a job in the middle of a step in one of three ways; each is turned into a
-:class:`~.collectives.PeerFailedError` on every other rank that names the rank and the cause:
+:class:`~.peer_failures.PeerFailedError` on every other rank that names the rank and the cause:
   * it raises (an error in ``training_step``, ``torch.OutOfMemoryError``, ...). Before its process unwinds, the
     exception is written to the store as the job's first failure, from the Lightning strategy's ``on_exception``
     and, for every entry point (Fabric, accelerate, a plain loop), from ``sys.excepthook``. The record is one key
@@ -23,7 +23,8 @@ start, at most one store read per ``POLL_S`` per process while a wait is blocked
 NCCL wait orders streams and never blocks the host, and NCCL's own watchdog (``TORCH_NCCL_ASYNC_ERROR_HANDLING``) ends
 a job whose peer died or whose collective outlived the process group's timeout (Note: [What a wait guarantees on each
 backend] in :mod:`.collectives`). Collectives not issued through ``Collectives`` (Lightning's barriers, DCP during a
-save) are not sliced: on gloo they fail on a closed connection, not on a record.
+save) are not sliced: on gloo they fail on a closed connection, and the error they raise is read against this board
+where ds_strategy hands control to the library (Note: [Collectives a library issues] in :mod:`.peer_failures`).
 
 The bound, then: a surviving rank leaves its engine collective within ``POLL_S`` (1 s) of a failure record and at
 once on a dead peer, whatever ``collective_timeout`` is, and prints the diagnosis to stderr as it raises (Lightning's

@@ -222,11 +222,11 @@ def _accelerate_save(rank: int, fault: Fault, out: Path, reference: Path) -> Non
 
 def _hf_trainer_save(rank: int, fault: Fault, out: Path, reference: Path) -> None:
     """``ZeroTrainer.train()`` of a tiny Llama at stage 2, saving a checkpoint every step."""
+    import hf_models
     from accelerate.state import AcceleratorState, GradientState
     from distributed import set_torchrun_environment
     from hf_trainer_runs import TokenRows, arguments
 
-    import hf_models
     from ds_strategy.transformers import ZeroTrainer
 
     AcceleratorState._reset_state(reset_partial_state=True)
@@ -308,7 +308,9 @@ def run_cell(moment: str, kind: str, out: Path, reference: Path) -> dict:
     """Both ranks of one cell, until both exit (or ``TIMEOUT_S`` plus start-up passed); what rank 0 said and when."""
     out.mkdir(parents=True, exist_ok=True)
     ctx = distributed._start_context()
-    procs = [ctx.Process(target=_cell_rank, args=(r, out, moment, kind, reference), daemon=True) for r in range(WORLD_SIZE)]
+    procs = [
+        ctx.Process(target=_cell_rank, args=(r, out, moment, kind, reference), daemon=True) for r in range(WORLD_SIZE)
+    ]
     started = time.time()
     for proc in procs:
         proc.start()
