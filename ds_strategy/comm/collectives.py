@@ -64,6 +64,7 @@ import torch.distributed as dist
 
 from ..profiler_ranges import profiler_range
 from . import rank_failure
+from .peer_failures import PeerFailedError as PeerFailedError  # where callers have always found it
 from .peer_failures import announced, diagnosis
 from .process_exit import destroy_process_groups_at_exit, leave_process_groups_at_exit
 

@@ -49,6 +49,7 @@ import torch.distributed as dist
 POLL_S = 1.0  # how often a blocked gloo wait reads the failure record
 _PREFIX = "ds_strategy/rank_failure"
 _FIRST = f"{_PREFIX}/first"
+_LEFT = "exited with status 0"
 _UNKNOWN_DEATH = "no failure record: killed, e.g. by SIGKILL or the OOM killer, or crashed"
 _BOARD: list = []  # [(weak reference to the default group, its FailureBoard)] once made
 
@@ -137,9 +138,12 @@ class FailureBoard:
             return failure.describe()
         dead = self.dead_ranks()
         if dead:
+            ranks = ", ".join(map(str, dead))
             hows = sorted({how for how in dead.values() if how is not None})
+            if hows == [_LEFT]:
+                return f"rank {ranks} left the job: it {_LEFT} while this rank waited on it (no failure record)"
             how = f"{', '.join(hows)}, no failure record" if hows else _UNKNOWN_DEATH
-            return f"rank {', '.join(map(str, dead))} died without raising ({how})"
+            return f"rank {ranks} died without raising ({how})"
         if not self.store_reachable():
             return "rank 0 died: the job's store, which it hosts, is unreachable"
         return None
