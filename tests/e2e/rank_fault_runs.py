@@ -197,7 +197,13 @@ def _fabric(rank: int, fault: Fault, out: Path, reference: Path) -> None:
 
 
 def _accelerate_save(rank: int, fault: Fault, out: Path, reference: Path) -> None:
-    """An accelerate loop at stage 2 that calls ``accelerator.save_state(checkpoints/step_K)`` after every step."""
+    _arm_save(fault, "accelerate_save")
+    accelerate_loop(rank, fault, out / "checkpoints")
+
+
+def accelerate_loop(rank: int, fault: Fault, root: Path, resume: Path | None = None) -> dict:
+    """An accelerate loop at stage 2 that calls ``accelerator.save_state(root/step_K)`` after every step (from
+    ``resume``'s step on, after ``load_state(resume)``); the final weights."""
     from accelerate.state import AcceleratorState, GradientState
     from distributed import set_torchrun_environment
     from pipeline_runs import batches, loss_fn, mlp_stack
@@ -211,17 +217,26 @@ def _accelerate_save(rank: int, fault: Fault, out: Path, reference: Path) -> Non
     torch.manual_seed(0)
     model = mlp_stack()
     model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-    _arm_save(fault, "accelerate_save")
-    for step, (x, y) in enumerate(batches("mlp", STEPS, 4), start=1):
+    first = 1
+    if resume is not None:
+        accelerator.load_state(str(resume))
+        first = int(resume.name.removeprefix("step_")) + 1
+    for step, (x, y) in enumerate(batches("mlp", STEPS, 4)[first - 1 :], start=first):
         fault.step = step
         accelerator.backward(loss_fn(model(x[rank * 2 : rank * 2 + 2]), y[rank * 2 : rank * 2 + 2]))
         optimizer.step()
         optimizer.zero_grad()
-        accelerator.save_state(str(out / "checkpoints" / f"step_{step}"))
+        accelerator.save_state(str(root / f"step_{step}"))
+    return accelerator.engine.full_state_dict(rank0_only=False)
 
 
 def _hf_trainer_save(rank: int, fault: Fault, out: Path, reference: Path) -> None:
-    """``ZeroTrainer.train()`` of a tiny Llama at stage 2, saving a checkpoint every step."""
+    hf_trainer_run(rank, fault, out / "checkpoints")
+
+
+def hf_trainer_run(rank: int, fault: Fault, root: Path, resume: Path | None = None) -> dict:
+    """``ZeroTrainer.train()`` of a tiny Llama at stage 2, saving a checkpoint every step into ``root`` (resumed
+    from ``resume``); the final weights."""
     import hf_models
     from accelerate.state import AcceleratorState, GradientState
     from distributed import set_torchrun_environment
@@ -232,9 +247,7 @@ def _hf_trainer_save(rank: int, fault: Fault, out: Path, reference: Path) -> Non
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     set_torchrun_environment(rank, WORLD_SIZE)
-    args = arguments(
-        out / "checkpoints", max_steps=STEPS, save_steps=1, eval_strategy="no", gradient_accumulation_steps=1
-    )
+    args = arguments(root, max_steps=STEPS, save_steps=1, eval_strategy="no", gradient_accumulation_steps=1)
     trainer = ZeroTrainer(
         model=hf_models.build("llama"),
         args=args,
@@ -242,22 +255,23 @@ def _hf_trainer_save(rank: int, fault: Fault, out: Path, reference: Path) -> Non
         zero_config={"stage": 2, "timeout": TIMEOUT_S, "collective_timeout": TIMEOUT_S},
     )
     _arm_save(fault, "hf_trainer_save", step_of=lambda: trainer.state.global_step)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=str(resume) if resume is not None else None)
+    return trainer.zero_engine.full_state_dict(rank0_only=False)
 
 
 def _arm_save(fault: Fault, moment: str, step_of=None) -> None:
     """The save's fault: a kill while this rank writes its shard, a raise as DCP's save starts; ``step_of`` reads
-    the step from the loop that saves (else the loop sets ``fault.step``)."""
+    the step from the loop that saves, before the fault looks at it (else the loop sets ``fault.step``)."""
     owner, name = (ChecksummedWriter, "write_data") if fault.kind == "sigkill" else (dcp, "save")
+    fault.inside(owner, name, moment)
     if step_of is not None:
-        original = getattr(owner, name)
+        faulting = getattr(owner, name)
 
         def stepped(*args, **kwargs):
             fault.step = step_of()
-            return original(*args, **kwargs)
+            return faulting(*args, **kwargs)
 
         setattr(owner, name, stepped)
-    fault.inside(owner, name, moment)
 
 
 SCENARIOS = {
@@ -338,6 +352,14 @@ def run_cell(moment: str, kind: str, out: Path, reference: Path) -> dict:
 class _NoFault(Fault):
     def __init__(self):
         super().__init__("", "", -1, Path())
+
+
+def adapter_rank(rank: int, world_size: int, adapter: str, root: Path, resume: Path | None = None) -> dict | None:
+    """Accelerate's loop or the HF Trainer (``adapter``: "accelerate_save", "hf_trainer_save") uninterrupted, or
+    resumed from ``resume``; rank 0 returns the final weights."""
+    run = {"accelerate_save": accelerate_loop, "hf_trainer_save": hf_trainer_run}[adapter]
+    final = run(rank, _NoFault(), root, resume)
+    return final if rank == 0 else None
 
 
 def reference_rank(rank: int, world_size: int, root: Path) -> dict | None:

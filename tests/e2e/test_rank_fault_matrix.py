@@ -19,6 +19,7 @@ from rank_fault_runs import (
     TIMEOUT_S,
     VICTIM,
     WORLD_SIZE,
+    adapter_rank,
     reference_rank,
     resume_rank,
     run_cell,
@@ -100,3 +101,22 @@ def test_resuming_from_the_last_complete_checkpoint_equals_the_uninterrupted_run
     uninterrupted = reference[1]
     assert resumed["final"].keys() == uninterrupted.keys()
     assert all(torch.equal(resumed["final"][name], value) for name, value in uninterrupted.items())
+
+
+@pytest.mark.parametrize("moment", ["accelerate_save", "hf_trainer_save"])
+def test_resuming_accelerate_and_the_hf_trainer_from_their_last_complete_save_equals_the_uninterrupted_run(
+    cells, tmp_path, moment
+):
+    """Accelerate's ``load_state`` and the Trainer's ``resume_from_checkpoint`` of the save before the one cut short
+    (by the SIGKILL) end where an uninterrupted run ends."""
+    out = cells(moment, "sigkill")["out"]
+    last = max((path.parent.parent for path in (out / "checkpoints").rglob(directory.MANIFEST)), key=_step)
+    assert _step(last) == FAULT_STEP - 1
+    uninterrupted = run_ranks(adapter_rank, WORLD_SIZE, moment, tmp_path / "uninterrupted")[0]
+    resumed = run_ranks(adapter_rank, WORLD_SIZE, moment, tmp_path / "resumed", last)[0]
+    assert resumed.keys() == uninterrupted.keys()
+    assert all(torch.equal(resumed[name], value) for name, value in uninterrupted.items())
+
+
+def _step(path: Path) -> int:
+    return int(re.search(r"\d+$", path.name).group())
