@@ -36,7 +36,6 @@ own, and is raised unchanged.
 from __future__ import annotations
 
 import contextlib
-import functools
 import sys
 import time
 
@@ -158,7 +157,5 @@ def name_failed_peers_in(cls: type, methods: tuple[str, ...]) -> type:
     """``cls`` with each of ``methods`` (its own or inherited) run inside :class:`naming_failed_peers`: the seams
     where an adapter hands control to a library that talks to other ranks. Returns ``cls``."""
     for name in methods:
-        method = getattr(cls, name)
-        guarded = naming_failed_peers(f"{cls.__name__}.{name}")(method)
-        setattr(cls, name, functools.wraps(method)(guarded))
+        setattr(cls, name, naming_failed_peers(f"{cls.__name__}.{name}")(getattr(cls, name)))
     return cls

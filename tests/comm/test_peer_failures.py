@@ -3,6 +3,9 @@
 consequence is never recorded as the job's first failure. The chaos matrix (``tests/e2e/test_rank_fault_matrix.py``)
 shows it on real failures; here the failure record is written by hand, so each rule is seen alone."""
 
+import io
+import sys
+
 import pytest
 import torch.distributed as dist
 from distributed import run_ranks
@@ -32,7 +35,13 @@ def _seams(rank: int, world_size: int) -> dict:
     converted = _raised(raw)
     rank_failure.report_failure(RuntimeError(GLOO_RESET))  # a consequence: must not replace rank 1's record
     own = _raised(ValueError("rank 0's own bug"))
+    printed, sys.stderr = sys.stderr, io.StringIO()
+    try:  # what an uncaught raw error prints, whatever entry point let it through
+        sys.excepthook(RuntimeError, RuntimeError(GLOO_RESET), None)
+    finally:
+        printed, sys.stderr = sys.stderr.getvalue(), printed
     return {
+        "uncaught": printed,
         "converted": (type(converted).__name__, str(converted), converted.__cause__ is raw),
         "own": (type(own).__name__, str(own)),
         "first": rank_failure.board().first().describe(),
@@ -48,6 +57,13 @@ def test_a_transport_error_becomes_peer_failed_naming_the_recorded_rank_with_the
     kind, message, chained = seams["converted"]
     assert kind == "PeerFailedError" and chained
     assert message.startswith("rank 0: saving the checkpoint /ckpt failed because rank 1 failed first with ValueError")
+
+
+def test_an_uncaught_transport_error_is_printed_as_peer_failed_with_the_raw_error_chained(seams):
+    printed = seams["uncaught"]
+    assert "Connection reset by peer" in printed
+    assert "The above exception was the direct cause of the following exception" in printed
+    assert "PeerFailedError: rank 0: a collective a library issued failed because rank 1 failed first" in printed
 
 
 def test_a_ranks_own_error_passes_the_seam_unchanged_while_a_peer_has_failed(seams):
