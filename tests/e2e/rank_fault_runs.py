@@ -1,7 +1,8 @@
 """The chaos matrix's runs: two gloo ranks train, and rank 1 is SIGKILLed or raises at one chosen moment of step
 ``FAULT_STEP``, while rank 0 goes on into what that moment waits on: an engine collective (a stage-3 gather, a
 gradient reduction, the step's), a library's (DCP inside a sharded save or load, torch's pipeline send/recv, Fabric's
-``all_reduce`` in an evaluation loop and its ``barrier``), a Ulysses all-to-all, or an NVMe swap-in before the
+``all_reduce`` in an evaluation loop and its ``barrier``, DTensor redistributions in a tensor-parallel forward,
+accelerate's ``save_state``, the HF Trainer's checkpoint save), a Ulysses all-to-all, or an NVMe swap-in before the
 step's collectives. ``tests/e2e/test_rank_fault_matrix.py`` asserts on what each run left: rank 0's error, when it
 came, and the checkpoints.
 
@@ -51,6 +52,7 @@ MOMENTS = (
     "ulysses_all_to_all",
     "evaluation",
     "barrier",
+    "tensor_parallel_forward",
     "accelerate_save",
     "hf_trainer_save",
 )
@@ -196,6 +198,37 @@ def _fabric(rank: int, fault: Fault, out: Path, reference: Path) -> None:
         fabric.barrier()
 
 
+def _tensor_parallel(rank: int, fault: Fault, out: Path, reference: Path) -> None:
+    """A Fabric loop over a Llama split by the user's ``parallelize_fn`` (torch's ``parallelize_module``: its
+    forward redistributes DTensors through torch's functional collectives, not ours)."""
+    import hf_models
+    import lightning as L
+    from tensor_parallel_llama import LAYER_PLAN, LLAMA, token_data
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from ds_strategy import ZeroFabricStrategy
+
+    def parallelize(model, device_mesh):
+        for layer in model.model.layers:
+            parallelize_module(layer, device_mesh["tensor_parallel"], LAYER_PLAN)
+        return model
+
+    set_lightning_environment(rank)
+    strategy = ZeroFabricStrategy(
+        stage=2, tensor_parallel_size=2, parallelize_fn=parallelize, timeout=TIMEOUT_S, collective_timeout=TIMEOUT_S
+    )
+    fabric = L.Fabric(accelerator="cpu", devices=WORLD_SIZE, strategy=strategy)
+    fabric.launch()
+    model = hf_models.build("llama", **LLAMA)
+    model, optimizer = fabric.setup(model, hf_models.adamw(model))
+    for step, ids in enumerate(token_data(dp=1)[:STEPS], start=1):
+        fault.step = step
+        fault.at("tensor_parallel_forward")
+        fabric.backward(model(input_ids=ids[None], labels=ids[None]).loss)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 def _accelerate_save(rank: int, fault: Fault, out: Path, reference: Path) -> None:
     _arm_save(fault, "accelerate_save")
     accelerate_loop(rank, fault, out / "checkpoints")
@@ -285,6 +318,7 @@ SCENARIOS = {
     "ulysses_all_to_all": _ulysses,
     "evaluation": _fabric,
     "barrier": _fabric,
+    "tensor_parallel_forward": _tensor_parallel,
     "accelerate_save": _accelerate_save,
     "hf_trainer_save": _hf_trainer_save,
 }

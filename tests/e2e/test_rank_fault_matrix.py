@@ -1,7 +1,8 @@
 """The chaos matrix: rank 1 of two is SIGKILLed, or raises, at each moment where rank 0 waits on it (a stage-3
 gather, a gradient reduction, the optimizer step, a sharded save and load, an NVMe swap-in, a pipeline send, a
-Ulysses all-to-all, an evaluation loop's ``fabric.all_reduce``, ``fabric.barrier()``), in the engine's collectives
-and in those the libraries issue (``rank_fault_runs.py``). In every cell the job ends non-zero well within the
+Ulysses all-to-all, an evaluation loop's ``fabric.all_reduce``, ``fabric.barrier()``, a tensor-parallel forward's
+DTensor redistribution, accelerate's ``save_state``, the HF Trainer's checkpoint), in the engine's collectives and in
+those the libraries issue (``rank_fault_runs.py``). In every cell the job ends non-zero well within the
 configured timeout, rank 0 raises :class:`PeerFailedError` naming rank 1 and how it failed (Note: [Collectives a
 library issues] in ``ds_strategy/comm/peer_failures.py``), and a save that was cut short is never published: resuming
 from the last complete checkpoint equals the uninterrupted run."""
