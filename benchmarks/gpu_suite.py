@@ -74,6 +74,7 @@ if importlib.util.find_spec("ds_strategy") is None:
     sys.exit(f"ds_strategy is not installed; from {CHECKOUT}: {INSTALL}")
 
 import gpu_check  # noqa: E402
+import rank_kill  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import transformers  # noqa: E402
@@ -347,6 +348,12 @@ def run_two_ranks(runner: Runner, context: SuiteContext) -> None:
         runner.run(check["name"], lambda check=check: (check["passed"], check["metrics"], check["note"]))
     if started.status != "pass" and not checks:
         runner.run("stage1-3 vs DDP, checkpoint", lambda: None, skip="the two ranks did not report")
+    cuda = context.device.type == "cuda"
+    runner.run(
+        "rank killed in a save",
+        lambda: rank_kill.verdict(rank_kill.launch(str(context.device), context.scratch / "rank_kill.json")),
+        skip="" if cuda else "CUDA only (on the host: tests/e2e/test_rank_fault_matrix.py)",
+    )
 
 
 # -- speed ------------------------------------------------------------------------------------------------------

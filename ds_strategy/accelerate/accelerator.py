@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 from ..adapters.engine_owner import backward_through_loss_scale
 from ..adapters.precision_flag import ACCELERATE_MIXED_PRECISION, reconcile_precision
 from ..checkpoint.pretrained import WeightSource, load_weights
+from ..comm.peer_failures import name_failed_peers_in, naming_failed_peers
 from ..compose import (
     Composed,
     TensorParallelism,
@@ -554,10 +555,30 @@ class ZeroAcceleratedOptimizer(AcceleratedOptimizer):
             self.engine.zero_grad(self.optimizer)
 
 
+# Where an accelerate loop hands control to code that talks to other ranks (the forward: _in_autocast); Note:
+# [Collectives a library issues] in ds_strategy.comm.peer_failures.
+name_failed_peers_in(
+    ZeroAccelerator,
+    (
+        "wait_for_everyone",
+        "gather",
+        "gather_for_metrics",
+        "reduce",
+        "pad_across_processes",
+        "save_state",
+        "load_state",
+        "pipeline_step",
+        "backward",
+        "clip_grad_norm_",
+    ),
+)
+name_failed_peers_in(ZeroAcceleratedOptimizer, ("step",))
+
+
 def _in_autocast(forward: Any, precision: str, device_type: str) -> Any:
     @functools.wraps(forward)
     def forward_in_autocast(*args: Any, **kwargs: Any) -> Any:
-        with autocast_for(precision, device_type):
+        with naming_failed_peers("the forward"), autocast_for(precision, device_type):
             return forward(*args, **kwargs)
 
     return forward_in_autocast

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..comm.group_collectives import waiting_as_long_as_the_group
 from ..comm.objects import all_gather_object, broadcast_object
+from ..comm.peer_failures import PeerFailedError, naming_failed_peers
 from ..comm.process_exit import destroy_process_groups_at_exit
 from ..zero.engine import ZeroEngine
 from . import directory
@@ -82,8 +83,14 @@ def write(
     process_group=None,
 ) -> None:
     """Write this rank's ``model`` and ``optimizer`` shares (see :mod:`.rank_state`) and rank 0's ``manifest``
-    and ``extra`` as one atomic checkpoint directory. Every rank calls it with the same ``path``."""
+    and ``extra`` as one atomic checkpoint directory. Every rank calls it with the same ``path``; a rank that fails
+    meanwhile is named (Note: [Collectives a library issues] in ``ds_strategy.comm.peer_failures``)."""
     path = local_path(path)
+    with naming_failed_peers(f"saving the checkpoint {path}"):
+        _write(path, model, optimizer, manifest, extra, process_group)
+
+
+def _write(path: Path, model, optimizer, manifest: Manifest, extra, process_group) -> None:
     tensors = {model_key(name): value for name, value in model.items()}
     for name, state in (optimizer or {}).get("state", {}).items():
         tensors.update({optimizer_key(name, key): value for key, value in state.items()})
@@ -143,7 +150,7 @@ def load(
     meta = directory.read_meta(where, manifest, weights_only)
     restore = plan_restore(module, engine, manifest, metadata, meta, where, load_optimizer, strict)
     try:
-        with quiet_single_process():
+        with quiet_single_process(), naming_failed_peers(f"loading the checkpoint {where}"):
             dcp.load(
                 restore.targets,
                 storage_reader=reader,
@@ -153,6 +160,8 @@ def load(
             )
     except CheckpointException as error:  # any rank's failure, e.g. a damaged file: see .storage
         raise dcp_failure(error, f"reading the checkpoint {where}") from None
+    except PeerFailedError:  # a rank died while reading: Note: [Collectives a library issues]
+        raise
     except Exception as error:
         raise CheckpointError(f"reading the checkpoint {where} failed: {error}") from error
     apply_restore(restore, engine)

@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -65,6 +64,8 @@ import torch.distributed as dist
 
 from ..profiler_ranges import profiler_range
 from . import rank_failure
+from .peer_failures import PeerFailedError as PeerFailedError  # where callers have always found it
+from .peer_failures import announced, diagnosis
 from .process_exit import destroy_process_groups_at_exit, leave_process_groups_at_exit
 
 Regions = tuple[tuple[int, int], ...]  # (offset, length) of each rank's slice of a buffer, in rank order
@@ -152,32 +153,14 @@ class CollectiveMismatchError(RuntimeError):
     """A collective did not complete in time: the ranks are not issuing the same collectives."""
 
 
-class PeerFailedError(RuntimeError):
-    """A collective failed because another rank failed: it raised, died (SIGKILL, the OOM killer, a crash) or
-    closed its connections. The message names that rank and its error where the job's failure record or its
-    process shows it (:mod:`.rank_failure`); that error is the cause to look at."""
-
-
-# How gloo reports a peer whose sockets closed (a dead or departed process), as opposed to a timeout.
-_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused")
-
-
 def _wait_error(error: RuntimeError, kind: str, label: str, rank: int, timeout: float, waited: float) -> RuntimeError:
     """What a failed wait means: a peer that failed or went away, or (a timeout) ranks issuing different
     collectives; see [How a failed rank ends the job] in :mod:`.rank_failure`. ``waited``: the seconds this wait
     blocked, so that a timeout is claimed only when it was waited out ([A slice that runs out is not a timeout])."""
     what = f"rank {rank}: {kind} for {label or 'an engine buffer'}"
-    failures = rank_failure.board()
-    why = failures.diagnose() if failures is not None else None
-    if why is None and any(sign in str(error).lower() for sign in _PEER_GONE):
-        why = f"another rank died or left the job ({error})"
+    why = diagnosis(error)
     if why is not None:
-        failed = PeerFailedError(
-            f"{what} failed because {why}. That rank's own error is the cause; this one is its consequence."
-        )
-        # Said at once: a launcher that saw the other rank exit may SIGKILL this one before its traceback prints.
-        print(f"[ds_strategy] {failed}", file=sys.stderr, flush=True)
-        return failed
+        return announced(what, why)
     if isinstance(error, _DeadlinePassed):
         happened = f"did not complete within {timeout:g} s ({error.__cause__})"
     else:  # the backend's own error, e.g. the process group's shorter timeout

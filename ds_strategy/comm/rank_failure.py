@@ -3,7 +3,7 @@ within seconds and says so, instead of waiting out ``collective_timeout``.
 
 Note: [How a failed rank ends the job]
 A rank leaves a job in the middle of a step in one of three ways; each is turned into a
-:class:`~.collectives.PeerFailedError` on every other rank that names the rank and the cause:
+:class:`~.peer_failures.PeerFailedError` on every other rank that names the rank and the cause:
   * it raises (an error in ``training_step``, ``torch.OutOfMemoryError``, ...). Before its process unwinds, the
     exception is written to the store as the job's first failure, from the Lightning strategy's ``on_exception``
     and, for every entry point (Fabric, accelerate, a plain loop), from ``sys.excepthook``. The record is one key
@@ -23,7 +23,8 @@ start, at most one store read per ``POLL_S`` per process while a wait is blocked
 NCCL wait orders streams and never blocks the host, and NCCL's own watchdog (``TORCH_NCCL_ASYNC_ERROR_HANDLING``) ends
 a job whose peer died or whose collective outlived the process group's timeout (Note: [What a wait guarantees on each
 backend] in :mod:`.collectives`). Collectives not issued through ``Collectives`` (Lightning's barriers, DCP during a
-save) are not sliced: on gloo they fail on a closed connection, not on a record.
+save) are not sliced: on gloo they fail on a closed connection, and the error they raise is read against this board
+where ds_strategy hands control to the library (Note: [Collectives a library issues] in :mod:`.peer_failures`).
 
 The bound, then: a surviving rank leaves its engine collective within ``POLL_S`` (1 s) of a failure record and at
 once on a dead peer, whatever ``collective_timeout`` is, and prints the diagnosis to stderr as it raises (Lightning's
@@ -36,6 +37,7 @@ failure, the time the processes take to tear down and finalize the interpreter o
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import time
@@ -47,6 +49,8 @@ import torch.distributed as dist
 POLL_S = 1.0  # how often a blocked gloo wait reads the failure record
 _PREFIX = "ds_strategy/rank_failure"
 _FIRST = f"{_PREFIX}/first"
+_LEFT = "exited with status 0"
+_UNKNOWN_DEATH = "no failure record: killed, e.g. by SIGKILL or the OOM killer, or crashed"
 _BOARD: list = []  # [(weak reference to the default group, its FailureBoard)] once made
 
 
@@ -113,9 +117,10 @@ class FailureBoard:
     def store_reachable(self) -> bool:
         return self._try(lambda: self.store.check([f"{_PREFIX}/process/{self.rank}"]), False)
 
-    def dead_ranks(self) -> list[int]:
-        """Registered ranks on this host whose process is gone or a zombie (killed, and not yet reaped)."""
-        here, dead = socket.gethostname(), []
+    def dead_ranks(self) -> dict[int, str | None]:
+        """Registered ranks on this host whose process is gone or a zombie (killed, and not yet reaped), each with
+        how it ended when its zombie still shows it ("killed by SIGKILL", "exited with status 1"), else None."""
+        here, dead = socket.gethostname(), {}
         for rank in range(self.world_size):
             key = f"{_PREFIX}/process/{rank}"
             # check first: get() blocks for the store's timeout on a key a rank never wrote
@@ -123,7 +128,7 @@ class FailureBoard:
             entry = self._try(lambda: self.store.get(key).decode()) if known else None
             host, _, pid = (entry or "").partition(" ")
             if host == here and pid and not _process_alive(int(pid)):
-                dead.append(rank)
+                dead[rank] = _how_it_ended(int(pid))
         return dead
 
     def diagnose(self) -> str | None:
@@ -133,10 +138,12 @@ class FailureBoard:
             return failure.describe()
         dead = self.dead_ranks()
         if dead:
-            return (
-                f"rank {', '.join(map(str, dead))} died without raising (no failure record: killed, e.g. by "
-                f"SIGKILL or the OOM killer, or crashed)"
-            )
+            ranks = ", ".join(map(str, dead))
+            hows = sorted({how for how in dead.values() if how is not None})
+            if hows == [_LEFT]:
+                return f"rank {ranks} left the job: it {_LEFT} while this rank waited on it (no failure record)"
+            how = f"{', '.join(hows)}, no failure record" if hows else _UNKNOWN_DEATH
+            return f"rank {ranks} died without raising ({how})"
         if not self.store_reachable():
             return "rank 0 died: the job's store, which it hosts, is unreachable"
         return None
@@ -159,12 +166,12 @@ def board() -> FailureBoard | None:
 
 
 def report_failure(error: BaseException) -> None:
-    """Record ``error`` as this rank's failure, unless it is the consequence of another rank's or an exit."""
-    from .collectives import PeerFailedError
+    """Record ``error`` as this rank's failure, unless it is an exit or the consequence of another rank's failure:
+    a :class:`~.peer_failures.PeerFailedError`, or a library's raw transport error that the board reads as one
+    (which is then announced instead; Note: [Collectives a library issues])."""
+    from .peer_failures import is_consequence
 
-    if isinstance(error, (PeerFailedError, SystemExit)) or any(
-        isinstance(cause, PeerFailedError) for cause in _causes(error)
-    ):
+    if isinstance(error, SystemExit) or is_consequence(error):
         return
     found = board()
     if found is not None:
@@ -177,11 +184,22 @@ def summarize(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0][:300] if lines else ''}".rstrip(": ")
 
 
-def _causes(error: BaseException):
-    seen = error.__cause__ or error.__context__
-    while seen is not None:
-        yield seen
-        seen = seen.__cause__ or seen.__context__
+def _how_it_ended(pid: int) -> str | None:
+    """How the zombie ``pid`` ended, from its wait status in ``/proc/PID/stat`` (field 52, Linux 3.5 on), or None
+    once its parent has reaped it (the status is then the parent's alone) or elsewhere than Linux."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        status = int(fields[49])  # fields[0] is field 3, the state
+    except (OSError, IndexError, ValueError):
+        return None
+    if os.WIFSIGNALED(status):
+        number = os.WTERMSIG(status)
+        try:
+            return f"killed by {signal.Signals(number).name}"
+        except ValueError:
+            return f"killed by signal {number}"
+    return f"exited with status {os.WEXITSTATUS(status)}" if os.WIFEXITED(status) else None
 
 
 def _process_alive(pid: int) -> bool:
@@ -214,7 +232,13 @@ def _report_uncaught_exceptions() -> None:
     previous = sys.excepthook
 
     def hook(kind, error, traceback):
+        from .peer_failures import LIBRARY_COLLECTIVE, peer_failed_error
+
         report_failure(error)
+        failed = peer_failed_error(error, LIBRARY_COLLECTIVE) if isinstance(error, Exception) else None
+        if failed is not None:  # printed as our error, the library's chained: Note: [Collectives a library issues]
+            failed.__cause__ = error
+            kind, error, traceback = type(failed), failed, None
         previous(kind, error, traceback)
 
     sys.excepthook = hook

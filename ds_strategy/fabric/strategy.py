@@ -28,6 +28,7 @@ from ..adapters.engine_owner import (
 from ..adapters.optimizer_sections import optimizers_to_train
 from ..adapters.precision_flag import reconcile_precision
 from ..adapters.state_dict_type import checked_state_dict_type
+from ..comm.peer_failures import name_failed_peers_in, naming_failed_peers
 from ..compose import Composed, TensorParallelism, build_mesh, compose_model
 from ..config import ZeroConfig
 from ..config.sources import LoadedConfig, load_config
@@ -398,6 +399,26 @@ class ZeroFabricStrategy(ZeroFabricCheckpointing, EngineOwnerMixin, DDPStrategy)
         engine.clip_grad_value_(float(clip_val), optimizer=_held(engine, optimizer))
 
 
+# Where a Fabric loop hands control to code that talks to other ranks (the forward: ZeroFabricPrecision's
+# forward_context); Note: [Collectives a library issues] in ds_strategy.comm.peer_failures.
+name_failed_peers_in(
+    ZeroFabricStrategy,
+    (
+        "barrier",
+        "broadcast",
+        "all_reduce",
+        "all_gather",
+        "reduce_boolean_decision",
+        "save_checkpoint",
+        "load_checkpoint",
+        "pipeline_step",
+        "backward",
+        "optimizer_step",
+        "clip_gradients_norm",
+    ),
+)
+
+
 def _held(engine: ZeroEngine, optimizer: Optimizer | None) -> Optimizer | None:
     """``optimizer`` when it trains ``engine``'s model (its parameters are the ones meant), else None (all)."""
     return optimizer if optimizer is not None and engine.holds(optimizer) else None
@@ -425,8 +446,11 @@ class ZeroFabricPrecision(Precision):
             data, torch.Tensor, lambda t: t.to(self.compute_dtype) if t.is_floating_point() else t
         )
 
-    def forward_context(self) -> contextlib.AbstractContextManager:
-        return autocast_for(self.precision, self.device_type)
+    @contextlib.contextmanager
+    def forward_context(self):
+        """Autocast, and a peer that fails during the forward (a tensor-parallel redistribution) named."""
+        with naming_failed_peers("the forward"), autocast_for(self.precision, self.device_type):
+            yield
 
     def tensor_init_context(self) -> contextlib.AbstractContextManager:
         """``fabric.init_module()`` under "-true" creates the weights 16-bit, as Fabric's HalfPrecision does."""

@@ -19,6 +19,7 @@ from ..adapters.micro_batch import check_micro_batch
 from ..adapters.precision_flag import reconcile_precision
 from ..adapters.state_dict_type import checked_state_dict_type
 from ..comm.accounting import StepCommMeter
+from ..comm.peer_failures import name_failed_peers_in
 from ..comm.process_exit import destroy_process_groups_at_exit
 from ..comm.rank_failure import report_failure
 from ..compose import TensorParallelism, Unparallelized, build_mesh, compose_model
@@ -341,7 +342,27 @@ def zero_strategy_for(package: str, module: str) -> type:
         "__module__": module,
         "precision_class": zero_precision_for(package, module),
     }
-    return type("ZeroStrategy", (ZeroCheckpointing, ZeroStrategyMixin, ddp), namespace)
+    return name_failed_peers_in(type("ZeroStrategy", (ZeroCheckpointing, ZeroStrategyMixin, ddp), namespace), SEAMS)
+
+
+# Where a Lightning fit hands control to code that talks to other ranks: its collectives, the checkpoint's save
+# and load (whatever they write: Note: [Collectives a library issues] in ds_strategy.comm.peer_failures), the steps
+# (a tensor-parallel forward's DTensor redistributions, torchmetrics' syncs, the pipeline's send/recv) and the step.
+SEAMS = (
+    "barrier",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "reduce_boolean_decision",
+    "save_checkpoint",
+    "load_checkpoint",
+    "training_step",
+    "validation_step",
+    "test_step",
+    "predict_step",
+    "backward",
+    "optimizer_step",
+)
 
 
 ZeroStrategy = zero_strategy_for("lightning.pytorch", __name__)

@@ -59,6 +59,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ..comm.peer_failures import naming_failed_peers
 from ..config.policies import ParallelismPolicy
 from ..parallel.mesh import ParallelMesh
 from ..parallel.pipeline_schedules import schedule_class, stages_per_rank
@@ -180,6 +181,7 @@ class PipelineRunner:
         self._last_run_trained = train
         return self._mean_loss(losses, loss_scale)
 
+    @naming_failed_peers("the pipeline's training step")  # torch's send/recv: Note: [Collectives a library issues]
     def train_step(self, inputs, target, loss_fn: Callable, grad_scale: float = 1.0) -> torch.Tensor:
         """One forward and backward of ``inputs`` (batch-first; the first stage reads it) against ``target`` (the
         last stage's ``loss_fn(output, target)``, a mean over the micro-batch). The gradients, times
@@ -194,6 +196,7 @@ class PipelineRunner:
         return loss
 
     @torch.no_grad()
+    @naming_failed_peers("the pipeline's evaluation step")
     def eval_step(self, inputs, target, loss_fn: Callable) -> torch.Tensor:
         """The schedule's forward-only path: the mean loss over micro-batches, the same on every rank."""
         loss = self._run(False, inputs, target, loss_fn)

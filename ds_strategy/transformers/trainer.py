@@ -50,6 +50,7 @@ from .. import checkpoint
 from ..accelerate import ZeroAccelerator
 from ..accelerate.checkpointing import SHARDED_DIR
 from ..checkpoint import CheckpointError
+from ..comm.peer_failures import name_failed_peers_in
 from ..config import ZeroConfig
 from . import build_hook
 from .frozen_models import TrainerAccelerator
@@ -70,6 +71,13 @@ class ZeroTrainerMixin:
     # Whether the trainer's loss is a sum over tokens that a Ulysses group can split (Note: [The Trainer's loss over
     # a sequence-parallel group]); a loss of whole sequences (DPO's) is not.
     supports_sequence_parallel = True
+
+    def __init_subclass__(cls, **kwargs: Any):
+        """Every Trainer built on this mixin names a rank that fails in its loops, whatever library collective (the
+        Trainer's metric gathers and checkpoint exchanges, accelerate's) was waiting on it: Note: [Collectives a
+        library issues] in ``ds_strategy.comm.peer_failures``."""
+        super().__init_subclass__(**kwargs)
+        name_failed_peers_in(cls, ("train", "evaluate", "predict"))
 
     def __init__(self, *args: Any, zero_config: Any = None, **kwargs: Any):
         self._zero_source = zero_config

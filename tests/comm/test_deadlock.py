@@ -175,7 +175,9 @@ def test_a_peer_that_leaves_is_reported_as_a_failed_peer_before_the_timeout(outc
     error = outcomes[0]["peer leaves"]
     assert error["type"] == "PeerFailedError", error
     assert error["seconds"] < PEER_TIMEOUT, error
-    assert error["message"].startswith("rank 0: all_reduce for unit blocks.0 failed because another rank died")
+    because = "rank 0: all_reduce for unit blocks.0 failed because "
+    # named once its process has exited (within a second), else by the closed connection alone
+    assert error["message"].startswith((f"{because}rank 1 left the job", f"{because}another rank died")), error
 
 
 def _hold_the_gil(stop: threading.Event) -> None:

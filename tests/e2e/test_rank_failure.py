@@ -3,10 +3,15 @@
 while rank 0 goes on into the step's collectives (``scripts/lightning_faults.py``). The collective timeout is
 300 s, so ending before it shows the failure was detected, not timed out (how soon is a benchmark's business, not a
 test's: ``benchmarks/failure_detection.py`` measures it); see ``ds_strategy/comm/rank_failure.py``, [How a failed rank
-ends the job]."""
+ends the job]. Rank 1 SIGKILLed inside a ``ModelCheckpoint`` save, where rank 0 waits in DCP's own collectives, is
+named the same way (Note: [Collectives a library issues] in ``ds_strategy/comm/peer_failures.py``)."""
+
+import os
+import sys
 
 import pytest
-from e2e_runs import output, run_lightning_fault
+import torch
+from e2e_runs import SCRIPTS, output, run, run_lightning_fault
 
 pytestmark = pytest.mark.slow  # multi-rank scenarios of tens of seconds: not in the fast tier
 
@@ -39,3 +44,29 @@ def test_the_job_exits_non_zero_before_the_collective_timeout(failed_run):
     _, result, failed_at, _, ended = failed_run
     assert result.returncode != 0
     assert ended - failed_at < COLLECTIVE_TIMEOUT_S, ended - failed_at
+
+
+@pytest.fixture(scope="module")
+def killed_in_a_save(tmp_path_factory):
+    """The operator's report of issue 51: rank 1 SIGKILLed as it writes its shard of step 2's ``ModelCheckpoint``
+    save (``lightning_faults.py save_sigkill``), then ``fit(ckpt_path="last")`` and an uninterrupted fit."""
+    out = tmp_path_factory.mktemp("killed_in_a_save")
+    killed = run_lightning_fault("save_sigkill", out)
+    resumed = run([sys.executable, SCRIPTS / "lightning_faults.py", "resume", out], cwd=out, timeout=240)
+    return out, killed, resumed, torch.load(out / "result.pt", weights_only=False)
+
+
+def test_a_rank_killed_in_a_lightning_checkpoint_save_is_named_and_the_save_left_unpublished(killed_in_a_save):
+    out, (result, failed_at, said_at, ended), _, _ = killed_in_a_save
+    assert result.returncode != 0 and ended - failed_at < COLLECTIVE_TIMEOUT_S, output(result)[-3000:]
+    assert said_at is not None and said_at - failed_at < COLLECTIVE_TIMEOUT_S, output(result)[-3000:]
+    saving = f"saving the checkpoint {out / 'ckpts' / 'epoch=1-step=2.ckpt'} failed because rank 1 died without raising"
+    assert saving in result.stderr and "PeerFailedError" in result.stderr, output(result)[-3000:]
+    assert sorted(os.listdir(out / "ckpts")) == [".epoch=1-step=2.ckpt.partial", "epoch=0-step=1.ckpt", "last.ckpt"]
+
+
+def test_fit_resumed_from_the_last_complete_checkpoint_equals_the_uninterrupted_fit(killed_in_a_save):
+    _, _, resumed, result = killed_in_a_save
+    uninterrupted, after = result["uninterrupted"], result["resumed"]
+    assert after["losses"] == uninterrupted["losses"][1:]  # resumed from step 1, the last save that completed
+    assert all(torch.equal(after["final"][name], value) for name, value in uninterrupted["final"].items())

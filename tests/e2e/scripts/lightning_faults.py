@@ -6,6 +6,8 @@
 MODE ``raise``, ``oom`` or ``sigkill``: in its training_step, rank 1 writes ``OUT_DIR/failed_at`` (its clock) and
 raises a ValueError, raises ``torch.OutOfMemoryError``, or SIGKILLs itself, while rank 0 goes on into the step's
 collectives. ``collective_timeout`` is ``TIMEOUT`` (300 s), so a run that ends quickly was not timed out.
+MODE ``save_sigkill``: a ``ModelCheckpoint`` saves after every step (and ``last.ckpt``); rank 1 SIGKILLs itself as it
+starts writing its shard of step ``FAULT_STEP``'s checkpoint (the operator's report of issue 51).
 MODE ``sigterm``: rank 1 sends itself SIGTERM in its training_step of step ``FAULT_STEP``; the job must save
 ``OUT_DIR/ckpts/last.ckpt`` at the end of that step and exit.
 MODE ``resume``: ``fit(ckpt_path="last")`` from that checkpoint to ``STEPS``, then, in the same process group, an
@@ -25,6 +27,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from ds_strategy.checkpoint.storage import ChecksummedWriter
 from ds_strategy.lightning import ZeroStrategy
 
 STEPS, FAULT_STEP, ROWS_PER_RANK, WIDTH = 4, 2, 4, 32
@@ -48,6 +51,18 @@ class Regression(pl.LightningModule):
         loss = (self.layers(x) - y).square().mean()
         self.losses.append(loss.item())
         return loss
+
+    def on_train_start(self):
+        if self.mode == "save_sigkill" and self.global_rank == 1:
+            write_data = ChecksummedWriter.write_data
+
+            def killed_while_writing(writer, *args, **kwargs):
+                if self.trainer.global_step == FAULT_STEP:
+                    Path(self.out, "failed_at").write_text(repr(time.time()))
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return write_data(writer, *args, **kwargs)
+
+            ChecksummedWriter.write_data = killed_while_writing
 
     def _disrupt(self) -> None:
         if self.mode == "sigterm":
@@ -95,6 +110,8 @@ def trainer(out: Path, **kwargs) -> pl.Trainer:
 
 def main(mode: str, out: Path) -> None:
     checkpoints = ModelCheckpoint(dirpath=out / "ckpts", save_top_k=0)
+    if mode == "save_sigkill":
+        checkpoints = ModelCheckpoint(dirpath=out / "ckpts", every_n_train_steps=1, save_top_k=-1, save_last=True)
     if mode != "resume":
         trainer(out, callbacks=[checkpoints]).fit(Regression(mode, out), loader())
         return
