@@ -85,6 +85,7 @@ def build_mesh(config: ZeroConfig, device_type: str, names: dict[str, str] | Non
         sequence_parallel_size=config.sequence_parallel_size,
         pipeline_parallel_size=config.pipeline_parallel_size,
         collective_timeout=config.collective_timeout,
+        expert_parallel_size=config.expert_parallel_size,
     )
 
 
@@ -160,7 +161,7 @@ def recompose_engine(
 
 def _model_parallel(mesh: ParallelMesh | None) -> ParallelMesh | None:
     """``mesh``, or None when it has no model-parallel dimension: ZeRO then shards over the default group."""
-    if mesh is None or max(mesh.tp_size, mesh.sp_size, mesh.pp_size) == 1:
+    if mesh is None or max(mesh.tp_size, mesh.sp_size, mesh.pp_size, mesh.ep_size) == 1:
         return None
     return mesh
 
