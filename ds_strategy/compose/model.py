@@ -14,6 +14,11 @@ Note: [The order of composition]
   2. Tensor parallelism: the user's ``parallelize_fn`` and/or the configured plan turn weights into DTensors. Early,
      because every later step sees parameters: Ulysses reads the local head count, the pipeline cut keeps the
      (already split) pieces, the engine flattens local shards.
+  2b. Expert parallelism: every experts container of a mixture-of-experts model (:mod:`ds_strategy.parallel.
+     moe_layers` finds them) keeps this rank's experts and routes tokens over the expert-parallel group
+     (:mod:`ds_strategy.parallel.expert_parallel`). Beside tensor parallelism (which it does not compose with yet),
+     and like it before the cut, placement and the optimizer, which then see this rank's experts only; the engine
+     (step 9) shards them over the expert-data-parallel group.
   3. Ulysses attention: the attention function swapped for one that all-to-alls over the sequence-parallel group.
      After tensor parallelism (it splits the heads that rank holds) and before the cut (the cut must not drop it).
      Then sequence tiling (:mod:`ds_strategy.sequence_tiling`): MLPs and the causal-LM loss over tiles of the
@@ -49,13 +54,15 @@ from torch.optim import Optimizer
 from ..config import ZeroConfig
 from ..config.auto_values import hidden_size_of
 from ..offload import step_runner_for
+from ..parallel.expert_parallel import is_expert_parallel, shard_experts
 from ..parallel.mesh import ParallelMesh, build_parallel_mesh
+from ..parallel.moe_layers import find_experts_containers
 from ..parallel.pipeline_split import StagePlan, cut_to_stages, plan_stages
 from ..parallel.ulysses import attend_with_ulysses, gradient_divide_factor
 from ..pipeline import PipelineRunner, model_part
 from ..sequence_tiling import apply_sequence_tiling
 from ..zero.engine import ZeroEngine
-from ..zero.groups import EngineGroups
+from ..zero.groups import EngineGroups, ExpertShards
 from ..zero.sharded_optimizers import as_optimizer_list
 from ..zero.wrap_policy import select_unit_modules
 from .activation_checkpointing import apply_activation_checkpointing
@@ -123,6 +130,7 @@ def compose_model(
     names = names_of_parameters(module, optimizers)  # 1
     module = _tensor_parallel(module, mesh, config, parallelize_fn, default_plan, replicate_unparallelized)  # 2
     inner = _uncompiled(module)
+    _expert_parallel(inner, mesh)  # 2b
     _sequence(inner, config, mesh)  # 3
     stage_plan = _cut_for_pipeline(inner, config, mesh)  # 4
     rebind_optimizers(optimizers, names, module)  # 5
@@ -196,6 +204,19 @@ def _tensor_parallel(
     return module
 
 
+def _expert_parallel(module: nn.Module, mesh: ParallelMesh | None) -> None:
+    """Step 2b: each experts container cut to this rank's experts, routing over the expert-parallel group."""
+    if mesh is None or mesh.ep_size == 1:
+        return
+    if any(p.is_meta for p in module.parameters()):
+        raise ValueError(
+            "expert_parallel_size > 1 with a model built on the meta device is not supported yet: build it on the "
+            "CPU (each rank keeps its experts only), or use expert_parallel_size=1"
+        )
+    for _, experts in find_experts_containers(module):
+        shard_experts(experts, mesh.ep_collectives)
+
+
 def _sequence(module: nn.Module, config: ZeroConfig, mesh: ParallelMesh | None) -> None:
     """Step 3: Ulysses attention over the mesh's sequence-parallel collectives, then sequence tiling."""
     if mesh is not None and mesh.sp_collectives is not None:
@@ -257,7 +278,13 @@ def _engine(
     factor) needs of it."""
     groups = EngineGroups()
     if mesh is not None:
-        groups = EngineGroups(mesh.zero_group, mesh.tp_collectives, mesh.pp_collectives, mesh.sp_collectives)
+        experts = _expert_shards(module, mesh)
+        if experts is not None:
+            held = {id(m) for _, m in experts.modules}
+            units = [(name, unit) for name, unit in units if id(unit) not in held]
+        groups = EngineGroups(
+            mesh.zero_group, mesh.tp_collectives, mesh.pp_collectives, mesh.sp_collectives, experts=experts
+        )
     engine = ZeroEngine(
         module,
         optimizers,
@@ -271,6 +298,14 @@ def _engine(
     if mesh is not None and mesh.sp_size > 1:
         engine.set_gradient_divide_factor(gradient_divide_factor(engine.world_size, mesh.sp_size))
     return engine
+
+
+def _expert_shards(module: nn.Module, mesh: ParallelMesh) -> ExpertShards | None:
+    """The experts containers step 2b sharded, for the engine to shard over the expert-data-parallel group."""
+    if mesh.ep_size == 1:
+        return None
+    modules = tuple((name, m) for name, m in module.named_modules() if is_expert_parallel(m))
+    return ExpertShards(modules, mesh.edp_group, mesh.ep_collectives)
 
 
 def _pipeline_runner(

@@ -40,3 +40,53 @@ def layer_matches_unsharded(rank: int, world_size: int, name: str) -> dict:
             worst = max(worst, (p.grad - rows).abs().max().item())
     routed = {k: v.tolist() for k, v in tokens_per_expert(model).items()}
     return {"loss": loss.item(), "reference": mine_reference.item(), "grad_diff": worst, "routed": routed}
+
+
+def _global_mean(value: torch.Tensor, world_size: int) -> float:
+    value = value.detach().clone()
+    torch.distributed.all_reduce(value)
+    return value.item() / world_size
+
+
+def zero_with_experts_matches_one_process(rank: int, world_size: int, name: str, stage: int, ep: int) -> dict:
+    """ZeRO at ``stage`` with ``expert_parallel_size=ep`` on every rank's batch, against one process training the
+    unsharded model on the global batch: per-step losses, gradient norms (clipped, so the norm spanning both kinds of
+    parameters steers the update) and the exported weights."""
+    from ds_strategy.compose import build_mesh, compose_model
+    from ds_strategy.config import ZeroConfig
+
+    config = ZeroConfig(stage=stage, expert_parallel_size=ep)
+    mesh = build_mesh(config, "cpu")
+    model = moe_models.build(name)
+    composed = compose_model(
+        model,
+        config,
+        mesh=mesh,
+        device=torch.device("cpu"),
+        log=lambda message: None,
+        build_optimizers=lambda: [torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)],
+    )
+    engine = composed.engine
+    reference = moe_models.build(name)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-6)
+    result = {"losses": [], "reference_losses": [], "norms": [], "reference_norms": []}
+    for step in range(3):
+        everything, mine = _batch(rank, world_size, seed=step)
+        loss = model(input_ids=mine, labels=mine).loss
+        engine.backward(loss)
+        result["norms"].append(engine.clip_grad_norm_(0.05).item())
+        engine.step()
+        result["losses"].append(_global_mean(loss, world_size))
+        reference_loss = reference(input_ids=everything, labels=everything).loss
+        reference_loss.backward()
+        result["reference_norms"].append(torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        result["reference_losses"].append(reference_loss.item())
+    exported = engine.full_state_dict()
+    if rank == 0:
+        expected = reference.state_dict()
+        assert exported.keys() == expected.keys()
+        result["weight_diff"] = max((exported[k] - expected[k]).abs().max().item() for k in expected)
+    result["comm"] = engine.comm_stats()
+    return result
