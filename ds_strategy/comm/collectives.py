@@ -474,9 +474,7 @@ class Collectives:
         return self._launch(
             "all_to_all",
             nbytes,
-            lambda: dist.all_to_all_single(
-                output, input, output_splits, input_splits, group=self.group, async_op=True
-            ),
+            lambda: dist.all_to_all_single(output, input, output_splits, input_splits, group=self.group, async_op=True),
             input.device,
             label=label,
         )

@@ -116,5 +116,7 @@ def tokens_per_expert(model: nn.Module) -> dict[str, torch.Tensor]:
     """Each expert-parallel container's last forward: how many of this rank's tokens chose each expert, by the
     container's name (a logger sums them over ranks, or plots the imbalance as they are)."""
     return {
-        name: m.routed_tokens for name, m in model.named_modules() if is_expert_parallel(m) and m.routed_tokens is not None
+        name: m.routed_tokens
+        for name, m in model.named_modules()
+        if is_expert_parallel(m) and m.routed_tokens is not None
     }

@@ -36,7 +36,9 @@ def find_experts_containers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     found = [(name, m) for name, m in model.named_modules() if is_experts_container(m)]
     if found:
         return found
-    per_expert = [name for name, m in model.named_modules() if name.endswith("experts") and isinstance(m, nn.ModuleList)]
+    per_expert = [
+        name for name, m in model.named_modules() if name.endswith("experts") and isinstance(m, nn.ModuleList)
+    ]
     if per_expert:
         raise ValueError(
             f"expert_parallel_size > 1 but {type(model).__name__} keeps one module per expert ({per_expert[0]!r}); "

@@ -384,6 +384,7 @@ class ZeroEngine:
         A model built on the meta device is initialised unit by unit instead (see :mod:`.sharded_init`), unless
         ``sync_module_states`` says rank 0 holds the real model, whose values then stream to the others.
         """
+
         def broadcast(t: torch.Tensor, collectives: Collectives = self.collectives) -> None:
             if collectives.world_size > 1:  # the unit's group's first rank: experts differ by expert-parallel rank
                 collectives.broadcast(t, src=0).wait()

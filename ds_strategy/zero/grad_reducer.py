@@ -270,9 +270,7 @@ class GradReducer:
                     if fp.grad_shard.dtype == send.dtype
                     else torch.empty(fp.shard_numel, dtype=send.dtype, device=send.device)
                 )
-                pending = collectives.reduce_scatter(
-                    out, send, label=f"gradients of {fp.name}", regions=fp.regions
-                )
+                pending = collectives.reduce_scatter(out, send, label=f"gradients of {fp.name}", regions=fp.regions)
                 launched = _Reduction(pending, fp, out, _Kind.SCATTERED_ONCE, 0)
             else:
                 send = fp.grad_full.to(self._comm_dtype(fp))

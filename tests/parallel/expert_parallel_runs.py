@@ -28,7 +28,10 @@ def layer_matches_unsharded(rank: int, world_size: int, name: str) -> dict:
     loss = model(input_ids=mine, labels=mine).loss
     loss.backward()
     total = sum(
-        reference(input_ids=everything[r * per_rank : (r + 1) * per_rank], labels=everything[r * per_rank : (r + 1) * per_rank]).loss
+        reference(
+            input_ids=everything[r * per_rank : (r + 1) * per_rank],
+            labels=everything[r * per_rank : (r + 1) * per_rank],
+        ).loss
         for r in range(world_size)
     )
     total.backward()
@@ -39,7 +42,28 @@ def layer_matches_unsharded(rank: int, world_size: int, name: str) -> dict:
             rows = getattr(ref, pname).grad.narrow(0, experts.first_expert, experts.num_experts)
             worst = max(worst, (p.grad - rows).abs().max().item())
     routed = {k: v.tolist() for k, v in tokens_per_expert(model).items()}
-    return {"loss": loss.item(), "reference": mine_reference.item(), "grad_diff": worst, "routed": routed}
+    return {
+        "loss": loss.item(),
+        "reference": mine_reference.item(),
+        "grad_diff": worst,
+        "routed": routed,
+        "meta_build": _refusal_of_a_meta_build(name, world_size),
+    }
+
+
+def _refusal_of_a_meta_build(name: str, ep: int) -> str:
+    """What composing a model built on the meta device under expert parallelism says (refused for now)."""
+    from ds_strategy.compose import build_mesh, compose_model
+    from ds_strategy.config import ZeroConfig
+
+    config = ZeroConfig(stage=3, expert_parallel_size=ep)
+    with torch.device("meta"):
+        model = moe_models.build(name)
+    try:
+        compose_model(model, config, mesh=build_mesh(config, "cpu"), device=torch.device("cpu"), log=print)
+    except ValueError as error:
+        return str(error)
+    return "not refused"
 
 
 def _global_mean(value: torch.Tensor, world_size: int) -> float:

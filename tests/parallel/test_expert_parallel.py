@@ -1,9 +1,14 @@
 """Expert parallelism (ds_strategy.parallel.expert_parallel) and ZeRO with experts, on real gloo ranks against the
 unsharded model."""
 
+import hf_models
+import moe_models
 import pytest
 from distributed import run_ranks
 from expert_parallel_runs import layer_matches_unsharded, zero_with_experts_matches_one_process
+from torch import nn
+
+from ds_strategy.parallel.moe_layers import find_experts_containers
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
@@ -12,6 +17,7 @@ def test_expert_parallel_layers_match_the_unsharded_model(name):
         assert result["loss"] == pytest.approx(result["reference"], abs=1e-5)
         assert result["grad_diff"] < 1e-5
         assert sum(sum(counts) for counts in result["routed"].values()) > 0
+        assert "built on the meta device is not supported yet" in result["meta_build"]
 
 
 @pytest.mark.slow
@@ -22,3 +28,35 @@ def test_zero_with_experts_matches_one_process(name, stage, ep):
         assert result["losses"] == pytest.approx(result["reference_losses"], abs=1e-5)
         assert result["norms"] == pytest.approx(result["reference_norms"], rel=1e-5)
     assert results[0]["weight_diff"] < 1e-5
+
+
+def test_experts_containers_are_found_in_transformers_moe_models():
+    import transformers
+
+    found = {
+        name: [(n, m.num_experts) for n, m in find_experts_containers(moe_models.build(name))]
+        for name in ("qwen3_moe", "deepseek_v3")
+    }
+    assert found["qwen3_moe"] == [(f"model.layers.{i}.mlp.experts", moe_models.EXPERTS) for i in (0, 1)]
+    assert found["deepseek_v3"] == [("model.layers.1.mlp.experts", moe_models.EXPERTS)]  # layer 0 is dense
+    mixtral = transformers.MixtralForCausalLM(hf_models.config("mixtral"))
+    assert [n for n, _ in find_experts_containers(mixtral)] == [
+        "model.layers.0.mlp.experts",
+        "model.layers.1.mlp.experts",
+    ]
+
+
+class _PerExpertMoe(nn.Module):
+    """One module per expert, the layout expert parallelism refuses."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(8, 4)
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+
+def test_one_module_per_expert_is_refused_by_name():
+    with pytest.raises(ValueError, match="keeps one module per expert \\('experts'\\)"):
+        find_experts_containers(_PerExpertMoe())
+    with pytest.raises(ValueError, match="has no experts container"):
+        find_experts_containers(nn.Linear(4, 4))
