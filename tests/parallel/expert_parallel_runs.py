@@ -114,3 +114,55 @@ def zero_with_experts_matches_one_process(rank: int, world_size: int, name: str,
         result["weight_diff"] = max((exported[k] - expected[k]).abs().max().item() for k in expected)
     result["comm"] = engine.comm_stats()
     return result
+
+
+def _composed(name: str, stage: int, ep: int):
+    from ds_strategy.compose import build_mesh, compose_model
+    from ds_strategy.config import ZeroConfig
+
+    config = ZeroConfig(stage=stage, expert_parallel_size=ep)
+    model = moe_models.build(name)
+    composed = compose_model(
+        model,
+        config,
+        mesh=build_mesh(config, "cpu"),
+        device=torch.device("cpu"),
+        log=lambda message: None,
+        build_optimizers=lambda: [torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)],
+    )
+    return model, composed.engine
+
+
+def _train_step(model, engine, rank: int, world_size: int, step: int) -> float:
+    _, mine = _batch(rank, world_size, seed=step)
+    loss = model(input_ids=mine, labels=mine).loss
+    engine.backward(loss)
+    engine.step()
+    return _global_mean(loss, world_size)
+
+
+def resumes_at_another_expert_parallel_size(rank: int, world_size: int, name: str, tmp: str) -> dict:
+    """Train 2 steps at stage 3 with ep=2 and save; load into stage 2 with ep=4 (and stage 1 with ep=1, no expert
+    parallelism at all) and take a third step in each: the same weights, then the same loss and weights as the
+    run that went on. The checkpoint also consolidates into the Hugging Face layout."""
+    from ds_strategy import checkpoint
+
+    saved_model, saved_engine = _composed(name, 3, 2)
+    for step in range(2):
+        _train_step(saved_model, saved_engine, rank, world_size, step)
+    checkpoint.save(f"{tmp}/ckpt", saved_model, saved_engine)
+    result = {"saved": saved_engine.full_state_dict(rank0_only=False)}
+    result["loss"] = _train_step(saved_model, saved_engine, rank, world_size, 2)
+    result["after"] = saved_engine.full_state_dict(rank0_only=False)
+    for stage, ep in ((2, 4), (1, 1)):
+        model, engine = _composed(name, stage, ep)
+        checkpoint.load(f"{tmp}/ckpt", model, engine)
+        result[ep] = {"loaded": engine.full_state_dict(rank0_only=False)}
+        result[ep]["loss"] = _train_step(model, engine, rank, world_size, 2)
+        result[ep]["after"] = engine.full_state_dict(rank0_only=False)
+    if rank == 0:
+        out = checkpoint.consolidate(f"{tmp}/ckpt", f"{tmp}/consolidated.safetensors")
+        from safetensors.torch import load_file
+
+        result["consolidated"] = load_file(out)
+    return result

@@ -4,8 +4,13 @@ unsharded model."""
 import hf_models
 import moe_models
 import pytest
+import torch
 from distributed import run_ranks
-from expert_parallel_runs import layer_matches_unsharded, zero_with_experts_matches_one_process
+from expert_parallel_runs import (
+    layer_matches_unsharded,
+    resumes_at_another_expert_parallel_size,
+    zero_with_experts_matches_one_process,
+)
 from torch import nn
 
 from ds_strategy.parallel.moe_layers import find_experts_containers
@@ -60,3 +65,19 @@ def test_one_module_per_expert_is_refused_by_name():
         find_experts_containers(_PerExpertMoe())
     with pytest.raises(ValueError, match="has no experts container"):
         find_experts_containers(nn.Linear(4, 4))
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_at_one_expert_parallel_size_resumes_at_another(tmp_path):
+    results = run_ranks(resumes_at_another_expert_parallel_size, 4, "qwen3_moe", str(tmp_path), timeout=300)
+    for result in results:
+        for ep in (4, 1):
+            for key, value in result["saved"].items():
+                assert torch.equal(result[ep]["loaded"][key], value), (ep, key)
+            assert result[ep]["loss"] == pytest.approx(result["loss"], abs=1e-6)
+            for key, value in result["after"].items():
+                torch.testing.assert_close(result[ep]["after"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    consolidated, saved = results[0]["consolidated"], results[0]["saved"]
+    assert consolidated.keys() == saved.keys()  # every expert under the model's own names: [num_experts, ...]
+    for key, value in saved.items():
+        assert torch.equal(consolidated[key], value), key
