@@ -41,7 +41,6 @@ from .flat_piece import FlatPiece, ScatteredPiece
 from .global_layout import global_runs
 from .manifest import Entry, Kind, StateKind
 
-
 Rows = tuple[int, int]  # an expert-parallel slot's (first row held, rows in all): Note: [Experts by their global index]
 
 

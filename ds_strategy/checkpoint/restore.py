@@ -30,7 +30,7 @@ from .errors import CheckpointError
 from .flat_piece import FlatPiece
 from .manifest import Manifest, StateKind, model_key, optimizer_key
 from .pipeline_manifest import model_entries
-from .rank_state import rows_of, global_group, piece_of, replicated_tensors, stored_names
+from .rank_state import global_group, piece_of, replicated_tensors, rows_of, stored_names
 
 
 @dataclass
