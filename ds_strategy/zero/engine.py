@@ -158,6 +158,8 @@ class ZeroEngine:
         self.tied_copies: dict[str, str] = {}  # the trainable ones, by _build_units (Note: [Tied copies])
         self.whole_model_names: tuple[str, ...] = self.part.whole_names
         self._setup_weight_gathering(_model_parallel(groups.sequence_parallel), pp_collectives)
+        if self.expert_collectives is not None:  # the experts' gathers and reductions (Note: [Expert units])
+            self.comm_groups["edp"] = self.expert_collectives
         factory = _step_runner_factory(step_runner, config)
         global_rank = dist.get_rank() if dist.is_initialized() else 0
         shard_store = factory.shard_store(config.offload_policy, global_rank)
@@ -829,7 +831,8 @@ class ZeroEngine:
     def comm_stats(self, group: str | None = None) -> dict[str, dict[str, float]]:
         """Calls, bytes and seconds waited per collective kind, summed over the groups that carry training data
         ("world"; under hpZ, "hpz"; and the mesh's model-parallel groups "tp", "sp", "pp", whose counters include the
-        model's own traffic over them: tensor-parallel sums, Ulysses all-to-alls, pipeline losses and tied weights),
+        model's own traffic over them: tensor-parallel sums, Ulysses all-to-alls, pipeline losses and tied weights;
+        under expert parallelism "edp", the experts' gathers and reductions, and "ep", the token all-to-alls),
         or for one of ``comm_groups``, which also holds "monitor" (the per-step sequence check's all-gather of 16
         bytes per rank, left out of the sum)."""
         if group is not None:
