@@ -689,7 +689,8 @@ class ZeroConfig:
             "and tokens travel to their experts' ranks and back with all-to-alls (dropless: the results equal the "
             "unsharded model's). Every rank still reads its own batch. ZeRO shards the other parameters over all "
             "ranks and the experts over the ranks holding the same ones (world size / this). Stages 1-3; not yet with "
-            "tensor, sequence or pipeline parallelism, offload, ZeRO++ or whole-tensor optimizers."
+            "tensor, sequence or pipeline parallelism, offload, ZeRO++, activation checkpointing or whole-tensor "
+            "optimizers."
         ),
     )
 

@@ -161,6 +161,7 @@ REFUSED_CONFIGS = (
             ("sequence_parallel_size", 2),
             ("offload_optimizer", "cpu"),
             ("offload_params", "cpu"),
+            ("activation_checkpointing", "full"),
         )
     ),
     ({"stage": 0, "expert_parallel_size": 2}, "expert_parallel_size=2 is not allowed with stage=0"),

@@ -72,14 +72,14 @@ def _global_mean(value: torch.Tensor, world_size: int) -> float:
     return value.item() / world_size
 
 
-def zero_with_experts_matches_one_process(rank: int, world_size: int, name: str, stage: int, ep: int) -> dict:
+def zero_with_experts_matches_one_process(rank: int, world_size: int, name: str, stage: int, ep: int, **fields) -> dict:
     """ZeRO at ``stage`` with ``expert_parallel_size=ep`` on every rank's batch, against one process training the
     unsharded model on the global batch: per-step losses, gradient norms (clipped, so the norm spanning both kinds of
-    parameters steers the update) and the exported weights."""
+    parameters steers the update) and the exported weights. ``fields``: more ZeroConfig fields."""
     from ds_strategy.compose import build_mesh, compose_model
     from ds_strategy.config import ZeroConfig
 
-    config = ZeroConfig(stage=stage, expert_parallel_size=ep)
+    config = ZeroConfig(stage=stage, expert_parallel_size=ep, **fields)
     mesh = build_mesh(config, "cpu")
     model = moe_models.build(name)
     composed = compose_model(

@@ -26,9 +26,16 @@ def test_expert_parallel_layers_match_the_unsharded_model(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "stage", "ep"), [("qwen3_moe", 3, 2), ("deepseek_v3", 2, 4), ("qwen3_moe", 1, 4)])
-def test_zero_with_experts_matches_one_process(name, stage, ep):
-    results = run_ranks(zero_with_experts_matches_one_process, 4, name, stage, ep, timeout=300)
+@pytest.mark.parametrize(
+    ("name", "stage", "ep", "fields"),
+    [
+        ("qwen3_moe", 3, 2, {}),
+        ("deepseek_v3", 2, 4, {}),
+        ("qwen3_moe", 1, 4, {}),
+    ],
+)
+def test_zero_with_experts_matches_one_process(name, stage, ep, fields):
+    results = run_ranks(zero_with_experts_matches_one_process, 4, name, stage, ep, timeout=300, **fields)
     for result in results:
         assert result["losses"] == pytest.approx(result["reference_losses"], abs=1e-5)
         assert result["norms"] == pytest.approx(result["reference_norms"], rel=1e-5)
