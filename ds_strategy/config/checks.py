@@ -149,7 +149,7 @@ def expert_parallel(name: str, value: Any, earlier: Mapping[str, Any]) -> int:
     """An expert-parallel group size, refused beside what does not compose with it yet, each named: the other
     model-parallel dimensions (the mesh has no place for experts among them yet), stage 0 (whose gradient norm
     spans one group only), offload and ZeRO++ (their buffers assume one group per engine), activation checkpointing
-    (a recomputed MoE layer's all-to-alls were seen to disagree across ranks)."""
+    (a recomputed DeepSeek-V3 MoE layer saved tensors of other shapes than its forward, cause not found yet)."""
     value = integer(1)(name, value, earlier)
     if value == 1:
         return value
@@ -166,7 +166,7 @@ def expert_parallel(name: str, value: Any, earlier: Mapping[str, Any]) -> int:
         "zero_quantized_weights": False,
         "zero_quantized_gradients": False,
         "zero_hpz_partition_size": 1,
-        "activation_checkpointing": "none",  # a recomputed dispatch was seen to exchange other counts: not yet
+        "activation_checkpointing": "none",  # a recomputed MoE layer saved other shapes than its forward: not yet
     }
     for other, default in alone.items():
         if earlier[other] != default:
