@@ -16,6 +16,13 @@ Under tensor parallelism a piece is stored in global coordinates (Note: [Tensor-
 coordinates]), and of a parameter every tensor-parallel rank holds whole, only tensor-parallel rank 0 writes it.
 Under pipeline parallelism each stage's data- and tensor-parallel rank 0 writes its replicated tensors, and a tied
 copy another stage owns is written by that stage alone (Note: [Pipeline stages in one checkpoint]).
+
+Note: [Experts by their global index]
+Under expert parallelism a rank holds rows ``first`` to ``first + local - 1`` of each experts container's stacked
+parameters (``[num_experts, ...]``), and its pieces are stored at those rows of the whole tensor, whose shape the
+manifest records: expert e is stored at row e whichever rank held it, so a checkpoint saved at one
+``expert_parallel_size`` (or world size, or stage) loads at another, each rank reading the rows it holds now. A
+range of whole rows is one contiguous range of the global flattening, so a piece stays one piece.
 """
 
 from __future__ import annotations
@@ -27,19 +34,37 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..parallel.expert_parallel import expert_rows
 from ..zero.engine import ZeroEngine
 from ..zero.flat_param import FlatParam, ParamSlot
 from .flat_piece import FlatPiece, ScatteredPiece
 from .global_layout import global_runs
 from .manifest import Entry, Kind, StateKind
 
+Rows = tuple[int, int]  # an expert-parallel slot's (first row held, rows in all): Note: [Experts by their global index]
+
+
+def rows_of(engine: ZeroEngine | None) -> dict[str, Rows]:
+    """Slot name -> (first row, total rows) of every stacked parameter of the engine's expert-parallel containers."""
+    if engine is None or engine.experts is None:
+        return {}
+    return {
+        f"{name}.{param}": (module.first_expert, module.global_experts)
+        for name, module in engine.experts.modules
+        for param in expert_rows(module)
+    }
+
 
 def piece_of(
-    tensor: torch.Tensor, fp: FlatParam, slot: ParamSlot, start: int, length: int
+    tensor: torch.Tensor, fp: FlatParam, slot: ParamSlot, start: int, length: int, rows: Rows | None = None
 ) -> FlatPiece | ScatteredPiece:
     """The piece ``[start, start + length)`` of ``slot``'s parameter within ``tensor``, which is laid out like
-    ``fp.master``, in the coordinates of the parameter's global flattening."""
+    ``fp.master``, in the coordinates of the parameter's global flattening (at ``rows``, for an expert-parallel
+    one)."""
     local = slot.offset - fp.master_base
+    if rows is not None:
+        row = slot.numel // slot.shape[0]
+        return FlatPiece(tensor.narrow(0, local + start, length), rows[0] * row + start, rows[1] * row)
     if not slot.tp_sharded:
         return FlatPiece(tensor.narrow(0, local + start, length), start, slot.numel)
     numel = math.prod(slot.tp.shape)
@@ -48,8 +73,11 @@ def piece_of(
     return parts[0] if len(parts) == 1 else ScatteredPiece(parts)
 
 
-def global_shape(slot: ParamSlot) -> tuple[int, ...]:
-    """The shape a checkpoint stores ``slot``'s parameter under: the DTensor's global shape, else its own."""
+def global_shape(slot: ParamSlot, rows: Rows | None = None) -> tuple[int, ...]:
+    """The shape a checkpoint stores ``slot``'s parameter under: the DTensor's global shape, every expert's rows,
+    else its own."""
+    if rows is not None:
+        return (rows[1], *slot.shape[1:])
     return tuple(slot.tp.shape if slot.tp is not None else slot.shape)
 
 
@@ -81,6 +109,7 @@ def describe(module: nn.Module, engine: ZeroEngine | None = None) -> dict[str, E
     that another pipeline stage owns is an alias of the owner's name."""
     flat = {id(p): (fp, slot) for fp in engine.flat_params for p, slot in zip(fp.params, fp.slots)} if engine else {}
     tied = engine.tied_copies if engine is not None else {}
+    rows = rows_of(engine)
     parameters = {id(p) for p in module.parameters()}
     first: dict[int, str] = {}
     entries: dict[str, Entry] = {}
@@ -94,7 +123,8 @@ def describe(module: nn.Module, engine: ZeroEngine | None = None) -> dict[str, E
         elif id(tensor) in flat:
             fp, slot = flat[id(tensor)]
             dtype = str(slot.dtype).removeprefix("torch.")
-            entries[name] = Entry(Kind.PARAMETER, global_shape(slot), group=global_group(engine, fp), dtype=dtype)
+            shape = global_shape(slot, rows.get(slot.name))
+            entries[name] = Entry(Kind.PARAMETER, shape, group=global_group(engine, fp), dtype=dtype)
         elif id(tensor) in parameters:
             entries[name] = Entry(Kind.PARAMETER if tensor.requires_grad else Kind.FROZEN, tuple(tensor.shape))
         else:
@@ -154,13 +184,14 @@ def model_state(module: nn.Module, engine: ZeroEngine | None = None) -> dict[str
     shard (not of tied copies), and (rank 0) every replicated tensor flattened to 1-D."""
     state: dict[str, FlatPiece | torch.Tensor] = {}
     if engine is not None:
-        names = stored_names(engine)
+        names, rows = stored_names(engine), rows_of(engine)
         for fp in engine.flat_params:
             if fp.tied_copy:  # the owning stage writes it: Note: [Pipeline stages in one checkpoint]
                 continue
             for slot, start, length in fp.shard_slots():
                 if writes_slot(engine, slot):
-                    state[names[id(fp), slot.name]] = piece_of(fp.master, fp, slot, start, length)
+                    piece = piece_of(fp.master, fp, slot, start, length, rows.get(slot.name))
+                    state[names[id(fp), slot.name]] = piece
     if writes_replicated(engine):
         for name, tensor in replicated_tensors(module, engine).items():
             state[name] = tensor.detach().reshape(-1)
@@ -184,7 +215,7 @@ def optimizer_state(engine: ZeroEngine) -> dict[str, Any]:
     Elementwise states are pieces like the parameters'; a scalar state is written by the rank holding its
     parameter's first element. The loss scaler decides whether a step happens, so it travels with the optimizer.
     """
-    names = stored_names(engine)
+    names, rows = stored_names(engine), rows_of(engine)
     state: dict[str, dict[str, Any]] = {}
     for fp in engine.flat_params:
         if fp.tied_copy:
@@ -197,7 +228,7 @@ def optimizer_state(engine: ZeroEngine) -> dict[str, Any]:
             entries = {}
             for key, value in slot_state.items():
                 if state_kind(key, value, like, fp) is StateKind.ELEMENTWISE:
-                    entries[key] = _state_piece(value, like, fp, slot, start, length)
+                    entries[key] = _state_piece(value, like, fp, slot, start, length, rows.get(slot.name))
                 elif start == 0 and _tensor_parallel_rank(engine) == 0:
                     entries[key] = value
             state[names[id(fp), slot.name]] = entries
@@ -216,13 +247,19 @@ def optimizer_state(engine: ZeroEngine) -> dict[str, Any]:
 
 
 def _state_piece(
-    value: torch.Tensor, like: torch.Tensor, fp: FlatParam, slot: ParamSlot, start: int, length: int
+    value: torch.Tensor,
+    like: torch.Tensor,
+    fp: FlatParam,
+    slot: ParamSlot,
+    start: int,
+    length: int,
+    rows: Rows | None = None,
 ) -> FlatPiece | ScatteredPiece:
     """The piece ``[start, start + length)`` of ``slot``'s state ``value``, laid out like ``like``: the flat
     master (cut like the parameter's piece), or the whole parameter's view (whole-tensor parameters are never split
     by tensor parallelism, so their local flattening is the global one)."""
     if like is fp.master:
-        return piece_of(value, fp, slot, start, length)
+        return piece_of(value, fp, slot, start, length, rows)
     return FlatPiece(value.reshape(-1).narrow(0, start, length), start, slot.numel)
 
 

@@ -30,7 +30,7 @@ from .errors import CheckpointError
 from .flat_piece import FlatPiece
 from .manifest import Manifest, StateKind, model_key, optimizer_key
 from .pipeline_manifest import model_entries
-from .rank_state import global_group, piece_of, replicated_tensors, stored_names
+from .rank_state import global_group, piece_of, replicated_tensors, rows_of, stored_names
 
 
 @dataclass
@@ -79,13 +79,13 @@ def plan_restore(
             restore.replicated.append((tensor, key))
     if engine is None:
         return restore
-    names = stored_names(engine)
+    names, rows = stored_names(engine), rows_of(engine)
     for fp in engine.flat_params:
         staged = fp.master.detach().clone()
         for slot, start, length in fp.master_slots():
             source = manifest.source_of(names[id(fp), slot.name])
             if source is not None:
-                restore.targets[model_key(source)] = piece_of(staged, fp, slot, start, length)
+                restore.targets[model_key(source)] = piece_of(staged, fp, slot, start, length, rows.get(slot.name))
         restore.masters.append((fp, staged))
     if load_optimizer and engine.optimizers and manifest.optimizer_state is not None:
         _check_param_groups(engine, manifest, meta, where)
@@ -95,7 +95,8 @@ def plan_restore(
             if fp.whole:
                 restore.optimizer_states += _plan_whole_states(fp, names, manifest, metadata, restore)
             else:
-                restore.optimizer_states.append(_plan_optimizer_state(fp, names, manifest, metadata, restore, where))
+                staged = _plan_optimizer_state(fp, names, manifest, metadata, restore, where, rows)
+                restore.optimizer_states.append(staged)
     return restore
 
 
@@ -137,6 +138,7 @@ def _plan_optimizer_state(
     metadata: Metadata,
     restore: Restore,
     where: Path,
+    rows: dict[str, tuple[int, int]],
 ) -> StagedOptimizerState:
     """Targets for ``fp``'s optimizer state. Scalars are read from the first parameter of ``fp`` (every parameter
     of a flat buffer steps together), which need not lie in this rank's shard."""
@@ -158,7 +160,7 @@ def _plan_optimizer_state(
                     f"{where}: parameter {source} has no elementwise optimizer state {key!r} but "
                     f"{sources[0]}, which shares its flat buffer now, does"
                 )
-            restore.targets[optimizer_key(source, key)] = piece_of(staged, fp, slot, start, length)
+            restore.targets[optimizer_key(source, key)] = piece_of(staged, fp, slot, start, length, rows.get(slot.name))
         staged_state.elementwise[key] = staged
     return staged_state
 

@@ -440,15 +440,24 @@ class Collectives:
             label=label,
         )
 
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, label: str = "") -> PendingCollective:
-        """Send the r-th of ``world_size`` equal chunks of ``input`` to rank r; chunk r of ``output`` comes from r."""
+    def all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        label: str = "",
+        output_splits: list[int] | None = None,
+        input_splits: list[int] | None = None,
+    ) -> PendingCollective:
+        """Send the r-th of ``world_size`` equal chunks of ``input`` to rank r; chunk r of ``output`` comes from r.
+        With ``input_splits`` and ``output_splits`` the chunks along the first dimension have those lengths (an
+        expert-parallel dispatch: each rank sends each other rank as many tokens as chose its experts)."""
         nbytes = input.numel() * input.element_size()
         if not dist.is_initialized():
             output.copy_(input)
         return self._launch(
             "all_to_all",
             nbytes,
-            lambda: dist.all_to_all_single(output, input, group=self.group, async_op=True),
+            lambda: dist.all_to_all_single(output, input, output_splits, input_splits, group=self.group, async_op=True),
             input.device,
             label=label,
         )

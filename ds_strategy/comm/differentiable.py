@@ -1,5 +1,6 @@
 """Collectives that autograd differentiates, for the model parallelism that exchanges activations: the all-to-all
-Ulysses swaps a sequence split for a head split with, and the two sums over ranks tensor and sequence parallelism
+Ulysses swaps a sequence split for a head split with, the uneven one expert parallelism sends tokens to their
+experts' ranks and back with, and the two sums over ranks tensor and sequence parallelism
 need (Megatron's f and g). Each runs through the ``Collectives`` it is given (:func:`~.group_collectives.
 collectives_for`), in forward and in backward, so it is timed out, names a failed rank and is counted by kind
 ("all_to_all", "all_reduce").
@@ -73,3 +74,26 @@ class AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return _exchanged(grad, ctx.group, f"{ctx.label}.backward"), None, None
+
+
+def _exchanged_uneven(tensor: torch.Tensor, group, label: str, sent: list[int], received: list[int]) -> torch.Tensor:
+    send = tensor.detach().contiguous()
+    out = send.new_empty((sum(received), *send.shape[1:]))
+    collectives_for(group).all_to_all(out, send, label=label, output_splits=received, input_splits=sent).wait()
+    return out
+
+
+class AllToAllUneven(torch.autograd.Function):
+    """The first ``sent[r]`` rows after those for lower ranks go to rank r, and the result holds ``received[r]`` rows
+    from each rank r in rank order. Backward is the same exchange with the two lists swapped: every gradient row
+    returns to the rank its value came from."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group, sent: list[int], received: list[int], label: str = "all_to_all"):
+        ctx.group, ctx.label, ctx.sent, ctx.received = collectives_for(group), label, sent, received
+        return _exchanged_uneven(tensor, ctx.group, label, sent, received)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        back = _exchanged_uneven(grad, ctx.group, f"{ctx.label}.backward", ctx.received, ctx.sent)
+        return back, None, None, None, None

@@ -15,6 +15,11 @@ Note: [The order of composition]
      because every later step sees parameters: Ulysses reads the local head count, the pipeline cut keeps the
      (already split) pieces, the engine flattens local shards. The function may return the model compiled: the
      adapter hands that back, and every later step works on the model inside the wrapper, under its own names.
+  2b. Expert parallelism: every experts container of a mixture-of-experts model (:mod:`ds_strategy.parallel.
+     moe_layers` finds them) keeps this rank's experts and routes tokens over the expert-parallel group
+     (:mod:`ds_strategy.parallel.expert_parallel`). Beside tensor parallelism (which it does not compose with yet),
+     and like it before the cut, placement and the optimizer, which then see this rank's experts only; the engine
+     (step 9) shards them over the expert-data-parallel group.
   3. Ulysses attention: the attention function swapped for one that all-to-alls over the sequence-parallel group.
      After tensor parallelism (it splits the heads that rank holds) and before the cut (the cut must not drop it).
      Then sequence tiling (:mod:`ds_strategy.sequence_tiling`): MLPs and the causal-LM loss over tiles of the
@@ -52,13 +57,15 @@ from torch.optim import Optimizer
 from ..config import ZeroConfig
 from ..config.auto_values import hidden_size_of
 from ..offload import step_runner_for
+from ..parallel.expert_parallel import is_expert_parallel, shard_experts
 from ..parallel.mesh import ParallelMesh, build_parallel_mesh
+from ..parallel.moe_layers import find_experts_containers
 from ..parallel.pipeline_split import StagePlan, cut_to_stages, plan_stages
 from ..parallel.ulysses import attend_with_ulysses, gradient_divide_factor
 from ..pipeline import PipelineRunner, model_part
 from ..sequence_tiling import apply_sequence_tiling
 from ..zero.engine import ZeroEngine
-from ..zero.groups import EngineGroups
+from ..zero.groups import EngineGroups, ExpertShards
 from ..zero.sharded_optimizers import as_optimizer_list
 from ..zero.wrap_policy import select_unit_modules
 from .activation_checkpointing import apply_activation_checkpointing
@@ -88,6 +95,7 @@ def build_mesh(config: ZeroConfig, device_type: str, names: dict[str, str] | Non
         sequence_parallel_size=config.sequence_parallel_size,
         pipeline_parallel_size=config.pipeline_parallel_size,
         collective_timeout=config.collective_timeout,
+        expert_parallel_size=config.expert_parallel_size,
     )
 
 
@@ -120,6 +128,7 @@ def compose_model(
     early = [] if callable(optimizers) else as_optimizer_list(optimizers)
     names = names_of_parameters(module, early)  # 1
     module, inner = _tensor_parallel(module, mesh, config, tensor_parallel)  # 2
+    _expert_parallel(inner, mesh)  # 2b
     _sequence(inner, config, mesh)  # 3
     stage_plan = _cut_for_pipeline(inner, config, mesh)  # 4
     rebind_optimizers(early, names, module)  # 5
@@ -155,7 +164,7 @@ def recompose_engine(
 
 def _model_parallel(mesh: ParallelMesh | None) -> ParallelMesh | None:
     """``mesh``, or None when it has no model-parallel dimension: ZeRO then shards over the default group."""
-    if mesh is None or max(mesh.tp_size, mesh.sp_size, mesh.pp_size) == 1:
+    if mesh is None or max(mesh.tp_size, mesh.sp_size, mesh.pp_size, mesh.ep_size) == 1:
         return None
     return mesh
 
@@ -177,6 +186,19 @@ def _tensor_parallel(
                 raise TypeError(f"parallelize_fn must return an nn.Module, got {type(module).__name__}")
         apply_tensor_parallelism(_uncompiled(module), mesh, config.parallelism_policy, tensor_parallel.unparallelized)
     return module, _uncompiled(module)
+
+
+def _expert_parallel(module: nn.Module, mesh: ParallelMesh | None) -> None:
+    """Step 2b: each experts container cut to this rank's experts, routing over the expert-parallel group."""
+    if mesh is None or mesh.ep_size == 1:
+        return
+    if any(p.is_meta for p in module.parameters()):
+        raise ValueError(
+            "expert_parallel_size > 1 with a model built on the meta device is not supported yet: build it on the "
+            "CPU (each rank keeps its experts only), or use expert_parallel_size=1"
+        )
+    for _, experts in find_experts_containers(module):
+        shard_experts(experts, mesh.ep_collectives)
 
 
 def _sequence(module: nn.Module, config: ZeroConfig, mesh: ParallelMesh | None) -> None:
@@ -238,7 +260,13 @@ def _engine(
     factor) needs of it."""
     groups = EngineGroups()
     if mesh is not None:
-        groups = EngineGroups(mesh.zero_group, mesh.tp_collectives, mesh.pp_collectives, mesh.sp_collectives)
+        experts = _expert_shards(module, mesh)
+        if experts is not None:
+            held = {id(m) for _, m in experts.modules}
+            units = [(name, unit) for name, unit in units if id(unit) not in held]
+        groups = EngineGroups(
+            mesh.zero_group, mesh.tp_collectives, mesh.pp_collectives, mesh.sp_collectives, experts=experts
+        )
     engine = ZeroEngine(
         module,
         optimizers,
@@ -252,6 +280,14 @@ def _engine(
     if mesh is not None and mesh.sp_size > 1:
         engine.set_gradient_divide_factor(gradient_divide_factor(engine.world_size, mesh.sp_size))
     return engine
+
+
+def _expert_shards(module: nn.Module, mesh: ParallelMesh) -> ExpertShards | None:
+    """The experts containers step 2b sharded, for the engine to shard over the expert-data-parallel group."""
+    if mesh.ep_size == 1:
+        return None
+    modules = tuple((name, m) for name, m in module.named_modules() if is_expert_parallel(m))
+    return ExpertShards(modules, mesh.edp_group, mesh.ep_collectives)
 
 
 def _pipeline_runner(

@@ -145,6 +145,39 @@ def not_pipelined(check: Check) -> Check:
     return refusing
 
 
+def expert_parallel(name: str, value: Any, earlier: Mapping[str, Any]) -> int:
+    """An expert-parallel group size, refused beside what does not compose with it yet, each named: the other
+    model-parallel dimensions (the mesh has no place for experts among them yet), stage 0 (whose gradient norm
+    spans one group only), offload and ZeRO++ (their buffers assume one group per engine), activation checkpointing
+    (a recomputed DeepSeek-V3 MoE layer saved tensors of other shapes than its forward, cause not found yet)."""
+    value = integer(1)(name, value, earlier)
+    if value == 1:
+        return value
+    if earlier["stage"] == 0:
+        raise ZeroConfigError(
+            name, f"ZeroConfig.{name}={value!r} is not allowed with stage=0; it needs stage 1, 2 or 3 (or {name}=1)"
+        )
+    alone = {
+        "tensor_parallel_size": 1,
+        "sequence_parallel_size": 1,
+        "pipeline_parallel_size": 1,
+        "offload_optimizer": "none",
+        "offload_params": "none",
+        "zero_quantized_weights": False,
+        "zero_quantized_gradients": False,
+        "zero_hpz_partition_size": 1,
+        "activation_checkpointing": "none",  # a recomputed MoE layer saved other shapes than its forward: not yet
+    }
+    for other, default in alone.items():
+        if earlier[other] != default:
+            raise ZeroConfigError(
+                name,
+                f"ZeroConfig.{name}={value!r} is not allowed with {other}={earlier[other]!r}: expert parallelism "
+                f"does not compose with it yet; use {other}={default!r} (or {name}=1)",
+            )
+    return value
+
+
 def nvme_path(name: str, value: Any, earlier: Mapping[str, Any]) -> str | None:
     """A non-empty path, required when anything is offloaded to NVMe."""
     if value is not None and not (isinstance(value, (str, os.PathLike)) and str(value)):

@@ -45,9 +45,11 @@ class ParallelismPolicy:
 
     @property
     def model_parallel(self) -> bool:
-        """Whether a tensor-, sequence- or pipeline-parallel dimension is above 1: the run then needs a mesh beyond
-        data parallelism, and ZeRO shards over its data-parallel part only."""
-        return max(self.tensor_parallel_size, self.sequence_parallel_size, self.pipeline_parallel_size) > 1
+        """Whether a tensor-, sequence-, pipeline- or expert-parallel dimension is above 1: the run then needs a mesh
+        beyond data parallelism, and ZeRO shards over its data-parallel part only (the experts over the ranks
+        holding the same ones)."""
+        sizes = (self.tensor_parallel_size, self.sequence_parallel_size, self.pipeline_parallel_size)
+        return max(*sizes, self.expert_parallel_size) > 1
 
     @property
     def microbatch_count(self) -> int:

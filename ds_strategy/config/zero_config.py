@@ -29,6 +29,7 @@ from .checks import (
     ZeroConfigError,
     callable_or_none,
     choice,
+    expert_parallel,
     flag,
     integer,
     needs_stage,
@@ -683,6 +684,21 @@ class ZeroConfig:
             "The framework's sampler splits batches over data-parallel ranks only (world size / this), and the engine "
             "multiplies the loss by this size for backward (Note: [Ulysses gradient scale]). DeepSpeed's "
             "``sequence_parallel_size``."
+        ),
+        section=MESH,
+    )
+    expert_parallel_size: int = setting(
+        1,
+        expert_parallel,
+        default_note=" = off",
+        doc=(
+            "expert parallelism for mixture-of-experts models (``ds_strategy.parallel.expert_parallel``): a group of "
+            "this many consecutive ranks splits every MoE layer's experts, each holding num_experts / this of them, "
+            "and tokens travel to their experts' ranks and back with all-to-alls (dropless: the results equal the "
+            "unsharded model's). Every rank still reads its own batch. ZeRO shards the other parameters over all "
+            "ranks and the experts over the ranks holding the same ones (world size / this). Stages 1-3; not yet with "
+            "tensor, sequence or pipeline parallelism, offload, ZeRO++, activation checkpointing or whole-tensor "
+            "optimizers."
         ),
         section=MESH,
     )

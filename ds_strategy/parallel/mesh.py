@@ -16,6 +16,12 @@ above 1), made with the run's ``collective_timeout``: tensor parallelism, Ulysse
 pipeline runner and the engine's norms all issue their collectives through these, so each dimension's traffic is
 counted once, in one place, and ``comm_stats()`` adds it up. The data-parallel traffic is ZeRO's: the engine builds
 the ``Collectives`` of its group itself, since it picks the algorithm (Note: [Algorithms per backend]).
+
+Expert parallelism splits the data-parallel dimension in two, expert data parallel outside and expert parallel
+inside (consecutive ranks hold different experts and exchange tokens every MoE layer, as in DeepSpeed-MoE and
+torchtitan), flattened back into the data-parallel dimension under its usual name: every rank still reads its own
+batch, and ZeRO shards the non-expert parameters over all of them, the experts over the expert-data-parallel group
+(the ranks holding the same experts). The expert-parallel group's ``Collectives`` carry the token all-to-alls.
 """
 
 from __future__ import annotations
@@ -28,20 +34,35 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from ..comm.collectives import Collectives
 
 PP, DP, SP, TP = "pp", "dp", "sp", "tp"
-LIGHTNING_NAMES = {PP: "pipeline_parallel", DP: "data_parallel", SP: "sequence_parallel", TP: "tensor_parallel"}
+EDP, EP = "edp", "ep"  # the two halves of dp under expert parallelism
+LIGHTNING_NAMES = {
+    PP: "pipeline_parallel",
+    DP: "data_parallel",
+    SP: "sequence_parallel",
+    TP: "tensor_parallel",
+    EDP: "expert_data_parallel",
+    EP: "expert_parallel",
+}
 # Accelerate's ParallelismConfig names, which its data loaders read to give a tensor-parallel group the same batches.
-ACCELERATE_NAMES = {PP: "pp", DP: "dp_shard", SP: "sp", TP: "tp"}
+ACCELERATE_NAMES = {PP: "pp", DP: "dp_shard", SP: "sp", TP: "tp", EDP: "edp", EP: "ep"}
+_DEFAULT_NAMES = {PP: PP, DP: DP, SP: SP, TP: TP, EDP: EDP, EP: EP}
 
 
 def mesh_shape(
-    world_size: int, tensor_parallel_size: int, sequence_parallel_size: int = 1, pipeline_parallel_size: int = 1
+    world_size: int,
+    tensor_parallel_size: int,
+    sequence_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    expert_parallel_size: int = 1,
 ) -> dict[str, int]:
-    """The size of each dimension, outer to inner: pp (only above 1), dp, sp (only above 1), tp; checked before
-    any group is made. Which parallelisms combine is ``ZeroConfig``'s rule; this checks the sizes fit the world."""
+    """The size of each dimension, outer to inner: pp (only above 1), dp, or edp and ep with expert parallelism, sp
+    (only above 1), tp; checked before any group is made. Which parallelisms combine is ``ZeroConfig``'s rule; this
+    checks the sizes fit the world."""
     sizes = (
         ("tensor", tensor_parallel_size),
         ("sequence", sequence_parallel_size),
         ("pipeline", pipeline_parallel_size),
+        ("expert", expert_parallel_size),
     )
     for name, size in sizes:
         if size < 1 or world_size % size:
@@ -51,11 +72,20 @@ def mesh_shape(
             )
     model_parallel = tensor_parallel_size * sequence_parallel_size * pipeline_parallel_size
     if world_size % model_parallel:
-        product = " x ".join(f"{name}_parallel_size={size}" for name, size in reversed(sizes) if size > 1)
+        product = " x ".join(f"{name}_parallel_size={size}" for name, size in reversed(sizes[:3]) if size > 1)
         raise ValueError(f"{product} = {model_parallel} does not divide the world size {world_size}")
+    data_parallel = world_size // model_parallel
+    if data_parallel % expert_parallel_size:
+        raise ValueError(
+            f"expert_parallel_size={expert_parallel_size} does not divide the data-parallel size {data_parallel}"
+        )
+    if expert_parallel_size > 1:
+        data = {EDP: data_parallel // expert_parallel_size, EP: expert_parallel_size}
+    else:
+        data = {DP: data_parallel}
     return {
         **({PP: pipeline_parallel_size} if pipeline_parallel_size > 1 else {}),
-        DP: world_size // model_parallel,
+        **data,
         **({SP: sequence_parallel_size} if sequence_parallel_size > 1 else {}),
         TP: tensor_parallel_size,
     }
@@ -63,11 +93,12 @@ def mesh_shape(
 
 @dataclasses.dataclass(frozen=True)
 class ParallelMesh:
-    """A ``DeviceMesh`` ([pipeline parallel,] data parallel, [sequence parallel,] tensor parallel), the names its
-    dimensions have, and the ``Collectives`` of each model-parallel dimension above size 1, by "pp", "sp", "tp"."""
+    """A ``DeviceMesh`` ([pipeline parallel,] data parallel (or expert data parallel x expert parallel, flattened
+    into it), [sequence parallel,] tensor parallel), the names its dimensions have, and the ``Collectives`` of each
+    model-parallel dimension above size 1, by "pp", "sp", "tp", "ep"."""
 
     mesh: DeviceMesh
-    names: dict[str, str] = dataclasses.field(default_factory=lambda: {PP: PP, DP: DP, SP: SP, TP: TP})
+    names: dict[str, str] = dataclasses.field(default_factory=lambda: dict(_DEFAULT_NAMES))
     collectives: dict[str, Collectives] = dataclasses.field(default_factory=dict)
 
     @property
@@ -84,6 +115,25 @@ class ParallelMesh:
     def tp_collectives(self) -> Collectives | None:
         """The tensor-parallel group's collectives (sums, partitioned activations, norms), or None without it."""
         return self.collectives.get(TP)
+
+    @property
+    def ep_collectives(self) -> Collectives | None:
+        """The expert-parallel group's collectives (the token all-to-alls), or None without expert parallelism."""
+        return self.collectives.get(EP)
+
+    @property
+    def ep_size(self) -> int:
+        return 1 if self.ep_collectives is None else self.ep_collectives.world_size
+
+    @property
+    def ep_rank(self) -> int:
+        return 0 if self.ep_collectives is None else self.ep_collectives.rank
+
+    @property
+    def edp_group(self):
+        """The expert-data-parallel group (the ranks holding the same experts, over which ZeRO shards them), or
+        None without expert parallelism."""
+        return None if self.ep_collectives is None else self.mesh[self.names[EDP]].get_group()
 
     @property
     def pp_mesh(self) -> DeviceMesh | None:
@@ -174,17 +224,27 @@ def build_parallel_mesh(
     sequence_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
     collective_timeout: float = 600.0,
+    expert_parallel_size: int = 1,
 ) -> ParallelMesh:
-    """The mesh over the initialised default group; ``names`` maps "pp"/"dp"/"sp"/"tp" to the framework's dimension
-    names; each model-parallel dimension's collectives wait up to ``collective_timeout`` seconds."""
-    names = {PP: PP, DP: DP, SP: SP, TP: TP, **(names or {})}
-    shape = mesh_shape(dist.get_world_size(), tensor_parallel_size, sequence_parallel_size, pipeline_parallel_size)
+    """The mesh over the initialised default group; ``names`` maps "pp"/"dp"/"sp"/"tp"/"edp"/"ep" to the
+    framework's dimension names; each model-parallel dimension's collectives wait up to ``collective_timeout``
+    seconds."""
+    names = {**_DEFAULT_NAMES, **(names or {})}
+    shape = mesh_shape(
+        dist.get_world_size(),
+        tensor_parallel_size,
+        sequence_parallel_size,
+        pipeline_parallel_size,
+        expert_parallel_size,
+    )
     mesh = init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(names[dim] for dim in shape))
     if SP in shape and (shape[TP] > 1 or PP in shape):  # the ZeRO group, dp x sp, is not the world: make its groups
         mesh[names[DP], names[SP]]._flatten(_dp_sp_name(names))
+    if EP in shape:  # dp under its usual name, for samplers and user code: every rank reads its own batch
+        mesh[names[EDP], names[EP]]._flatten(names[DP])
     collectives = {
         dim: Collectives(mesh[names[dim]].get_group(), timeout=collective_timeout)
-        for dim in (PP, SP, TP)
+        for dim in (PP, SP, TP, EP)
         if shape.get(dim, 1) > 1
     }
     return ParallelMesh(mesh, dict(names), collectives)

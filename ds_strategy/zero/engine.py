@@ -146,6 +146,12 @@ class ZeroEngine:
             timeout=config.collective_timeout,
         )
         self.rank, self.world_size = self.collectives.rank, self.collectives.world_size
+        self.experts = groups.experts  # expert parallelism: Note: [Expert units]
+        self.expert_collectives = None
+        if self.experts is not None:
+            self.expert_collectives = Collectives(
+                self.experts.group, use_all_reduce=self.collectives.use_all_reduce, timeout=config.collective_timeout
+            )
         self.tp_collectives = _model_parallel(groups.tensor_parallel)
         pp_collectives = _model_parallel(groups.pipeline)
         self.model_parallel = tuple(c for c in (self.tp_collectives, pp_collectives) if c is not None)
@@ -153,16 +159,21 @@ class ZeroEngine:
         self.tied_copies: dict[str, str] = {}  # the trainable ones, by _build_units (Note: [Tied copies])
         self.whole_model_names: tuple[str, ...] = self.part.whole_names
         self._setup_weight_gathering(_model_parallel(groups.sequence_parallel), pp_collectives)
+        if self.expert_collectives is not None:  # the experts' gathers and reductions (Note: [Expert units])
+            self.comm_groups["edp"] = self.expert_collectives
         factory = _step_runner_factory(step_runner, config)
         global_rank = dist.get_rank() if dist.is_initialized() else 0
         shard_store = factory.shard_store(config.offload_policy, global_rank)
         if unit_modules is None:
             unit_modules = select_unit_modules(module, config.unit_modules, config.unit_min_params)
-        self.units = self._build_units(list(unit_modules), shard_store)
+        expert_units = list(self.experts.modules) if self.experts is not None else []
+        self.units = self._build_units(list(unit_modules) + expert_units, shard_store, len(expert_units))
         self.flat_params = [fp for unit in self.units for fp in unit.flat_params]
         self._norm_weights = self._weights_in_norm()
         self._materialise()
         self._start_sequence_check()  # after construction's broadcasts: it compares training traffic only
+        if self.experts is not None:  # after the check: token all-to-alls differ in size by rank (Note: [Expert units])
+            self.comm_groups["ep"] = self.experts.parallel
         for fp in self.flat_params:
             fp.allocate_grads(plan.comm_dtype, self.collectives.use_all_reduce)
         self.step_runner: StepRunner = factory(
@@ -204,6 +215,12 @@ class ZeroEngine:
             on_reduced=self.step_runner.on_reduced,
             quantized_reduce_scatter=qgz,
             gradients=self.step_runner.gradients,
+            collectives_of={
+                fp.index: unit.collectives
+                for unit in self.units
+                if unit.collectives is not self.collectives
+                for fp in unit.flat_params
+            },
         )
         self.reducer.register_hooks()
         self._hooks = [
@@ -215,18 +232,36 @@ class ZeroEngine:
         ]
 
     # -- construction -------------------------------------------------------------------------------------------
-    def _build_units(self, chosen: list[tuple[str, nn.Module]], shard_store) -> list[Unit]:
+    def _build_units(self, chosen: list[tuple[str, nn.Module]], shard_store, expert_count: int = 0) -> list[Unit]:
         """Root first, then the unit modules in module order; a parameter shared by two units, or by a unit and a
         module outside every unit (a tied LM head beside an embeddings unit), goes to the root: a unit is gathered
-        only for its own forward, the root for the whole step."""
+        only for its own forward, the root for the whole step.
+
+        Note: [Expert units]
+        The last ``expert_count`` of ``chosen`` are experts containers (``EngineGroups.experts``): each is a unit
+        nested in its layer's, holding every parameter inside it (the layer's unit takes none of them), sharded,
+        gathered and reduced over the expert-data-parallel group, so that its flat buffers are laid out for that
+        group's size and its all-gathers and reduce-scatters never mix two ranks' different experts. Everything
+        else, the step, the norm and the overflow check included, treats them as any unit. The expert-parallel
+        group's token all-to-alls move as many rows as each rank's tokens chose, so their sizes differ by rank:
+        they are counted in ``comm_stats`` but left out of the per-step sequence check, which compares sizes."""
         owners: dict[int, list[int]] = {}
+        experts_from = len(chosen) - expert_count
         for i, (_, module) in enumerate(chosen):
             for p in module.parameters():
-                owners.setdefault(id(p), []).append(i)
+                if i >= experts_from:
+                    owners[id(p)] = [i]
+                elif not (owners.get(id(p)) or [-2])[0] >= experts_from:
+                    owners.setdefault(id(p), []).append(i)
         for module in _modules_outside(self.module, [name for name, _ in chosen]):
             for p in module._parameters.values():
                 if p is not None:
                     owners.setdefault(id(p), []).append(-1)
+        if self.experts is not None and any(map(self.sharded_optimizers.is_whole_param, self.module.parameters())):
+            raise ValueError(
+                "an optimizer that updates parameters whole (Muon) does not compose with expert parallelism yet: "
+                "give every parameter to an elementwise optimizer (AdamW), or use expert_parallel_size=1"
+            )
         optimizers = self.sharded_optimizers
         members: list[list[tuple[str, nn.Parameter]]] = [[] for _ in range(len(chosen) + 1)]
         for name, p in self.module.named_parameters():
@@ -252,9 +287,10 @@ class ZeroEngine:
         )
         units, first = [], 0
         store = shard_store.store if shard_store is not None else None
-        for name, module, params in zip(names, modules, members):
-            flat = self._flat_params_of(name, params, owners, first, store)
-            units.append(Unit(name, module, flat, self.collectives, self.weight_gather))
+        for i, (name, module, params) in enumerate(zip(names, modules, members)):
+            collectives = self.expert_collectives if i > experts_from else self.collectives
+            flat = self._flat_params_of(name, params, owners, first, store, collectives)
+            units.append(Unit(name, module, flat, collectives, self.weight_gather))
             first += len(flat)
         return units
 
@@ -286,6 +322,7 @@ class ZeroEngine:
         owners: dict[int, int],
         first_index: int,
         shard_store,
+        collectives: Collectives,
     ) -> list[FlatParam]:
         """One flat buffer per (optimizer, param group, persistent?, replicated over tensor parallel?, tied copy?)
         among ``params``, in first-appearance order (the last two keep the norm's weighting per buffer: Note:
@@ -313,8 +350,8 @@ class ZeroEngine:
                     members,
                     group,
                     policy,
-                    self.rank,
-                    self.world_size,
+                    collectives.rank,
+                    collectives.world_size,
                     plan.dtypes(members[0][1].dtype),
                     self.device,
                     shard_store=shard_store,
@@ -350,7 +387,11 @@ class ZeroEngine:
         A model built on the meta device is initialised unit by unit instead (see :mod:`.sharded_init`), unless
         ``sync_module_states`` says rank 0 holds the real model, whose values then stream to the others.
         """
-        broadcast = (lambda t: self.collectives.broadcast(t, src=0).wait()) if self.world_size > 1 else (lambda t: None)
+
+        def broadcast(t: torch.Tensor, collectives: Collectives = self.collectives) -> None:
+            if collectives.world_size > 1:  # the unit's group's first rank: experts differ by expert-parallel rank
+                collectives.broadcast(t, src=0).wait()
+
         with torch.no_grad():
             built_on_meta = any(p.is_meta for fp in self.flat_params for p in fp.params)
             if not self.config.sync_module_states:
@@ -800,7 +841,8 @@ class ZeroEngine:
     def comm_stats(self, group: str | None = None) -> dict[str, dict[str, float]]:
         """Calls, bytes and seconds waited per collective kind, summed over the groups that carry training data
         ("world"; under hpZ, "hpz"; and the mesh's model-parallel groups "tp", "sp", "pp", whose counters include the
-        model's own traffic over them: tensor-parallel sums, Ulysses all-to-alls, pipeline losses and tied weights),
+        model's own traffic over them: tensor-parallel sums, Ulysses all-to-alls, pipeline losses and tied weights;
+        under expert parallelism "edp", the experts' gathers and reductions, and "ep", the token all-to-alls),
         or for one of ``comm_groups``, which also holds "monitor" (the per-step sequence check's all-gather of 16
         bytes per rank, left out of the sum)."""
         if group is not None:

@@ -47,9 +47,9 @@ Weights = Callable[["ZeroEngine", Unit], Iterator[tuple[nn.Parameter, torch.Tens
 def master_weights(engine: ZeroEngine, unit: Unit) -> Iterator[tuple[nn.Parameter, torch.Tensor, torch.dtype]]:
     """Each trainable parameter of ``unit`` from its master, to be returned in the dtype the model gave it."""
     for fp in unit.flat_params:
-        whole = _whole_master(engine, fp)
+        whole = _whole_master(engine, unit, fp)
         for slot, p in zip(fp.slots, fp.params):
-            yield p, _global(slot, whole.narrow(0, slot.offset, slot.numel).view(slot.shape)), slot.dtype
+            yield p, _global(engine, unit, slot, whole.narrow(0, slot.offset, slot.numel).view(slot.shape)), slot.dtype
 
 
 def compute_weights(engine: ZeroEngine, unit: Unit) -> Iterator[tuple[nn.Parameter, torch.Tensor, torch.dtype]]:
@@ -58,7 +58,7 @@ def compute_weights(engine: ZeroEngine, unit: Unit) -> Iterator[tuple[nn.Paramet
         for fp in unit.flat_params:
             for slot, p in zip(fp.slots, fp.params):
                 value = local_tensor(p).detach()
-                yield p, _global(slot, value), value.dtype
+                yield p, _global(engine, unit, slot, value), value.dtype
 
 
 def gathered_state_dict(engine: ZeroEngine, weights: Weights, rank0_only: bool) -> dict[str, torch.Tensor]:
@@ -83,7 +83,7 @@ def gathered_state_dict(engine: ZeroEngine, weights: Weights, rank0_only: bool) 
     return {key: result[key] for key in state}
 
 
-def _whole_master(engine: ZeroEngine, fp: FlatParam) -> torch.Tensor:
+def _whole_master(engine: ZeroEngine, unit: Unit, fp: FlatParam) -> torch.Tensor:
     """``fp``'s master over the whole padded flat layout, on the engine's device (see the module's Note)."""
     if not fp.policy.optimizer:
         return fp.master
@@ -91,13 +91,19 @@ def _whole_master(engine: ZeroEngine, fp: FlatParam) -> torch.Tensor:
         return fp.full
     whole = torch.empty(fp.padded_numel, dtype=fp.master.dtype, device=engine.device)
     shard = fp.master.to(engine.device)
-    engine.collectives.all_gather(whole, shard, label=f"export {fp.name}", regions=fp.regions).wait()
+    unit.collectives.all_gather(whole, shard, label=f"export {fp.name}", regions=fp.regions).wait()
     return whole
 
 
-def _global(slot: ParamSlot, local: torch.Tensor) -> torch.Tensor:
+def _global(engine: ZeroEngine, unit: Unit, slot: ParamSlot, local: torch.Tensor) -> torch.Tensor:
     """The whole parameter: ``local`` itself, or for a tensor-parallel one its global tensor, which every
-    tensor-parallel rank takes part in gathering."""
+    tensor-parallel rank takes part in gathering, or for an experts container's its rows from every rank of the
+    expert-parallel group, in rank order (Note: [Expert units] in :mod:`.engine`)."""
+    experts = engine.experts
+    if experts is not None and unit.collectives is engine.expert_collectives:
+        rows = local.new_empty((experts.parallel.world_size * local.shape[0], *local.shape[1:]))
+        experts.parallel.all_gather(rows.view(-1), local.reshape(-1), label=f"export {slot.name}").wait()
+        return rows
     return local if slot.tp is None else slot.tp.as_dtensor(local).full_tensor()
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from enum import Enum
 from typing import NamedTuple
 
@@ -117,6 +117,7 @@ class GradReducer:
         on_reduced: Callable[[FlatParam, torch.Tensor], None] | None = None,
         quantized_reduce_scatter: QuantizedReduceScatter | None = None,
         gradients: GradientStore | None = None,
+        collectives_of: Mapping[int, Collectives] | None = None,
     ):
         """``on_launched(fp)``: fp's reduction is in flight (stage 3 frees the unit's weights). ``on_backward_end()``:
         every reduction of this backward has finished. ``on_reduced(fp, grad)``: a synced reduction into a stage 0/1
@@ -124,9 +125,12 @@ class GradReducer:
         ``quantized_reduce_scatter``: qgZ, used instead of the plain reduce-scatter at stage 2/3. ``gradients``:
         where partitioned (stage 2/3) gradients are summed, the step runner's (by default on the device).
         ``flat_params`` are the engine's, in order (``fp.index`` is each one's position), their gradient buffers
-        allocated (``FlatParam.allocate_grads``)."""
+        allocated (``FlatParam.allocate_grads``). ``collectives_of``: by ``fp.index``, the flat buffers reduced over
+        another group than ``collectives`` (experts: Note: [Expert units] in :mod:`.engine`), still divided by
+        ``divide_factor``."""
         self.order = list(reversed(flat_params))
         self.collectives = collectives
+        self.collectives_of = dict(collectives_of or {})
         self.comm_dtype = comm_dtype
         self.overlap = overlap
         self.bucket_numel = bucket_numel
@@ -238,12 +242,13 @@ class GradReducer:
                 self._launch(fp)
 
     def _launch(self, fp: FlatParam) -> None:
+        collectives = self.collectives_of.get(fp.index, self.collectives)
         with profiler_range("grad.reduce", fp.name):
             if fp.policy.grads:
                 scratch = self._scratch_for(fp)
                 if fp.regions is not None:  # owner layout: exact, each region to its owner (never quantised)
                     out = scratch.narrow(0, fp.shard_offset, fp.shard_numel)
-                    pending = self.collectives.reduce_scatter(
+                    pending = collectives.reduce_scatter(
                         out, scratch, label=f"gradients of {fp.name}", regions=fp.regions
                     )
                 elif self.quantized_reduce_scatter is not None:
@@ -252,12 +257,12 @@ class GradReducer:
                 else:
                     out = (
                         scratch.narrow(0, fp.shard_offset, fp.shard_numel)
-                        if self.collectives.use_all_reduce
+                        if collectives.use_all_reduce
                         else torch.empty(fp.shard_numel, dtype=scratch.dtype, device=scratch.device)
                     )
-                    pending = self.collectives.reduce_scatter(out, scratch, label=f"gradients of {fp.name}")
+                    pending = collectives.reduce_scatter(out, scratch, label=f"gradients of {fp.name}")
                 launched = _Reduction(pending, fp, out, _Kind.SCATTERED, scratch.numel())
-            elif fp.policy.optimizer and not self.collectives.use_all_reduce:
+            elif fp.policy.optimizer and not collectives.use_all_reduce:
                 # reducing regions to their owners writes into what it sends: never grad_full itself
                 send = fp.grad_full.to(self._comm_dtype(fp), copy=fp.regions is not None)
                 out = (
@@ -265,13 +270,11 @@ class GradReducer:
                     if fp.grad_shard.dtype == send.dtype
                     else torch.empty(fp.shard_numel, dtype=send.dtype, device=send.device)
                 )
-                pending = self.collectives.reduce_scatter(
-                    out, send, label=f"gradients of {fp.name}", regions=fp.regions
-                )
+                pending = collectives.reduce_scatter(out, send, label=f"gradients of {fp.name}", regions=fp.regions)
                 launched = _Reduction(pending, fp, out, _Kind.SCATTERED_ONCE, 0)
             else:
                 send = fp.grad_full.to(self._comm_dtype(fp))
-                pending = self.collectives.all_reduce(send, label=f"gradients of {fp.name}")
+                pending = collectives.all_reduce(send, label=f"gradients of {fp.name}")
                 launched = _Reduction(pending, fp, send, _Kind.ALL_REDUCED, 0)
             self._in_flight.append(launched)
             if self.on_launched is not None:

@@ -39,7 +39,8 @@ def modules_by_unit(root: nn.Module, units: list[Unit]) -> list[list[nn.Module]]
 
 
 def place_units(root: nn.Module, units: list[Unit], device: torch.device, broadcast) -> None:
-    """Flatten, place and shard each unit in turn; ``broadcast(tensor)`` gives every rank rank 0's values."""
+    """Flatten, place and shard each unit in turn; ``broadcast(tensor, collectives)`` gives every rank of the unit's
+    group that group's first rank's values."""
     for unit, modules in zip(units, modules_by_unit(root, units)):
         with record_function(f"ZeRO::place {unit.name}"):
             for fp in unit.flat_params:
@@ -48,7 +49,7 @@ def place_units(root: nn.Module, units: list[Unit], device: torch.device, broadc
                     values = fp.held_values()  # receives rank 0's values
                 else:
                     values = fp.adopt_params()
-                broadcast(values)
+                broadcast(values, unit.collectives)
                 fp.finish_sharding(values)
             for module in modules:
                 place_loose_tensors(module, device, broadcast)

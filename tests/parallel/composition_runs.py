@@ -152,6 +152,19 @@ REFUSED_CONFIGS = (
         {"tiled_loss": True, "pipeline_parallel_size": 2},
         "tiled_loss=True is not allowed with pipeline_parallel_size=2",
     ),
+    # expert parallelism (issue 47) beside what does not compose with it yet; its own cells: test_expert_parallel.py
+    *(
+        ({"stage": 3, "expert_parallel_size": 2, other: value}, f"expert_parallel_size=2 is not allowed with {other}=")
+        for other, value in (
+            ("tensor_parallel_size", 2),
+            ("pipeline_parallel_size", 2),
+            ("sequence_parallel_size", 2),
+            ("offload_optimizer", "cpu"),
+            ("offload_params", "cpu"),
+            ("activation_checkpointing", "full"),
+        )
+    ),
+    ({"stage": 0, "expert_parallel_size": 2}, "expert_parallel_size=2 is not allowed with stage=0"),
 )
 
 

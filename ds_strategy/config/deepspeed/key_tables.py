@@ -420,7 +420,11 @@ DEEPSPEED: Table = {
     "compile": COMPILE,
     "pipeline": PIPELINE,
     "tensor_parallel": TENSOR_PARALLEL,
-    "expert_parallel": rejected_section(_NOT_IMPLEMENTED.format("expert parallelism")),
+    "expert_parallel": rejected_section(
+        "ds_strategy's expert parallelism is `ZeroConfig.expert_parallel_size` (a top-level key here too, e.g. "
+        '`"expert_parallel_size": 2`); DeepSpeed\'s section is not read: remove it'
+    ),
+    "expert_parallel_size": field("expert_parallel_size", 1),
     "sequence_parallel_size": field("sequence_parallel_size", 1),
     "hybrid_engine": rejected_section(_NOT_IMPLEMENTED.format("the RLHF hybrid engine")),
     "sparse_attention": rejected_section(_NOT_IMPLEMENTED.format("sparse attention")),
