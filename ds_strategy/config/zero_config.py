@@ -128,6 +128,9 @@ ACTIVATION_MEMORY = Section(
     ),
     ActivationPolicy,
 )
+EXPERTS = Section(
+    "Expert parallelism for mixture-of-experts models (``ds_strategy.parallel.expert_parallel``):", ParallelismPolicy
+)
 SEQUENCE_TILING = Section(
     "Sequence tiling (``ds_strategy.sequence_tiling``; ALST's tiled MLP and loss):", ActivationPolicy
 )
@@ -687,21 +690,6 @@ class ZeroConfig:
         ),
         section=MESH,
     )
-    expert_parallel_size: int = setting(
-        1,
-        expert_parallel,
-        default_note=" = off",
-        doc=(
-            "expert parallelism for mixture-of-experts models (``ds_strategy.parallel.expert_parallel``): a group of "
-            "this many consecutive ranks splits every MoE layer's experts, each holding num_experts / this of them, "
-            "and tokens travel to their experts' ranks and back with all-to-alls (dropless: the results equal the "
-            "unsharded model's). Every rank still reads its own batch. ZeRO shards the other parameters over all "
-            "ranks and the experts over the ranks holding the same ones (world size / this). Stages 1-3; not yet with "
-            "tensor, sequence or pipeline parallelism, offload, ZeRO++, activation checkpointing or whole-tensor "
-            "optimizers."
-        ),
-        section=MESH,
-    )
 
     pipeline_parallel_size: int = setting(
         1,
@@ -812,6 +800,22 @@ class ZeroConfig:
             "back (DeepSpeed's name)."
         ),
         section=ACTIVATION_MEMORY,
+    )
+
+    expert_parallel_size: int = setting(
+        1,
+        expert_parallel,
+        default_note=" = off",
+        doc=(
+            "expert parallelism for mixture-of-experts models (``ds_strategy.parallel.expert_parallel``): a group of "
+            "this many consecutive ranks splits every MoE layer's experts, each holding num_experts / this of them, "
+            "and tokens travel to their experts' ranks and back with all-to-alls (dropless: the results equal the "
+            "unsharded model's). Every rank still reads its own batch. ZeRO shards the other parameters over all "
+            "ranks and the experts over the ranks holding the same ones (world size / this). Stages 1-3; not yet with "
+            "tensor, sequence or pipeline parallelism, offload, ZeRO++, activation checkpointing or whole-tensor "
+            "optimizers."
+        ),
+        section=EXPERTS,
     )
 
     tiled_mlp: bool = setting(
