@@ -21,6 +21,8 @@ from torch.optim import Optimizer
 
 from ..adapters.engine_owner import backward_through_loss_scale
 from ..adapters.precision_flag import ACCELERATE_MIXED_PRECISION, reconcile_precision
+from ..adapters.state_dict_type import checked_state_dict_type
+from ..checkpoint.full_optimizer import full_optimizer_state, load_full_optimizer_state
 from ..checkpoint.pretrained import WeightSource, load_weights
 from ..comm.peer_failures import name_failed_peers_in, naming_failed_peers
 from ..compose import (
@@ -81,7 +83,8 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
     launch`` sets. Every other argument is Accelerate's. ``backward``, ``clip_grad_norm_``/``clip_grad_value_``,
     ``no_sync``/``accumulate`` and the prepared optimizer's ``step``/``zero_grad`` go to the engine;
     ``save_state``/``load_state`` write and read the model and optimizer as a sharded checkpoint, loadable at any world
-    size or ZeRO stage (see :mod:`.checkpointing`).
+    size or ZeRO stage, or with ``state_dict_type="full"`` (FSDP's choice, :mod:`ds_strategy.adapters.state_dict_type`)
+    as accelerate's own whole files, gathered onto rank 0 (see :mod:`.checkpointing`).
 
     Precision: ``mixed_precision`` ("no", "bf16", "fp16") is folded into ``ZeroConfig.precision`` and the engine
     implements it (16-bit buffers, fp32 masters, loss scaling); ``prepare`` only runs the model's forward in autocast to
@@ -111,8 +114,14 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
     sequence-parallel group and the stages of a pipeline read the same batches.
     """
 
-    def __init__(self, zero_config: ZeroConfig | Mapping | str | os.PathLike | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        zero_config: ZeroConfig | Mapping | str | os.PathLike | None = None,
+        state_dict_type: str = "sharded",
+        **kwargs: Any,
+    ):
         _reject_other_sharding(kwargs)
+        self.state_dict_type = checked_state_dict_type(state_dict_type, type(self).__name__)
         parallelism_config = kwargs.pop("parallelism_config", None)
         check_no_launcher_parallelism(parallelism_config)
         loaded = load_config(zero_config, environment=True)
@@ -305,7 +314,9 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
 
     def _wrap(self, optimizer: Optimizer) -> ZeroAcceleratedOptimizer:
         engine = next(engine for engine in self.engines if engine.holds(optimizer))
-        wrapped = ZeroAcceleratedOptimizer(optimizer, engine, self.zero_config.gradient_clipping)
+        wrapped = ZeroAcceleratedOptimizer(
+            optimizer, engine, self.zero_config.gradient_clipping, whole=self.state_dict_type == "full"
+        )
         self._optimizers.append(wrapped)
         wrapped._is_accelerate_prepared = True
         return wrapped
@@ -516,12 +527,26 @@ class ZeroAccelerator(ZeroAcceleratorCheckpointing, Accelerator):
 
 class ZeroAcceleratedOptimizer(AcceleratedOptimizer):
     """The prepared optimizer: on an accumulation boundary ``step`` runs the engine's sharded step (after the
-    config's global-norm clip, if any). Its ``state_dict`` is this rank's shard; ``save_state`` saves them all."""
+    config's global-norm clip, if any). Its ``state_dict`` is this rank's shard (``save_state`` saves them all), or
+    with ``whole`` (``ZeroAccelerator(state_dict_type="full")``) the whole state on rank 0 and an empty dict on the
+    others, as FSDP's full optimizer state dict; ``load_state_dict`` then takes each rank's shard of a whole state
+    (ours, DDP's or one device's). Both are collectives: every rank calls them."""
 
-    def __init__(self, optimizer: Optimizer, engine: ZeroEngine, clip_norm: float):
+    def __init__(self, optimizer: Optimizer, engine: ZeroEngine, clip_norm: float, whole: bool = False):
         super().__init__(optimizer, device_placement=False)
         self.engine = engine
         self.clip_norm = clip_norm
+        self.whole = whole
+
+    def state_dict(self) -> dict[str, Any]:
+        if not self.whole:
+            return super().state_dict()
+        return full_optimizer_state(self.engine, self.engine.optimizers.index(self.optimizer))
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not self.whole:
+            return super().load_state_dict(state_dict)
+        load_full_optimizer_state(self.engine, state_dict, self.engine.optimizers.index(self.optimizer))
 
     def step(self, closure=None) -> None:
         """The engine's step of this optimizer (of several training one model, only its parameters), after the

@@ -16,6 +16,11 @@ shards:
   each rank writes its share of (:mod:`ds_strategy.checkpoint`), beside Trainer's own scheduler, RNG and trainer
   state files; resuming reads the sharded checkpoint after ``prepare``, at any world size or ZeRO stage;
 - ``load_best_model_at_end`` reads the best checkpoint's weights into the shards.
+- ``ZeroTrainer(..., state_dict_type="full")`` (FSDP's choice, :mod:`ds_strategy.adapters.state_dict_type`) makes
+  ``checkpoint-N/`` a DDP Trainer's: the gathered weights and the whole optimizer state gathered onto rank 0 as
+  ``optimizer.pt``, no ``zero_checkpoint/``; resuming reads such a checkpoint, or a DDP Trainer's, into the shards at
+  any world size or stage (the weights before ``prepare``, as Trainer loads them, the optimizer after).
+  ``save_only_model=True`` leaves the optimizer out under either choice, as Trainer does.
 - ``generate`` at stage 3 gathers each unit for each token's forward through the engine's hooks (also inside TRL's
   ``unwrap_model_for_generation``), or each unit once for a ``gathered_for_generation()`` block;
 - a model from :func:`.sharded_from_pretrained` stays on the meta device until ``prepare``, which reads its weights
@@ -49,6 +54,7 @@ from transformers.trainer_pt_utils import reissue_pt_warnings
 from .. import checkpoint
 from ..accelerate import ZeroAccelerator
 from ..accelerate.checkpointing import SHARDED_DIR
+from ..adapters.state_dict_type import checked_state_dict_type
 from ..checkpoint import CheckpointError
 from ..comm.peer_failures import name_failed_peers_in
 from ..config import ZeroConfig
@@ -58,7 +64,7 @@ from .sequence_parallel import combine_over_group, slice_for_rank
 from .trainer_config import TrainerZeroConfig, detach_deepspeed, sequence_parallel_size, trainer_zero_config
 
 logger = logging.getLogger(__name__)
-SCHEDULER_NAME = "scheduler.pt"  # transformers.trainer's name for it
+SCHEDULER_NAME, OPTIMIZER_NAME = "scheduler.pt", "optimizer.pt"  # transformers.trainer's names for them
 
 
 class ZeroTrainerMixin:
@@ -79,8 +85,9 @@ class ZeroTrainerMixin:
         super().__init_subclass__(**kwargs)
         name_failed_peers_in(cls, ("train", "evaluate", "predict"))
 
-    def __init__(self, *args: Any, zero_config: Any = None, **kwargs: Any):
+    def __init__(self, *args: Any, zero_config: Any = None, state_dict_type: str = "sharded", **kwargs: Any):
         self._zero_source = zero_config
+        self.state_dict_type = checked_state_dict_type(state_dict_type, type(self).__name__)
         super().__init__(*args, **kwargs)
 
     # -- construction -----------------------------------------------------------------------------------------
@@ -105,7 +112,12 @@ class ZeroTrainerMixin:
         )
         _refuse_synced_reference(self.args, self.zero_settings.zero)
         self._refuse_unsliceable_loss()
-        build = functools.partial(TrainerAccelerator, self.zero_settings.zero, trained_model=lambda: self.model)
+        build = functools.partial(
+            TrainerAccelerator,
+            self.zero_settings.zero,
+            trained_model=lambda: self.model,
+            state_dict_type=self.state_dict_type,
+        )
         with _trainer_accelerator_class(build):
             super().create_accelerator_and_postprocess()
 
@@ -230,7 +242,12 @@ class ZeroTrainerMixin:
         engine = self.zero_engine
         if engine is None or engine.optimizer is None:
             return super()._save_optimizer_and_scheduler(output_dir)
-        checkpoint.save(Path(output_dir, SHARDED_DIR), engine.module, engine)
+        if self.state_dict_type == "full":
+            whole = self.optimizer.state_dict()  # a collective: rank 0 gets the whole state
+            if self.args.should_save:
+                torch.save(whole, os.path.join(output_dir, OPTIMIZER_NAME))
+        else:
+            checkpoint.save(Path(output_dir, SHARDED_DIR), engine.module, engine)
         if self.args.should_save:
             with warnings.catch_warnings(record=True) as caught_warnings:
                 torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
@@ -250,11 +267,13 @@ class ZeroTrainerMixin:
         if checkpoint_dir is None or engine is None:
             return super()._load_optimizer_and_scheduler(checkpoint_dir)
         sharded = Path(checkpoint_dir, SHARDED_DIR)
+        if not sharded.is_dir() and self.state_dict_type == "full":
+            return super()._load_optimizer_and_scheduler(checkpoint_dir)  # the whole optimizer.pt, into the shards
         if not sharded.is_dir():
             raise CheckpointError(
-                f"{checkpoint_dir} has no {SHARDED_DIR}/: it was not written by a ZeroTrainer, so its optimizer "
-                f"state cannot be resharded; start from its weights instead (ZeroTrainer(model=from_pretrained("
-                f"{checkpoint_dir!r})) without resume_from_checkpoint)"
+                f"{checkpoint_dir} has no {SHARDED_DIR}/: it was not written by a sharded ZeroTrainer; resume from "
+                f"its whole optimizer.pt with ZeroTrainer(state_dict_type='full'), or start from its weights "
+                f"(ZeroTrainer(model=from_pretrained({checkpoint_dir!r})) without resume_from_checkpoint)"
             )
         checkpoint.load(sharded, engine.module, engine)
         scheduler_file = Path(checkpoint_dir, SCHEDULER_NAME)
@@ -270,6 +289,9 @@ class ZeroTrainerMixin:
             return super()._load_best_model()
         best = self.state.best_model_checkpoint
         logger.info(f"Loading best model from {best} (score: {self.state.best_metric}).")
+        if not Path(best, SHARDED_DIR).is_dir():  # state_dict_type="full": the whole weights save_model wrote
+            self.accelerator.load_pretrained(best, model=engine.module)
+            return
         checkpoint.load(Path(best, SHARDED_DIR), engine.module, engine, load_optimizer=False)
 
 

@@ -157,6 +157,26 @@ def stages_match_ddp(rank: int, world_size: int, tmp: str) -> dict:
     return results
 
 
+def full_state_dict_runs(rank: int, world_size: int, tmp: str) -> dict:
+    """DDP's Trainer, and ZeroTrainer(state_dict_type="full") at stage 2, each writing checkpoint-3; then stage 3
+    resumes from each of the two checkpoints."""
+    from ds_strategy.transformers import ZeroTrainer
+
+    set_torchrun_environment(rank, world_size)
+    tmp = Path(tmp)
+    results = {"ddp": train(transformers.Trainer, tmp / "ddp")}
+    results["full2"] = train(ZeroTrainer, tmp / "full2", zero_config={"stage": 2}, state_dict_type="full")
+    for source in ("ddp", "full2"):
+        results[f"resumed_{source}"] = train(
+            ZeroTrainer,
+            tmp / f"resumed_{source}",
+            resume=str(tmp / source / f"checkpoint-{EVERY}"),
+            zero_config={"stage": 3},
+            state_dict_type="full",
+        )
+    return results
+
+
 def sft_stages_match_ddp(rank: int, world_size: int, tmp: str) -> dict:
     """TRL's SFTTrainer on DDP and ZeroSFTTrainer at stages 1-3, on pre-tokenized rows and a word-level tokenizer
     built here (no downloads)."""

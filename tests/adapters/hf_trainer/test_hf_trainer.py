@@ -117,6 +117,24 @@ def test_resume_from_checkpoint_reproduces_the_uninterrupted_run(stage_runs, sta
     _assert_weights_close(resumed["saved"], whole["saved"])
 
 
+def test_full_state_dict_checkpoints_are_ddp_trainer_checkpoints_and_resume_at_another_stage(tmp_path):
+    results = run_ranks(runs.full_state_dict_runs, runs.WORLD, str(tmp_path), timeout=900)[0]
+    ddp, full = results["ddp"], results["full2"]
+    _assert_logged_equal(full["logged"], ddp["logged"])
+    written, want = (tmp_path / name / f"checkpoint-{runs.EVERY}" for name in ("full2", "ddp"))
+    assert not (written / "zero_checkpoint").exists()
+    _assert_weights_close(load_file(written / "model.safetensors"), load_file(want / "model.safetensors"))
+    saved, expected = (torch.load(path / "optimizer.pt") for path in (written, want))
+    assert [g["params"] for g in saved["param_groups"]] == [g["params"] for g in expected["param_groups"]]
+    for key, state in expected["state"].items():
+        for name, value in state.items():
+            assert torch.allclose(saved["state"][key][name], value, rtol=1e-5, atol=1e-8), (key, name)
+    for source in ("ddp", "full2"):
+        resumed = results[f"resumed_{source}"]
+        _assert_logged_equal(resumed["logged"], ddp["logged"], steps={4, 5, 6})
+        _assert_weights_close(resumed["saved"], ddp["saved"])
+
+
 def test_resume_on_one_rank_from_a_two_rank_checkpoint(stage_runs):
     tmp, results = stage_runs
     one_rank = run_ranks(runs.resume_at_one_rank, 1, str(tmp), timeout=600)[0]
