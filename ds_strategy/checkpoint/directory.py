@@ -28,6 +28,12 @@ the link goes), an empty directory, or a directory whose ``manifest.json`` parse
 but the files that manifest lists. Anything else (a user's folder ``out/`` with ``notes.txt`` in it, a single-file
 checkpoint ``m.ckpt`` written by another strategy, a checkpoint of ours someone added a file to) raises
 :class:`CheckpointError` naming the path before anything is written or removed.
+
+Note: [Atomic single files]
+A single-file checkpoint (``state_dict_type="full"``) is published as a directory is: written whole into the sibling
+``.NAME.partial``, fsynced, then renamed onto ``NAME`` (:func:`publish_file`), which replaces an old file in one step.
+A process killed while writing leaves the old ``NAME`` or none, never part of a file; the leftover ``.partial`` is
+overwritten by the next save of that name, and a save that fails with an error removes its own.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from __future__ import annotations
 import os
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +100,22 @@ def _publish(partial: Path, path: Path) -> None:
     partial.rename(path)
     _sync_directory(path.parent)
     _remove_tree(previous)
+
+
+def publish_file(path: Path, write: Callable[[Path], None]) -> None:
+    """Have ``write`` write the file ``path`` into its partial sibling, then publish it: Note: [Atomic single
+    files]. Only the rank that writes calls this."""
+    partial = partial_path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        write(partial)
+        with open(partial, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    _sync_directory(path.parent)
 
 
 def _recover(path: Path) -> None:

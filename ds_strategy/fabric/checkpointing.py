@@ -36,6 +36,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from .. import checkpoint
+from ..adapters.state_dict_type import save_full_file
 from ..checkpoint import directory
 from ..checkpoint.full_optimizer import full_optimizer_state, load_full_optimizer_state
 from ..checkpoint.pretrained import load_weights
@@ -104,7 +105,7 @@ class ZeroFabricCheckpointing:
                 value = obj.state_dict() if isinstance(obj, _Stateful) else obj
             _apply_filter(key, filter, value, whole)
         if self.is_global_zero:
-            self.checkpoint_io.save_checkpoint(checkpoint=whole, path=path)
+            save_full_file(self.checkpoint_io, whole, str(path))
         self.barrier()
 
     def load_checkpoint(

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from .. import checkpoint
+from ..adapters.state_dict_type import save_full_file
 from ..checkpoint.consolidate import OPTIMIZER_ORDER
 from ..checkpoint.full_optimizer import full_optimizer_state, load_full_optimizer_state, why_not_whole
 from ..checkpoint.pretrained import load_weights
@@ -133,7 +134,7 @@ class ZeroCheckpointing:
         path = self.broadcast(str(filepath))
         if self.state_dict_type == "full":  # whole on rank 0 already (lightning_module_state_dict, optimizer_state)
             if self.is_global_zero:
-                self.checkpoint_io.save_checkpoint(checkpoint_dict, path)
+                save_full_file(self.checkpoint_io, checkpoint_dict, path)
             self.barrier("ZeroStrategy.save_checkpoint")
             return
         self._warn_directory_suffix(path)

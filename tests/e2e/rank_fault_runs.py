@@ -2,7 +2,8 @@
 ``FAULT_STEP``, while rank 0 goes on into what that moment waits on: an engine collective (a stage-3 gather, a
 gradient reduction, the step's), a library's (DCP inside a sharded save or load, torch's pipeline send/recv, Fabric's
 ``all_reduce`` in an evaluation loop and its ``barrier``, DTensor redistributions in a tensor-parallel forward,
-accelerate's ``save_state``, the HF Trainer's checkpoint save), a Ulysses all-to-all, or an NVMe swap-in before the
+accelerate's ``save_state``, the HF Trainer's checkpoint save, the barrier that ends Fabric's single-file save while
+rank 0 writes the file), a Ulysses all-to-all, or an NVMe swap-in before the
 step's collectives. ``tests/e2e/test_rank_fault_matrix.py`` asserts on what each run left: rank 0's error, when it
 came, and the checkpoints.
 
@@ -55,6 +56,7 @@ MOMENTS = (
     "tensor_parallel_forward",
     "accelerate_save",
     "hf_trainer_save",
+    "full_save",
 )
 FAULTS = ("sigkill", "raise")
 
@@ -263,6 +265,40 @@ def accelerate_loop(rank: int, fault: Fault, root: Path, resume: Path | None = N
     return accelerator.engine.full_state_dict(rank0_only=False)
 
 
+def _full_save(rank: int, fault: Fault, out: Path, reference: Path) -> None:
+    fabric_full_save_loop(rank, fault, out / "checkpoints")
+
+
+def fabric_full_save_loop(rank: int, fault: Fault, root: Path, resume: Path | None = None) -> dict:
+    """A Fabric loop at stage 2 with ``state_dict_type="full"``, ``fabric.save(root/step_K.pt)`` after every step
+    (from ``resume``'s step on, after ``fabric.load(resume)``); rank 1's fault as it enters the barrier that ends the
+    save, while rank 0 writes the file. The final weights."""
+    import lightning as L
+    from pipeline_runs import batches, loss_fn, mlp_stack
+
+    from ds_strategy import ZeroFabricStrategy
+
+    set_lightning_environment(rank)
+    strategy = ZeroFabricStrategy(stage=2, state_dict_type="full", timeout=TIMEOUT_S, collective_timeout=TIMEOUT_S)
+    fabric = L.Fabric(accelerator="cpu", devices=WORLD_SIZE, strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(0)
+    model = mlp_stack()
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    first = 1
+    if resume is not None:
+        fabric.load(resume, {"model": model, "optimizer": optimizer})
+        first = int(resume.stem.removeprefix("step_")) + 1
+    fault.inside(strategy, "barrier", "full_save")
+    for step, (x, y) in enumerate(batches("mlp", STEPS, 4)[first - 1 :], start=first):
+        fault.step = step
+        fabric.backward(loss_fn(model(x[rank * 2 : rank * 2 + 2]), y[rank * 2 : rank * 2 + 2]))
+        optimizer.step()
+        optimizer.zero_grad()
+        fabric.save(root / f"step_{step}.pt", {"model": model, "optimizer": optimizer, "step": step})
+    return strategy.get_module_state_dict(model)
+
+
 def _hf_trainer_save(rank: int, fault: Fault, out: Path, reference: Path) -> None:
     hf_trainer_run(rank, fault, out / "checkpoints")
 
@@ -321,6 +357,7 @@ SCENARIOS = {
     "tensor_parallel_forward": _tensor_parallel,
     "accelerate_save": _accelerate_save,
     "hf_trainer_save": _hf_trainer_save,
+    "full_save": _full_save,
 }
 
 
@@ -389,9 +426,11 @@ class _NoFault(Fault):
 
 
 def adapter_rank(rank: int, world_size: int, adapter: str, root: Path, resume: Path | None = None) -> dict | None:
-    """Accelerate's loop or the HF Trainer (``adapter``: "accelerate_save", "hf_trainer_save") uninterrupted, or
-    resumed from ``resume``; rank 0 returns the final weights."""
-    run = {"accelerate_save": accelerate_loop, "hf_trainer_save": hf_trainer_run}[adapter]
+    """Accelerate's loop, the HF Trainer or Fabric's single-file saves (``adapter``: "accelerate_save",
+    "hf_trainer_save", "full_save") uninterrupted, or resumed from ``resume``; rank 0 returns the final weights."""
+    run = {"accelerate_save": accelerate_loop, "hf_trainer_save": hf_trainer_run, "full_save": fabric_full_save_loop}[
+        adapter
+    ]
     final = run(rank, _NoFault(), root, resume)
     return final if rank == 0 else None
 

@@ -1,7 +1,8 @@
 """The chaos matrix: rank 1 of two is SIGKILLed, or raises, at each moment where rank 0 waits on it (a stage-3
 gather, a gradient reduction, the optimizer step, a sharded save and load, an NVMe swap-in, a pipeline send, a
 Ulysses all-to-all, an evaluation loop's ``fabric.all_reduce``, ``fabric.barrier()``, a tensor-parallel forward's
-DTensor redistribution, accelerate's ``save_state``, the HF Trainer's checkpoint), in the engine's collectives and in
+DTensor redistribution, accelerate's ``save_state``, the HF Trainer's checkpoint, Fabric's single-file save under
+``state_dict_type="full"``), in the engine's collectives and in
 those the libraries issue (``rank_fault_runs.py``). In every cell the job ends non-zero well within the
 configured timeout, rank 0 raises :class:`PeerFailedError` naming rank 1 and how it failed (Note: [Collectives a
 library issues] in ``ds_strategy/comm/peer_failures.py``), and a save that was cut short is never published: resuming
@@ -115,6 +116,26 @@ def test_resuming_accelerate_and_the_hf_trainer_from_their_last_complete_save_eq
     assert _step(last) == FAULT_STEP - 1
     uninterrupted = run_ranks(adapter_rank, WORLD_SIZE, moment, tmp_path / "uninterrupted")[0]
     resumed = run_ranks(adapter_rank, WORLD_SIZE, moment, tmp_path / "resumed", last)[0]
+    assert resumed.keys() == uninterrupted.keys()
+    assert all(torch.equal(resumed[name], value) for name, value in uninterrupted.items())
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_full_save_is_published_whole_or_not_at_all(cells, fault):
+    """Rank 1 failed as rank 0 wrote step FAULT_STEP's single file: rank 0 held all of it, so it is published whole
+    (Note: [Atomic single files] in ``ds_strategy.checkpoint.directory``), as is every earlier one; no partial file
+    is left."""
+    root = cells("full_save", fault)["out"] / "checkpoints"
+    assert sorted(path.name for path in root.iterdir()) == [f"step_{k}.pt" for k in range(1, FAULT_STEP + 1)]
+    assert [torch.load(root / f"step_{k}.pt")["step"] for k in range(1, FAULT_STEP + 1)] == [1, FAULT_STEP]
+
+
+def test_resuming_fabric_from_its_last_full_save_equals_the_uninterrupted_run(cells, tmp_path):
+    """``fabric.load`` of the last single file the killed run published, then its remaining steps, ends where an
+    uninterrupted run ends."""
+    last = cells("full_save", "sigkill")["out"] / "checkpoints" / f"step_{FAULT_STEP}.pt"
+    uninterrupted = run_ranks(adapter_rank, WORLD_SIZE, "full_save", tmp_path / "uninterrupted")[0]
+    resumed = run_ranks(adapter_rank, WORLD_SIZE, "full_save", tmp_path / "resumed", last)[0]
     assert resumed.keys() == uninterrupted.keys()
     assert all(torch.equal(resumed[name], value) for name, value in uninterrupted.items())
 
