@@ -2,6 +2,7 @@
 
     python lightning_by_name.py lightning.pytorch zero2 OUT_DIR
     python lightning_by_name.py pytorch_lightning zero1 OUT_DIR
+    python lightning_by_name.py pytorch_lightning zero0 OUT_DIR 8    # 8 steps (30 by default)
 
 Each package's Trainer accepts only its own classes, so the module, callback and Trainer all come from the named
 package. Writes the examples' ``summary.json`` to OUT_DIR.
@@ -22,6 +23,7 @@ from run_summary import RunSummary  # noqa: E402
 from ds_strategy.models import GPT, gpt_config  # noqa: E402
 
 package, strategy_name, out_dir = sys.argv[1:4]
+max_steps = int(sys.argv[4]) if len(sys.argv) > 4 else 30
 pl = importlib.import_module(package)
 CONFIG = gpt_config("tiny")
 BATCH = 16
@@ -56,7 +58,7 @@ trainer = pl.Trainer(
     accelerator="cpu",
     devices=2,
     strategy=strategy_name,
-    max_steps=30,
+    max_steps=max_steps,
     logger=False,
     enable_checkpointing=False,
     enable_progress_bar=False,
