@@ -108,12 +108,12 @@ def output(result: subprocess.CompletedProcess) -> str:
 # A falling loss says little: a run that updates its shards at the wrong offsets, or applies one rank's gradient, still
 # learns. So every sharded run of a script is compared with the same script at stage 0 (no partitioning: the whole
 # gradient all-reduced, the whole optimizer state on each rank) on the same 2 ranks, seed and data, run once per test
-# session and cached: its first REFERENCE_STEPS losses must agree within LOSS_RTOL. With 2 ranks a sum of two values
-# is the same in either order, so stages 0-2 give bitwise-equal losses here; the tolerance only allows another bucket
-# layout's clipping norm. The scripts train with AdamW and clip at 1.0, both blind to a constant gradient scale: the
-# composition matrix (SGD, by parameters) is the oracle for that, this one for what a script wires up.
+# session and cached: its first REFERENCE_STEPS losses and gradient norms (global, before clipping) must agree within
+# RTOL. The scripts train with AdamW and clip at 1.0, which both undo a constant gradient scale, so the losses alone
+# would pass a sum taken for a mean; the norm shows it. With 2 ranks a sum of two values is the same in either order,
+# so stages 0-2 give bitwise-equal values here; the tolerance only allows another bucket layout's order of summing.
 REFERENCE_STEPS = 8
-LOSS_RTOL = 1e-5
+RTOL = 1e-5
 _STAGE0 = {"DS_STRATEGY_CONFIG": '{"stage": 0}'}
 
 
@@ -173,16 +173,17 @@ REFERENCES = {
 
 
 @functools.cache
-def reference_losses(name: str) -> tuple[float, ...]:
-    """The losses of reference run ``name`` (see REFERENCES), run once per test session."""
+def reference_run(name: str) -> dict[str, list[float]]:
+    """The losses and gradient norms of reference run ``name`` (see REFERENCES), run once per test session."""
     with tempfile.TemporaryDirectory() as out:
         run(REFERENCES[name](Path(out)), env=_STAGE0)
-        return tuple(json.loads(Path(out, "summary.json").read_text())["losses"])
+        summary = json.loads(Path(out, "summary.json").read_text())
+    return {key: summary[key] for key in ("losses", "grad_norms")}
 
 
 def assert_trained_sharded(out_dir: Path, stage: int, reference: str, world_size: int = 2) -> dict:
-    """The run's first losses are those of its stage-0 ``reference`` run, its loss fell, and each of its
-    ``world_size`` ranks held 1/N of the optimizer state.
+    """The run's first losses and gradient norms are those of its stage-0 ``reference`` run, its loss fell, and
+    each of its ``world_size`` ranks held 1/N of the optimizer state.
 
     fp32 AdamW keeps two moments per parameter: 8Ψ bytes on one rank (the ZeRO paper's formula), 8Ψ/N per rank
     once stage >= 1 shards it; padding to equal shards adds a few elements, well inside 5%.
@@ -192,8 +193,9 @@ def assert_trained_sharded(out_dir: Path, stage: int, reference: str, world_size
     one_rank_bytes = 8 * summary["trainable_params"]
     for rank_bytes in summary["bytes_per_rank"]:
         assert abs(rank_bytes["optimizer"] - one_rank_bytes / world_size) <= 0.05 * one_rank_bytes / world_size
-    expected = reference_losses(reference)
-    assert summary["losses"][: len(expected)] == pytest.approx(expected, rel=LOSS_RTOL), f"reference {reference!r}"
+    for key, expected in reference_run(reference).items():
+        got = summary[key][: len(expected)]
+        assert got == pytest.approx(expected, rel=RTOL), f"{key} differ from reference run {reference!r}"
     assert summary["final_loss"] < 0.8 * summary["first_loss"], summary["losses"]
     return summary
 

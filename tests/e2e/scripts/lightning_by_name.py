@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
 from lightning_gpt import char_loader  # noqa: E402
 from run_summary import RunSummary  # noqa: E402
 
+from ds_strategy.lightning import grad_norm  # noqa: E402
 from ds_strategy.models import GPT, gpt_config  # noqa: E402
 
 package, strategy_name, out_dir = sys.argv[1:4]
@@ -49,8 +50,12 @@ class Recorder(pl.Callback):
             f"{package} strategy={strategy_name!r}", BATCH * CONFIG.block_size * trainer.world_size
         )
 
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.grad_norm = grad_norm(pl_module, norm_type=2)["grad_2.0_norm_total"]
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.summary.record(trainer.strategy.reduce(pl_module.last_loss, reduce_op="mean").item())
+        loss = trainer.strategy.reduce(pl_module.last_loss, reduce_op="mean").item()
+        self.summary.record(loss, self.grad_norm.item())
 
 
 recorder = Recorder()
