@@ -1,8 +1,9 @@
 """The closing report every example prints and writes: final loss, tokens/s and ZeRO's bytes per rank.
 
-Each example records one globally averaged loss per optimizer step and, at the end, passes this rank's
-``memory_report()``. Rank 0 prints a short summary and writes ``summary.json``, which the end-to-end tests read to
-check that the loss went down and that each rank held 1/N of the optimizer state.
+Each example records one globally averaged loss and the gradient's global norm before clipping per optimizer step
+and, at the end, passes this rank's ``memory_report()``. Rank 0 prints a short summary and writes ``summary.json``,
+which the end-to-end tests read to check that the losses and norms are those of the same run at stage 0 and that
+each rank held 1/N of the optimizer state.
 """
 
 from __future__ import annotations
@@ -17,17 +18,21 @@ MIB = 2**20
 
 
 class RunSummary:
-    """Losses and timing of one training run; ``finish`` gathers every rank's memory report."""
+    """Losses, gradient norms and timing of one training run; ``finish`` gathers every rank's memory report."""
 
     def __init__(self, entry_point: str, tokens_per_step: int):
         self.entry_point = entry_point
         self.tokens_per_step = tokens_per_step
         self.losses: list[float] = []
+        self.grad_norms: list[float] = []
         self._start = time.perf_counter()
 
-    def record(self, loss: float) -> float:
-        """Add one optimizer step's loss (already averaged over ranks); returns tokens/s so far."""
+    def record(self, loss: float, grad_norm: float) -> float:
+        """Add one optimizer step's loss (already averaged over ranks) and the global norm of its gradient before
+        clipping (the norm a wrong gradient scale changes, where AdamW's loss would not show it); returns tokens/s
+        so far."""
         self.losses.append(float(loss))
+        self.grad_norms.append(float(grad_norm))
         return self.tokens_per_second()
 
     def tokens_per_second(self) -> float:
@@ -49,6 +54,7 @@ class RunSummary:
             "first_loss": self.losses[0],
             "final_loss": self.losses[-1],
             "losses": self.losses,
+            "grad_norms": self.grad_norms,
             "tokens_per_s": self.tokens_per_second(),
             "bytes_per_rank": [{kind: sum(places.values()) for kind, places in r.items()} for r in reports],
             "memory_reports": reports,

@@ -58,13 +58,13 @@ def main() -> None:
             accelerator.backward(loss)
             step_loss += loss.detach() / args.accumulate
             if accelerator.sync_gradients:
-                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             if scheduler is not None:
                 scheduler.step()
             optimizer.zero_grad()
         if accelerator.sync_gradients:
-            tokens_per_s = summary.record(accelerator.reduce(step_loss, reduction="mean").item())
+            tokens_per_s = summary.record(accelerator.reduce(step_loss, reduction="mean").item(), grad_norm.item())
             step_loss.zero_()
             step = len(summary.losses)
             if step % 10 == 0 or step == args.max_steps:

@@ -57,10 +57,10 @@ def main() -> None:
                 _, loss = model(inputs, targets)
                 fabric.backward(loss / args.accumulate)
             step_loss += loss.detach() / args.accumulate
-        fabric.clip_gradients(model, optimizer, max_norm=1.0)
+        grad_norm = fabric.clip_gradients(model, optimizer, max_norm=1.0)
         optimizer.step()
         optimizer.zero_grad()
-        tokens_per_s = summary.record(fabric.all_reduce(step_loss, reduce_op="mean").item())
+        tokens_per_s = summary.record(fabric.all_reduce(step_loss, reduce_op="mean").item(), grad_norm.item())
         if step % 10 == 0 or step == args.max_steps:
             fabric.print(f"step {step:4d}  loss {summary.losses[-1]:.3f}  {tokens_per_s:,.0f} tokens/s")
 

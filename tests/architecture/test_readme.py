@@ -52,7 +52,7 @@ def test_readme_main_job_command_trains_sharded_and_warns_of_nothing_of_ours():
     result = run([PYTHON, *command[1:]], cwd=REPO)
     out_dir = Path(re.search(r"summary and checkpoint in (\S+)", output(result)).group(1))
     try:
-        assert_trained_sharded(out_dir, stage=2)
+        assert_trained_sharded(out_dir, stage=2, reference="train")
         assert (out_dir / "checkpoint").is_dir()
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)

@@ -1,5 +1,5 @@
 """Run an entry point as a user would, in its own process tree, and check from its ``summary.json`` that it trained
-sharded.
+sharded and as its unsharded reference run did.
 
 Lightning and Fabric start their extra processes by re-running ``sys.argv`` and accelerate starts them through
 torchrun, so end-to-end tests run scripts with ``subprocess``, never in the pytest process. Each process gets one
@@ -7,15 +7,19 @@ intra-op thread (two ranks share this machine's cores) and, for accelerate, its 
 other test runs may share the machine.
 """
 
+import functools
 import json
 import os
 import re
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
@@ -100,8 +104,86 @@ def output(result: subprocess.CompletedProcess) -> str:
     return result.stdout + result.stderr
 
 
-def assert_trained_sharded(out_dir: Path, stage: int, world_size: int = 2) -> dict:
-    """The run's loss fell, and each of its ``world_size`` ranks held 1/N of the optimizer state.
+# Note: [Every sharded run against its stage-0 reference]
+# A falling loss says little: a run that updates its shards at the wrong offsets, or applies one rank's gradient, still
+# learns. So every sharded run of a script is compared with the same script at stage 0 (no partitioning: the whole
+# gradient all-reduced, the whole optimizer state on each rank) on the same 2 ranks, seed and data, run once per test
+# session and cached: its first REFERENCE_STEPS losses and gradient norms (global, before clipping) must agree within
+# RTOL. The scripts train with AdamW and clip at 1.0, which both undo a constant gradient scale, so the losses alone
+# would pass a sum taken for a mean; the norm shows it. With 2 ranks a sum of two values is the same in either order,
+# so stages 0-2 give bitwise-equal values here; the tolerance only allows another bucket layout's order of summing.
+REFERENCE_STEPS = 8
+RTOL = 1e-5
+_STAGE0 = {"DS_STRATEGY_CONFIG": '{"stage": 0}'}
+
+
+def _stage0_ds_config(out: Path) -> Path:
+    """``examples/ds_config.json`` at stage 0."""
+    config = json.loads((EXAMPLES / "ds_config.json").read_text())
+    config["zero_optimization"]["stage"] = 0
+    path = out / "ds_config_stage0.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+REFERENCES = {
+    "train": lambda out: [
+        PYTHON,
+        EXAMPLES / "train.py",
+        "strategy=zero0",
+        "trainer.devices=2",
+        f"trainer.max_steps={REFERENCE_STEPS}",
+        f"hydra.run.dir={out}",
+    ],
+    "deepspeed_json": lambda out: [
+        PYTHON,
+        EXAMPLES / "train_deepspeed_json.py",
+        "--ds-config",
+        _stage0_ds_config(out),
+        "--max-steps",
+        REFERENCE_STEPS,
+        "--out",
+        out,
+    ],
+    "lightning_by_name": lambda out: [
+        PYTHON,
+        SCRIPTS / "lightning_by_name.py",
+        "pytorch_lightning",
+        "zero0",
+        out,
+        REFERENCE_STEPS,
+    ],
+    "fabric_accumulate_2": lambda out: [
+        PYTHON,
+        EXAMPLES / "train_fabric.py",
+        "--strategy",
+        "zero0",
+        "--accumulate",
+        "2",
+        "--max-steps",
+        REFERENCE_STEPS,
+        "--out",
+        out,
+    ],
+    "accelerate": lambda out: accelerate_launch("--max-steps", REFERENCE_STEPS, "--out", out),
+    "accelerate_accumulate_2": lambda out: accelerate_launch(
+        "--accumulate", "2", "--max-steps", REFERENCE_STEPS, "--out", out
+    ),
+}
+
+
+@functools.cache
+def reference_run(name: str) -> dict[str, list[float]]:
+    """The losses and gradient norms of reference run ``name`` (see REFERENCES), run once per test session."""
+    with tempfile.TemporaryDirectory() as out:
+        run(REFERENCES[name](Path(out)), env=_STAGE0)
+        summary = json.loads(Path(out, "summary.json").read_text())
+    return {key: summary[key] for key in ("losses", "grad_norms")}
+
+
+def assert_trained_sharded(out_dir: Path, stage: int, reference: str, world_size: int = 2) -> dict:
+    """The run's first losses and gradient norms are those of its stage-0 ``reference`` run, its loss fell, and
+    each of its ``world_size`` ranks held 1/N of the optimizer state.
 
     fp32 AdamW keeps two moments per parameter: 8Ψ bytes on one rank (the ZeRO paper's formula), 8Ψ/N per rank
     once stage >= 1 shards it; padding to equal shards adds a few elements, well inside 5%.
@@ -111,6 +193,9 @@ def assert_trained_sharded(out_dir: Path, stage: int, world_size: int = 2) -> di
     one_rank_bytes = 8 * summary["trainable_params"]
     for rank_bytes in summary["bytes_per_rank"]:
         assert abs(rank_bytes["optimizer"] - one_rank_bytes / world_size) <= 0.05 * one_rank_bytes / world_size
+    for key, expected in reference_run(reference).items():
+        got = summary[key][: len(expected)]
+        assert got == pytest.approx(expected, rel=RTOL), f"{key} differ from reference run {reference!r}"
     assert summary["final_loss"] < 0.8 * summary["first_loss"], summary["losses"]
     return summary
 

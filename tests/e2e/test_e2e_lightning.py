@@ -15,12 +15,12 @@ pytestmark = pytest.mark.slow  # multi-rank scenarios of tens of seconds: not in
 
 def test_pytorch_lightning_trainer_trains_sharded_by_strategy_name(tmp_path):
     run([PYTHON, SCRIPTS / "lightning_by_name.py", "pytorch_lightning", "zero1", tmp_path])
-    assert_trained_sharded(tmp_path, stage=1)
+    assert_trained_sharded(tmp_path, stage=1, reference="lightning_by_name")
 
 
 def test_deepspeed_json_example_trains_sharded(tmp_path):
     run([PYTHON, EXAMPLES / "train_deepspeed_json.py", "--max-steps", "30", "--out", tmp_path])
-    assert_trained_sharded(tmp_path, stage=2)
+    assert_trained_sharded(tmp_path, stage=2, reference="deepspeed_json")
 
 
 def test_pytorch_lightning_names_resolve_to_its_own_strategy_class():

@@ -70,4 +70,4 @@ def test_hydra_override_run_trains_sharded_on_two_processes(tmp_path):
             f"hydra.run.dir={tmp_path}",
         ]
     )
-    assert_trained_sharded(tmp_path, stage=1)
+    assert_trained_sharded(tmp_path, stage=1, reference="train")

@@ -2,6 +2,7 @@
 
     python lightning_by_name.py lightning.pytorch zero2 OUT_DIR
     python lightning_by_name.py pytorch_lightning zero1 OUT_DIR
+    python lightning_by_name.py pytorch_lightning zero0 OUT_DIR 8    # 8 steps (30 by default)
 
 Each package's Trainer accepts only its own classes, so the module, callback and Trainer all come from the named
 package. Writes the examples' ``summary.json`` to OUT_DIR.
@@ -19,9 +20,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
 from lightning_gpt import char_loader  # noqa: E402
 from run_summary import RunSummary  # noqa: E402
 
+from ds_strategy.lightning import grad_norm  # noqa: E402
 from ds_strategy.models import GPT, gpt_config  # noqa: E402
 
 package, strategy_name, out_dir = sys.argv[1:4]
+max_steps = int(sys.argv[4]) if len(sys.argv) > 4 else 30
 pl = importlib.import_module(package)
 CONFIG = gpt_config("tiny")
 BATCH = 16
@@ -47,8 +50,12 @@ class Recorder(pl.Callback):
             f"{package} strategy={strategy_name!r}", BATCH * CONFIG.block_size * trainer.world_size
         )
 
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.grad_norm = grad_norm(pl_module, norm_type=2)["grad_2.0_norm_total"]
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.summary.record(trainer.strategy.reduce(pl_module.last_loss, reduce_op="mean").item())
+        loss = trainer.strategy.reduce(pl_module.last_loss, reduce_op="mean").item()
+        self.summary.record(loss, self.grad_norm.item())
 
 
 recorder = Recorder()
@@ -56,7 +63,7 @@ trainer = pl.Trainer(
     accelerator="cpu",
     devices=2,
     strategy=strategy_name,
-    max_steps=30,
+    max_steps=max_steps,
     logger=False,
     enable_checkpointing=False,
     enable_progress_bar=False,
