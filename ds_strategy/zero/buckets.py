@@ -10,7 +10,9 @@ the capacity makes a bucket of its own). A bucket's collective is one coalesced 
 [Coalesced collectives] in :mod:`ds_strategy.comm.collectives`), so each buffer keeps its own layout and shard:
 nothing is copied in or out, and each rank's slice still lands in its own shard. Buffers that cannot share a
 launch stay alone: those with owner regions (a whole-tensor optimizer's), quantised reductions (qgZ), and stage 3's
-partitioned buffers, whose reduction frees their unit as soon as it is launched.
+partitioned buffers, whose reduction frees their unit as soon as it is launched; the whole (persistent) buffers of
+a stage-3 unit that has partitioned ones share buckets only among themselves, since a bucket spanning two such units
+would stay open while the partitioned buffers between them fill theirs, past the scratch bound.
 
 The capacity is ``reduce_bucket_size`` / ``allgather_bucket_size`` in elements, as in DeepSpeed; "units" (the
 default) resolves to the largest unit's elements, but never fewer than :data:`MIN_BUCKET_NUMEL`, so that a model
@@ -24,8 +26,8 @@ from collections.abc import Callable, Hashable, Sequence
 
 from .flat_param import FlatParam
 
-# 2**20 elements: 4 MiB of fp32 gradients, between DDP's first bucket (1 MiB) and its others (25 MiB).
-MIN_BUCKET_NUMEL = 1 << 20
+# 2**18 elements: 1 MiB of fp32 gradients, the size of DDP's first bucket.
+MIN_BUCKET_NUMEL = 1 << 18
 
 
 def plan_buckets(

@@ -207,6 +207,7 @@ class ZeroEngine:
             on_reduced=self.step_runner.on_reduced,
             quantized_reduce_scatter=qgz,
             gradients=self.step_runner.gradients,
+            fences=[i if unit.partitioned else -1 for i, unit in enumerate(self.units) for _ in unit.flat_params],
         )
         self.reducer.register_hooks()
         self._hooks = [

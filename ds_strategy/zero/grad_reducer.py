@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import NamedTuple
 
@@ -121,6 +121,7 @@ class GradReducer:
         on_reduced: Callable[[FlatParam, torch.Tensor], None] | None = None,
         quantized_reduce_scatter: QuantizedReduceScatter | None = None,
         gradients: GradientStore | None = None,
+        fences: Sequence[int] | None = None,
     ):
         """``on_launched(fp)``: fp's reduction is in flight (stage 3 frees the unit's weights). ``on_backward_end()``:
         every reduction of this backward has finished. ``on_reduced(fp, grad)``: a synced reduction into a stage 0/1
@@ -128,7 +129,9 @@ class GradReducer:
         ``quantized_reduce_scatter``: qgZ, used instead of the plain reduce-scatter at stage 2/3. ``gradients``:
         where partitioned (stage 2/3) gradients are summed, the step runner's (by default on the device).
         ``flat_params`` are the engine's, in order (``fp.index`` is each one's position), their gradient buffers
-        allocated (``FlatParam.allocate_grads``)."""
+        allocated (``FlatParam.allocate_grads``). ``fences``: per flat buffer, buffers of different values never
+        share a bucket (the engine keeps a stage-3 unit's whole buffers from sharing one with other units': such a
+        bucket would stay open while the unit's partitioned buffers fill theirs); None: no fences."""
         self.order = list(reversed(flat_params))
         self.collectives = collectives
         self.comm_dtype = comm_dtype
@@ -144,6 +147,7 @@ class GradReducer:
         self.on_reduced = on_reduced
         self.quantized_reduce_scatter = quantized_reduce_scatter
         self.gradients = gradients or DeviceGradients()
+        self._fences = fences if fences is not None else [0] * len(flat_params)
         self.buckets = plan_buckets(self.order, bucket_numel, self._bucket_key)
         self._bucket_of = bucket_of = {fp.index: b for b, bucket in enumerate(self.buckets) for fp in bucket}
         self._params_in = [sum(len(fp.params) for fp in bucket) for bucket in self.buckets]
@@ -167,7 +171,7 @@ class GradReducer:
         units] in :mod:`.buckets`)."""
         if fp.policy.params or fp.regions is not None or (fp.policy.grads and self.quantized_reduce_scatter):
             return None
-        return (fp.policy.grads, fp.policy.optimizer, self._comm_dtype(fp), fp.grad_dtype, fp.device)
+        return (fp.policy.grads, fp.policy.optimizer, self._comm_dtype(fp), fp.grad_dtype, fp.device, self._fences[fp.index])
 
     def register_hooks(self) -> None:
         for fp in self.order:

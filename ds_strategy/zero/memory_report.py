@@ -7,7 +7,7 @@ gradients, 8 for the two moments; Ψ parameters, N ranks) the paper's formulas a
 4Ψ + 4Ψ + 8Ψ/N, stage 2: 4Ψ + 4Ψ/N + 8Ψ/N, stage 3: 16Ψ/N (``ds_strategy.estimate`` has the mixed-precision
 ones). The working set is bounded by units, not by elements, when the sizes are "units" (the default, see
 :func:`unit_bounded_sizes`): gradient scratch (stage 2/3) is at most one reduction bucket in flight plus the
-bucket filling, a bucket being the largest unit's elements but at least ``MIN_BUCKET_NUMEL`` (2**20: Note:
+bucket filling, a bucket being the largest unit's elements but at least ``MIN_BUCKET_NUMEL`` (2**18: Note:
 [Buckets span units] in :mod:`.buckets`), and stage 3 gathers the unit computing plus one prefetched (and, in
 backward, the unit whose reductions are being launched). So ``memory_report(engine, peak=True)``, summed over
 kinds and places, stays within formula x 1.05 + the two largest units' parameter bytes + two buckets' gradient
