@@ -498,7 +498,9 @@ class Collectives:
         device = fulls[0].device
         return self._launch("reduce_scatter", nbytes, lambda: self._coalesced(issue), device, label=label)
 
-    def all_gather_many(self, fulls: list[torch.Tensor], shards: list[torch.Tensor], label: str = "") -> PendingCollective:
+    def all_gather_many(
+        self, fulls: list[torch.Tensor], shards: list[torch.Tensor], label: str = ""
+    ) -> PendingCollective:
         """:meth:`all_gather` of each (full, shard) pair (equal slices, no regions) as one coalesced all-gather,
         on every backend: buffers small enough to share a bucket are bound by latency, where gloo's broadcasts
         lose their edge."""

@@ -12,8 +12,8 @@ from torch.autograd import Variable
 
 from ..comm.collectives import Collectives, PendingCollective
 from ..profiler_ranges import profiler_range
-from .compile_boundary import eager_hook
 from .buckets import bucket_label, plan_buckets
+from .compile_boundary import eager_hook
 from .flat_param import FlatParam
 from .memory_report import WorkingSetPeak
 from .step_runner import DeviceGradients, GradientStore
@@ -171,7 +171,14 @@ class GradReducer:
         units] in :mod:`.buckets`)."""
         if fp.policy.params or fp.regions is not None or (fp.policy.grads and self.quantized_reduce_scatter):
             return None
-        return (fp.policy.grads, fp.policy.optimizer, self._comm_dtype(fp), fp.grad_dtype, fp.device, self._fences[fp.index])
+        return (
+            fp.policy.grads,
+            fp.policy.optimizer,
+            self._comm_dtype(fp),
+            fp.grad_dtype,
+            fp.device,
+            self._fences[fp.index],
+        )
 
     def register_hooks(self) -> None:
         for fp in self.order:

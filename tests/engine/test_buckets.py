@@ -60,20 +60,25 @@ def test_a_step_gathers_updated_parameters_once_however_many_units_the_model_has
     assert few["parameters"] == many["parameters"] == 1, (few, many)
 
 
-BLOCKS = Recipe(model="ManySmallBlocks", steps=4)
+def blocks(**changes) -> Recipe:
+    return Recipe(model="ManySmallBlocks", steps=4, **changes)
+
+
+BLOCKS = blocks()
+
 JOBS = {
     "stage 0": (BLOCKS, 0),
     "stage 1": (BLOCKS, 1),
     "stage 2": (BLOCKS, 2),
     "stage 3, persistent": (BLOCKS, 3),  # every block below the persistence threshold: whole, bucketed like stage 2
-    "stage 3, partitioned": (Recipe(model="ManySmallBlocks", steps=4, zero={"param_persistence_threshold": 0}), 3),
-    "stage 1, accumulating without no_sync": (Recipe(model="ManySmallBlocks", steps=4, pattern="every"), 1),
-    "stage 2, accumulating without no_sync": (Recipe(model="ManySmallBlocks", steps=4, pattern="every"), 2),
-    "stage 1, reduce-scatter": (Recipe(model="ManySmallBlocks", steps=4, zero={"gradient_reduction": "reduce_scatter"}), 1),
-    "stage 2, reduce-scatter": (Recipe(model="ManySmallBlocks", steps=4, zero={"gradient_reduction": "reduce_scatter"}), 2),
-    "stage 2, optimizer offloaded": (Recipe(model="ManySmallBlocks", steps=4, zero={"offload_optimizer": "cpu"}), 2),
-    "stage 1, optimizer offloaded": (Recipe(model="ManySmallBlocks", steps=4, zero={"offload_optimizer": "cpu"}), 1),
-    "stage 2, buckets of three blocks": (Recipe(model="ManySmallBlocks", steps=4, zero={"reduce_bucket_size": 230}), 2),
+    "stage 3, partitioned": (blocks(zero={"param_persistence_threshold": 0}), 3),
+    "stage 1, accumulating without no_sync": (blocks(pattern="every"), 1),
+    "stage 2, accumulating without no_sync": (blocks(pattern="every"), 2),
+    "stage 1, reduce-scatter": (blocks(zero={"gradient_reduction": "reduce_scatter"}), 1),
+    "stage 2, reduce-scatter": (blocks(zero={"gradient_reduction": "reduce_scatter"}), 2),
+    "stage 2, optimizer offloaded": (blocks(zero={"offload_optimizer": "cpu"}), 2),
+    "stage 1, optimizer offloaded": (blocks(zero={"offload_optimizer": "cpu"}), 1),
+    "stage 2, buckets of three blocks": (blocks(zero={"reduce_bucket_size": 230}), 2),
 }
 
 
