@@ -181,6 +181,42 @@ def measure(model_name: str, system: str, warmup: int, steps: int) -> dict:
     return result
 
 
+def one_rank_row(device: torch.device, steps: int = 20) -> tuple[bool, dict]:
+    """The GPU suite's row: the blocks model on this process's one rank (its group already initialised), plain
+    torch against ZeroEngine stages 2 and 3, step time with the device synchronised: what a step costs the host
+    when the collectives are trivial, and that cost as a ratio to plain torch's."""
+    from ds_strategy.config import ZeroConfig
+    from ds_strategy.zero.engine import ZeroEngine
+
+    figures = {}
+    for system in ("torch", "zero2", "zero3"):
+        model = build_model("blocks").to(device)
+        optimizer = _optimizer(model)
+        engine = ZeroEngine(model, optimizer, ZeroConfig(stage=int(system[-1]))) if system != "torch" else None
+        x = torch.randn(BATCH, model.width, device=device)
+        times = []
+        for index in range(3 + steps):
+            start = time.perf_counter()
+            if engine is None:
+                model(x).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            else:
+                engine.backward(model(x))
+                engine.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if index >= 3:
+                times.append(time.perf_counter() - start)
+        figures[f"{system}_step_ms"] = 1e3 * statistics.median(times)
+        if engine is not None:
+            figures[f"{system}_collectives"] = sum(v["calls"] for v in engine.comm_stats(last_step=True).values())
+            engine.remove_hooks()
+    for system in ("zero2", "zero3"):
+        figures[f"{system}_vs_torch"] = figures[f"{system}_step_ms"] / figures["torch_step_ms"]
+    return True, figures
+
+
 def rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2"
