@@ -41,6 +41,8 @@ from torch import nn
 
 MODELS = ("blocks", "lora", "moe")
 SYSTEMS = ("ddp", "fsdp2", "deepspeed-zero2", "deepspeed-zero3", "zero1", "zero2", "zero3")
+# on request (--systems): stage 3 with every parameter partitioned (persistence threshold 0), one gather per unit
+OPTIONAL_SYSTEMS = ("zero3-partitioned",)
 BATCH = 8
 
 
@@ -152,7 +154,8 @@ def build_system(system: str, model: Stack):
     from ds_strategy.config import ZeroConfig
     from ds_strategy.zero.engine import ZeroEngine
 
-    engine = ZeroEngine(model, _optimizer(model), ZeroConfig(stage=int(system[-1])))
+    options = {"param_persistence_threshold": 0} if system == "zero3-partitioned" else {}
+    engine = ZeroEngine(model, _optimizer(model), ZeroConfig(stage=int(system[len("zero")]), **options))
 
     def step(x):
         engine.backward(model(x))
@@ -315,7 +318,7 @@ def plot(rows: list[dict], path: Path) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
-    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS + OPTIONAL_SYSTEMS)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--steps", type=int, default=40)
