@@ -36,7 +36,9 @@ speed        a Llama-shaped model (``SPEED_SHAPES`` in ``suite_training.py``, 0.
              MFU and peak allocated memory. MFU = model FLOPs per step / step time / the device's dense bf16 peak,
              with (PaLM, appendix B) model FLOPs = 6 N T + 12 L H S T for T tokens per step, N the parameters that
              take part in matmuls (all but the input embedding), L layers, H the hidden size and S the sequence
-             length (attention counted without the causal half, as PaLM and Megatron do).
+             length (attention counted without the causal half, as PaLM and Megatron do). Then the host-overhead
+             row (``host_overhead.one_rank_row``): 96 blocks of ``Linear(64, 64)``, one rank, ZeRO-2 and ZeRO-3
+             step time against plain torch's, where the device waits on the host's per-unit work.
 long_context ``suite_long_context.py``: the longest sequence of one training step of a 110M-parameter Hugging Face
              Llama (32K vocabulary, ``long_context.py``) within 8 GiB of device memory, for the plain Hugging Face
              Trainer, ``ZeroTrainer`` at stage 3 with tiled MLP and loss and host-offloaded checkpoints, and the
@@ -74,6 +76,7 @@ if importlib.util.find_spec("ds_strategy") is None:
     sys.exit(f"ds_strategy is not installed; from {CHECKOUT}: {INSTALL}")
 
 import gpu_check  # noqa: E402
+import host_overhead  # noqa: E402
 import rank_kill  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -399,6 +402,7 @@ def run_speed(runner: Runner, context: SuiteContext) -> None:
     peak = peak_flops(device, args.peak_tflops)
     for name, system in speed_systems(compile_modes).items():
         context.items[name] = runner.run(name, measure_speed, system, config, device, batch, seq, args.steps, peak)
+    runner.run("host overhead: 96 small blocks", host_overhead.one_rank_row, device)
     if compile_modes == [False]:
         runner.run("+compile", lambda: None, skip="torch.compile is off (--compile auto turns it on for CUDA only)")
 

@@ -45,10 +45,17 @@ than its reduce-scatter (gloo's own reduce-scatter is an all-reduce of a clone),
 than its all-gather, so with ``use_all_reduce`` (``ZeroPlan.gradient_collective``: "auto" picks it on gloo) a
 reduce-scatter runs as an all-reduce and an all-gather as broadcasts. NCCL is fastest at its native
 reduce-scatter and all-gather: "auto" picks reduce-scatter there, and an all-gather is never built from broadcasts
-on NCCL, even when ``gradient_reduction="all_reduce"`` is asked for (:func:`gathers_with_broadcasts`). Collectives
-are per flat buffer (a unit's parameters of one param group), never per tensor, so there is nothing to coalesce
-on the engine's path; the per-tensor collectives left are the model's own (tensor-parallel sums, Ulysses
-all-to-alls), one per activation by nature.
+on NCCL, even when ``gradient_reduction="all_reduce"`` is asked for (:func:`gathers_with_broadcasts`). The engine's
+collectives are per bucket of flat buffers, never per tensor; the per-tensor collectives left are the model's own
+(tensor-parallel sums, Ulysses all-to-alls), one per activation by nature.
+
+Note: [Coalesced collectives]
+A bucket holds several flat buffers (small units' gradients, or their updated parameters), each with its own
+layout. ``all_reduce_many``, ``reduce_scatter_many`` and ``all_gather_many`` issue one collective per buffer under
+torch's coalescing manager, which the backend runs as one (gloo flattens them into one buffer, NCCL groups the
+calls into one launch), so a bucket pays one latency however many buffers it holds: 96 all-reduces of 4,160
+elements took 65 ms one by one and 3.7 ms coalesced (2 gloo ranks, loaded machine), against 3.1 ms for one flat
+buffer of the same elements. Each is booked as one call of its kind, with the bytes of all its buffers.
 """
 
 from __future__ import annotations
@@ -426,6 +433,75 @@ class Collectives:
             )
 
         return self._launch("broadcast", nbytes, launch, full.device, label=label)
+
+    # -- coalesced: many buffers, one launch (Note: [Coalesced collectives]) -----------------------------------
+    def _coalesced(self, issue) -> _AllOf:
+        """Run ``issue()`` (plain ``torch.distributed`` calls of one kind) under torch's coalescing manager, whose
+        fast path launches them as one."""
+        with dist._coalescing_manager(self.group, async_ops=True) as manager:
+            issue()
+        return _AllOf(manager.works)
+
+    def all_reduce_many(self, tensors: list[torch.Tensor], label: str = "") -> PendingCollective:
+        """Sum each of ``tensors`` (one dtype, one device) in place across ranks as one coalesced collective, booked
+        as one all-reduce of their bytes."""
+        if len(tensors) == 1:
+            return self.all_reduce(tensors[0], label=label)
+        nbytes = 2 * sum(t.numel() * t.element_size() for t in tensors)
+
+        def issue():
+            for tensor in tensors:
+                dist.all_reduce(tensor, group=self.group)
+
+        device = tensors[0].device
+        return self._launch("all_reduce", nbytes, lambda: self._coalesced(issue), device, label=label)
+
+    def reduce_scatter_many(
+        self, outputs: list[torch.Tensor], fulls: list[torch.Tensor], label: str = ""
+    ) -> PendingCollective:
+        """:meth:`reduce_scatter` of each (output, full) pair (equal slices, no regions), as one coalesced
+        collective; with ``use_all_reduce`` one coalesced all-reduce of the fulls, each slice copied out on wait."""
+        if len(fulls) == 1:
+            return self.reduce_scatter(outputs[0], fulls[0], label=label)
+        if self.use_all_reduce or not dist.is_initialized():
+
+            def copy_out():
+                for output, full in zip(outputs, fulls):
+                    mine = full.narrow(0, self.rank * output.numel(), output.numel())
+                    if output.data_ptr() != mine.data_ptr():
+                        output.copy_(mine)
+
+            return self.all_reduce_many(fulls, label=label).then(copy_out)
+        nbytes = sum(t.numel() * t.element_size() for t in fulls)
+
+        def issue():
+            for output, full in zip(outputs, fulls):
+                getattr(dist, _REDUCE_SCATTER)(output, full, group=self.group)
+
+        device = fulls[0].device
+        return self._launch("reduce_scatter", nbytes, lambda: self._coalesced(issue), device, label=label)
+
+    def all_gather_many(
+        self, fulls: list[torch.Tensor], shards: list[torch.Tensor], label: str = ""
+    ) -> PendingCollective:
+        """:meth:`all_gather` of each (full, shard) pair (equal slices, no regions) as one coalesced all-gather,
+        on every backend: buffers small enough to share a bucket are bound by latency, where gloo's broadcasts
+        lose their edge."""
+        if len(fulls) == 1:
+            return self.all_gather(fulls[0], shards[0], label=label)
+        nbytes = sum(t.numel() * t.element_size() for t in fulls)
+        if not dist.is_initialized():
+            for full, shard in zip(fulls, shards):
+                mine = full.narrow(0, 0, shard.numel())
+                if mine.data_ptr() != shard.data_ptr():
+                    mine.copy_(shard)
+
+        def issue():
+            for full, shard in zip(fulls, shards):
+                getattr(dist, _ALL_GATHER)(full, shard, group=self.group)
+
+        device = fulls[0].device
+        return self._launch("all_gather", nbytes, lambda: self._coalesced(issue), device, label=label)
 
     def _global_rank(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank

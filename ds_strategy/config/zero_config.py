@@ -254,12 +254,13 @@ class ZeroConfig:
         integer(1, auto=True, units=True),
         default_note=', or an element count, or "auto"',
         doc=(
-            "at most this many elements of gradient scratch (stage 2/3: each flat buffer's gradients, copied out as "
-            "autograd finishes them) in flight in reductions; past it, launching waits for the oldest reductions. "
-            "\"units\" is the largest unit's elements: one unit's scratch in flight while the next fills, about two "
-            "units alive whatever the model size and however slow the reductions (FSDP2's bound). DeepSpeed's 5e8 "
-            "holds up to the whole model's gradients as scratch when reductions lag. Larger: more overlap, more "
-            "memory."
+            "elements of gradients reduced by one collective: consecutive flat buffers, across units, fill a bucket "
+            "that launches when its last gradient is ready, and at most this many elements of gradient scratch "
+            '(stage 2/3) are in flight; past it, launching waits for the oldest reductions. "units" is the largest '
+            "unit's elements, at least 2**18 (DDP's first bucket): one bucket in flight while the next fills, about "
+            "two units alive whatever the model size and however slow the reductions (FSDP2's bound), and a model of "
+            "small units in a few buckets. DeepSpeed's 5e8 holds up to the whole model's gradients as scratch when "
+            "reductions lag. Larger: fewer collectives, more memory."
         ),
         acts_at=(2, 3),
         bounds_elements=True,
@@ -269,8 +270,9 @@ class ZeroConfig:
         500_000_000,
         integer(1),
         doc=(
-            "at most this many elements of the stage 1/2 all-gathers of updated parameters in flight after a step; "
-            "past it, the step waits before launching more."
+            "at most this many elements of the stage 1/2 all-gathers of updated parameters in flight after a step "
+            "(buckets of reduce_bucket_size elements, across units, one coalesced all-gather each); past it, the "
+            "step waits before launching more."
         ),
         acts_at=(1, 2),
         bounds_elements=True,

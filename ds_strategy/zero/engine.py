@@ -31,6 +31,7 @@ from .hpz import WeightGather, hpz_collectives
 from .memory_report import WorkingSetPeak, memory_report, unit_bounded_sizes, whole_tensor_ownership
 from .model_part import ModelPart
 from .param_gatherer import ParamGatherer
+from .param_refresh import ParamRefresh
 from .param_types import check_shardable
 from .placement import place_units
 from .schedule_interface import ScheduleInterface
@@ -197,6 +198,9 @@ class ZeroEngine:
                 self.working_set,
             )
         self._unit_of = [unit for unit in self.units for _ in unit.flat_params]  # by fp.index
+        self._stats_at_step = self._stats_now()  # at the last step's end (or construction), by group ("": summed)
+        self._last_step_stats: dict[str, dict] = {}
+        self.refresher = ParamRefresh(self.units, sizes.reduce_bucket, config.allgather_bucket_size)
         self._launched_per_unit: dict[Unit, int] = {}
         qgz = (
             functools.partial(reduce_scatter_quantized, self.collectives, bits=config.zero_quantized_gradients_bits)
@@ -221,6 +225,7 @@ class ZeroEngine:
                 if unit.collectives is not self.collectives
                 for fp in unit.flat_params
             },
+            fences=[i if unit.partitioned else -1 for i, unit in enumerate(self.units) for _ in unit.flat_params],
         )
         self.reducer.register_hooks()
         self._hooks = [
@@ -790,6 +795,7 @@ class ZeroEngine:
                 self.loss_scaler.update(overflow)
                 if overflow:
                     self.zero_grad(optimizer)
+                    self._count_step()
                     return False
             grads = self._optimizer_grads(fps)
             with profiler_range("step.optimizer"):
@@ -802,25 +808,13 @@ class ZeroEngine:
             if self.gatherer is not None:  # a unit still gathered (a forward after the last backward) is now stale
                 self.gatherer.release_all()
             self._refresh_params(fps)
+            self._count_step()
             return True
 
     def _refresh_params(self, fps: list[FlatParam] | None = None) -> None:
-        """All-gather the updated shards of the whole (never freed) buffers among ``fps`` (None: all), at most
-        ``allgather_bucket_size`` elements in flight: past that, wait for what is in flight before launching more."""
-        with profiler_range("step.refresh_params"):
-            chosen = {fp.index for fp in (fps if fps is not None else self.flat_params)}
-            in_flight = 0
-            for unit in self.units:
-                stale = [
-                    fp for fp in unit.flat_params if fp.policy.optimizer and not fp.policy.params and fp.index in chosen
-                ]
-                size = sum(fp.padded_numel for fp in stale)
-                if in_flight and in_flight + size > self.config.allgather_bucket_size:
-                    self.wait_for_params()
-                    in_flight = 0
-                unit.refresh(stale)
-                in_flight += size
-            self.wait_for_params()
+        """All-gather the updated shards of the whole (never freed) buffers among ``fps`` (None: all), by buckets
+        (:mod:`.param_refresh`)."""
+        self.refresher.refresh(None if fps is None or fps is self.flat_params else {fp.index for fp in fps})
 
     def zero_grad(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Drop the gradients ``optimizer`` (None: every optimizer) steps: as DDP's ``opt.zero_grad()`` drops
@@ -838,16 +832,39 @@ class ZeroEngine:
         """Model-state bytes now, or with ``peak`` at the working set's peak (see :mod:`.memory_report`)."""
         return memory_report(self, peak)
 
-    def comm_stats(self, group: str | None = None) -> dict[str, dict[str, float]]:
+    def comm_stats(self, group: str | None = None, last_step: bool = False) -> dict[str, dict[str, float]]:
         """Calls, bytes and seconds waited per collective kind, summed over the groups that carry training data
         ("world"; under hpZ, "hpz"; and the mesh's model-parallel groups "tp", "sp", "pp", whose counters include the
         model's own traffic over them: tensor-parallel sums, Ulysses all-to-alls, pipeline losses and tied weights;
         under expert parallelism "edp", the experts' gathers and reductions, and "ep", the token all-to-alls),
         or for one of ``comm_groups``, which also holds "monitor" (the per-step sequence check's all-gather of 16
-        bytes per rank, left out of the sum)."""
+        bytes per rank, left out of the sum).
+
+        ``last_step``: only what the last optimizer step's iteration issued, from the end of the step before it
+        (or construction) to the end of that step: its forwards, backwards, clipping and step. The collectives per
+        step are the figure to watch on a model of many small units (Note: [Buckets span units] in
+        :mod:`.buckets`)."""
+        if last_step:
+            return self._last_step_stats.get(group or "", {})
         if group is not None:
             return self.comm_groups[group].stats.as_dict()
         return combined(c.stats for name, c in self.comm_groups.items() if name != "monitor")
+
+    def _stats_now(self) -> dict[str, dict[str, dict[str, float]]]:
+        """``comm_stats`` summed ("") and per group."""
+        return {"": self.comm_stats(), **{name: self.comm_stats(name) for name in self.comm_groups}}
+
+    def _count_step(self) -> None:
+        """What the step that is ending issued, for ``comm_stats(last_step=True)``."""
+        now, before = self._stats_now(), self._stats_at_step
+        self._last_step_stats = {
+            name: {
+                kind: {key: value - before[name][kind][key] if name in before else value for key, value in v.items()}
+                for kind, v in stats.items()
+            }
+            for name, stats in now.items()
+        }
+        self._stats_at_step = now
 
     def summary(self) -> str:
         report = self.memory_report()

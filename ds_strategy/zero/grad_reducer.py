@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
 from typing import NamedTuple
 
@@ -12,6 +12,7 @@ from torch.autograd import Variable
 
 from ..comm.collectives import Collectives, PendingCollective
 from ..profiler_ranges import profiler_range
+from .buckets import bucket_label, plan_buckets
 from .compile_boundary import eager_hook
 from .flat_param import FlatParam
 from .memory_report import WorkingSetPeak
@@ -29,11 +30,12 @@ class _Kind(Enum):
 
 
 class _Reduction(NamedTuple):
-    """A gradient reduction in flight: what finishing it reads (``out``) and the scratch it keeps alive."""
+    """A bucket's gradient reduction in flight: per flat buffer what finishing it reads (``outs``), and the
+    scratch it keeps alive."""
 
     pending: PendingCollective
-    fp: FlatParam
-    out: torch.Tensor
+    fps: tuple[FlatParam, ...]
+    outs: tuple[torch.Tensor, ...]
     kind: _Kind
     scratch_numel: int
 
@@ -88,14 +90,16 @@ class GradReducer:
 
     Note: [Collective order]
     Ranks must issue collectives in the same order or gloo/NCCL pair the wrong buffers.
-    A flat buffer is reduced only after every flat buffer before it in the fixed ``order`` (reverse forward
-    order) has been launched; the buffers still missing at the end of backward (unused parameters) are launched
-    then, in that order, with zeros for what never arrived.
+    The flat buffers, in the fixed ``order`` (reverse forward order), are cut once into buckets (Note: [Buckets
+    span units] in :mod:`.buckets`); a bucket is reduced, by one coalesced collective, when the last of its
+    parameters' gradients has arrived and every bucket before it has been launched; the buckets still missing at
+    the end of backward (unused parameters) are launched then, in that order, with zeros for what never arrived.
 
     Note: [Bucket lifetime]
-    A scratch buffer lives from the first gradient copied into it until its reduction
+    A scratch buffer lives from the first gradient copied into it until its bucket's reduction
     has been waited on and added into ``grad_shard``. At most ``bucket_numel`` elements of scratch are in flight:
-    launching past that waits for the oldest reductions first. Everything is waited on at the end of backward,
+    launching past that waits for the oldest reductions first, so scratch peaks at two buckets (one in flight,
+    one filling). Everything is waited on at the end of backward,
     so the optimizer never reads a shard a reduction is still writing. At stage 0/1 the buffer in flight is
     ``grad_full`` itself (or its copy in ``comm_dtype``): nothing writes it between its launch, after its last
     gradient arrived, and the end of backward. Under qgZ (``quantized_reduce_scatter``) the scratch is read
@@ -118,6 +122,7 @@ class GradReducer:
         quantized_reduce_scatter: QuantizedReduceScatter | None = None,
         gradients: GradientStore | None = None,
         collectives_of: Mapping[int, Collectives] | None = None,
+        fences: Sequence[int] | None = None,
     ):
         """``on_launched(fp)``: fp's reduction is in flight (stage 3 frees the unit's weights). ``on_backward_end()``:
         every reduction of this backward has finished. ``on_reduced(fp, grad)``: a synced reduction into a stage 0/1
@@ -127,7 +132,10 @@ class GradReducer:
         ``flat_params`` are the engine's, in order (``fp.index`` is each one's position), their gradient buffers
         allocated (``FlatParam.allocate_grads``). ``collectives_of``: by ``fp.index``, the flat buffers reduced over
         another group than ``collectives`` (experts: Note: [Expert units] in :mod:`.engine`), still divided by
-        ``divide_factor``."""
+        ``divide_factor``; they never share a bucket with another group's buffers. ``fences``: per flat buffer,
+        buffers of different values never share a bucket (the engine keeps a stage-3 unit's whole buffers from
+        sharing one with other units': such a bucket would stay open while the unit's partitioned buffers fill
+        theirs); None: no fences."""
         self.order = list(reversed(flat_params))
         self.collectives = collectives
         self.collectives_of = dict(collectives_of or {})
@@ -144,9 +152,17 @@ class GradReducer:
         self.on_reduced = on_reduced
         self.quantized_reduce_scatter = quantized_reduce_scatter
         self.gradients = gradients or DeviceGradients()
-        self._slot_of = {id(p): (fp, i) for fp in flat_params for i, p in enumerate(fp.params)}
-        self._ready_count = [0] * len(flat_params)
-        self._scratch: dict[int, torch.Tensor] = {}  # fp.index -> scratch buffer
+        self._fences = fences if fences is not None else [0] * len(flat_params)
+        self.buckets = plan_buckets(self.order, bucket_numel, self._bucket_key)
+        self._bucket_of = bucket_of = {fp.index: b for b, bucket in enumerate(self.buckets) for fp in bucket}
+        self._params_in = [sum(len(fp.params) for fp in bucket) for bucket in self.buckets]
+        # per parameter, looked up once per gradient: its flat buffer, its slot and its bucket
+        self._route = {
+            id(p): (fp, slot, bucket_of[fp.index]) for fp in flat_params for p, slot in zip(fp.params, fp.slots)
+        }
+        self._ready_count = [0] * len(self.buckets)
+        self._scratch: dict[int, torch.Tensor] = {}  # fp.index -> scratch buffer (a view of its bucket's)
+        self._scratch_bytes = 0  # of the scratch buffers alive
         self._next = 0
         self._in_flight: deque[_Reduction] = deque()
         self._callback_queued = False
@@ -154,6 +170,24 @@ class GradReducer:
 
     def _comm_dtype(self, fp: FlatParam) -> torch.dtype:
         return self.comm_dtype or fp.grad_dtype
+
+    def _bucket_key(self, fp: FlatParam):
+        """What buffers sharing a bucket must agree on; None for a buffer reduced alone (Note: [Buckets span
+        units] in :mod:`.buckets`)."""
+        if fp.policy.params or fp.regions is not None or (fp.policy.grads and self.quantized_reduce_scatter):
+            return None
+        return (
+            fp.policy.grads,
+            fp.policy.optimizer,
+            self._comm_dtype(fp),
+            fp.grad_dtype,
+            fp.device,
+            self._fences[fp.index],
+            id(self._collectives_for(fp)),
+        )
+
+    def _collectives_for(self, fp: FlatParam) -> Collectives:
+        return self.collectives_of.get(fp.index, self.collectives)
 
     def register_hooks(self) -> None:
         for fp in self.order:
@@ -168,11 +202,10 @@ class GradReducer:
     # -- backward ----------------------------------------------------------------------------------------------
     def _on_grad(self, param: torch.Tensor) -> None:
         """Per parameter, so without a profiler range (one costs microseconds): the flat buffer's ranges carry it."""
-        fp, index = self._slot_of[id(param)]
+        fp, slot, bucket = self._route[id(param)]
         if not self._callback_queued:
             Variable._execution_engine.queue_callback(self._end_of_backward)
             self._callback_queued = True
-        slot = fp.slots[index]
         grad = param.grad if slot.tp is None else slot.tp.local_grad(param.grad)
         if fp.policy.grads:
             self._scratch_for(fp).narrow(0, slot.offset, slot.numel).copy_(grad.reshape(-1))
@@ -182,8 +215,9 @@ class GradReducer:
             if grad.data_ptr() != view.data_ptr():
                 view.add_(grad)
                 param.grad = _grad_as_view(param, slot, view)
-        self._ready_count[fp.index] += 1
-        self._launch_ready()
+        self._ready_count[bucket] += 1
+        if self._ready_count[bucket] == self._params_in[bucket]:
+            self._launch_ready()
 
     # -- gradients handed over by a caller (pipeline schedules) --------------------------------------------------
     def collect(self, params, scale: float) -> None:
@@ -193,14 +227,13 @@ class GradReducer:
         :meth:`reduce` of its flat buffer reduce-scatters, at stage 0/1 ``grad_full``. A reduction still reading
         one of those regions (the previous micro-batch's) is finished first."""
         params = list(params)
-        targets = {self._slot_of[id(p)][0].index for p in params}
-        if any(reduction.fp.index in targets for reduction in self._in_flight):
+        targets = {self._route[id(p)][0].index for p in params}
+        if any(fp.index in targets for reduction in self._in_flight for fp in reduction.fps):
             self.wait_all()
         for param in params:
             if param.grad is None:
                 continue
-            fp, index = self._slot_of[id(param)]
-            slot = fp.slots[index]
+            fp, slot, _ = self._route[id(param)]
             grad = param.grad if slot.tp is None else slot.tp.local_grad(param.grad)
             region = self._scratch_for(fp) if fp.policy.grads else fp.grad_full
             region.narrow(0, slot.offset, slot.numel).add_(grad.reshape(-1), alpha=scale)
@@ -211,7 +244,7 @@ class GradReducer:
         :meth:`collect` gathered, as a synced backward would (under ``no_sync`` only stage 2/3 communicate)."""
         for fp in flat_params:
             if fp.policy.grads or self.sync:
-                self._launch(fp)
+                self._launch([fp])
 
     def finish(self) -> None:
         """End a backward the caller drove: every reduction waited on, then ``on_backward_end``."""
@@ -220,65 +253,76 @@ class GradReducer:
             self.on_backward_end()
 
     def _scratch_for(self, fp: FlatParam) -> torch.Tensor:
+        """``fp``'s scratch buffer: at its bucket's first gradient, one allocation for every buffer of the bucket
+        that has none (a pipeline schedule may reduce a bucket's buffers one by one and refill some early)."""
         scratch = self._scratch.get(fp.index)
         if scratch is None:
-            scratch = torch.zeros(fp.padded_numel, dtype=self._comm_dtype(fp), device=fp.device)
-            self._scratch[fp.index] = scratch
-            live = self._scratch_bytes()
-            self.peak_scratch_bytes = max(self.peak_scratch_bytes, live)
-            self.working_set.observe(live)
+            missing = [other for other in self.buckets[self._bucket_of[fp.index]] if other.index not in self._scratch]
+            storage = torch.zeros(sum(o.padded_numel for o in missing), dtype=self._comm_dtype(fp), device=fp.device)
+            offset = 0
+            for other in missing:
+                self._scratch[other.index] = storage.narrow(0, offset, other.padded_numel)
+                offset += other.padded_numel
+            self._scratch_bytes += storage.numel() * storage.element_size()
+            self.peak_scratch_bytes = max(self.peak_scratch_bytes, self._scratch_bytes)
+            self.working_set.observe(self._scratch_bytes)
+            scratch = self._scratch[fp.index]
         return scratch
 
-    def _scratch_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._scratch.values())
-
     def _launch_ready(self, force: bool = False) -> None:
-        while self._next < len(self.order):
-            fp = self.order[self._next]
-            if not force and self._ready_count[fp.index] < len(fp.params):
+        while self._next < len(self.buckets):
+            bucket = self.buckets[self._next]
+            if not force and self._ready_count[self._next] < self._params_in[self._next]:
                 return
             self._next += 1
-            if fp.policy.grads or self.sync:
-                self._launch(fp)
+            if bucket[0].policy.grads or self.sync:
+                self._launch(bucket)
 
-    def _launch(self, fp: FlatParam) -> None:
-        collectives = self.collectives_of.get(fp.index, self.collectives)
-        with profiler_range("grad.reduce", fp.name):
-            if fp.policy.grads:
-                scratch = self._scratch_for(fp)
-                if fp.regions is not None:  # owner layout: exact, each region to its owner (never quantised)
-                    out = scratch.narrow(0, fp.shard_offset, fp.shard_numel)
-                    pending = collectives.reduce_scatter(
-                        out, scratch, label=f"gradients of {fp.name}", regions=fp.regions
-                    )
+    def _launch(self, bucket: list[FlatParam]) -> None:
+        """One collective for ``bucket``'s flat buffers (all of one kind: see ``_bucket_key``)."""
+        first = bucket[0]
+        collectives = self._collectives_for(first)
+        label = bucket_label("gradients", bucket)
+        with profiler_range("grad.reduce", label):
+            if first.policy.grads:
+                scratches = [self._scratch_for(fp) for fp in bucket]
+                if first.regions is not None:  # owner layout: exact, each region to its owner (never quantised)
+                    outs = [scratches[0].narrow(0, first.shard_offset, first.shard_numel)]
+                    pending = collectives.reduce_scatter(outs[0], scratches[0], label=label, regions=first.regions)
                 elif self.quantized_reduce_scatter is not None:
-                    out = torch.empty(fp.shard_numel, dtype=torch.float32, device=scratch.device)
-                    pending = self.quantized_reduce_scatter(out, scratch, label=f"gradients of {fp.name}")
+                    outs = [torch.empty(first.shard_numel, dtype=torch.float32, device=scratches[0].device)]
+                    pending = self.quantized_reduce_scatter(outs[0], scratches[0], label=label)
                 else:
-                    out = (
+                    outs = [
                         scratch.narrow(0, fp.shard_offset, fp.shard_numel)
                         if collectives.use_all_reduce
                         else torch.empty(fp.shard_numel, dtype=scratch.dtype, device=scratch.device)
-                    )
-                    pending = collectives.reduce_scatter(out, scratch, label=f"gradients of {fp.name}")
-                launched = _Reduction(pending, fp, out, _Kind.SCATTERED, scratch.numel())
-            elif fp.policy.optimizer and not collectives.use_all_reduce:
+                        for fp, scratch in zip(bucket, scratches)
+                    ]
+                    pending = collectives.reduce_scatter_many(outs, scratches, label=label)
+                launched = _Reduction(pending, tuple(bucket), tuple(outs), _Kind.SCATTERED, sum(map(len, scratches)))
+            elif first.policy.optimizer and not collectives.use_all_reduce:
                 # reducing regions to their owners writes into what it sends: never grad_full itself
-                send = fp.grad_full.to(self._comm_dtype(fp), copy=fp.regions is not None)
-                out = (
+                sends = [fp.grad_full.to(self._comm_dtype(fp), copy=fp.regions is not None) for fp in bucket]
+                outs = [
                     fp.grad_shard
                     if fp.grad_shard.dtype == send.dtype
                     else torch.empty(fp.shard_numel, dtype=send.dtype, device=send.device)
-                )
-                pending = collectives.reduce_scatter(out, send, label=f"gradients of {fp.name}", regions=fp.regions)
-                launched = _Reduction(pending, fp, out, _Kind.SCATTERED_ONCE, 0)
+                    for fp, send in zip(bucket, sends)
+                ]
+                if first.regions is not None:
+                    pending = collectives.reduce_scatter(outs[0], sends[0], label=label, regions=first.regions)
+                else:
+                    pending = collectives.reduce_scatter_many(outs, sends, label=label)
+                launched = _Reduction(pending, tuple(bucket), tuple(outs), _Kind.SCATTERED_ONCE, 0)
             else:
-                send = fp.grad_full.to(self._comm_dtype(fp))
-                pending = collectives.all_reduce(send, label=f"gradients of {fp.name}")
-                launched = _Reduction(pending, fp, send, _Kind.ALL_REDUCED, 0)
+                sends = [fp.grad_full.to(self._comm_dtype(fp)) for fp in bucket]
+                pending = collectives.all_reduce_many(sends, label=label)
+                launched = _Reduction(pending, tuple(bucket), tuple(sends), _Kind.ALL_REDUCED, 0)
             self._in_flight.append(launched)
             if self.on_launched is not None:
-                self.on_launched(fp)
+                for fp in bucket:
+                    self.on_launched(fp)
             while self._in_flight and (
                 not self.overlap
                 or self._scratch_in_flight() > self.bucket_numel
@@ -290,23 +334,26 @@ class GradReducer:
         return sum(reduction.scratch_numel for reduction in self._in_flight)
 
     def _finish_oldest(self) -> None:
-        with profiler_range("grad.finish", self._in_flight[0].fp.name):
+        with profiler_range("grad.finish", self._in_flight[0].fps[0].name):
             reduction = self._in_flight.popleft()
             reduction.pending.wait()
-            fp, out, divisor = reduction.fp, reduction.out, self.divide_factor
+            divisor = self.divide_factor
             if reduction.kind is _Kind.SCATTERED:
-                self.gradients.add(fp, out, 1.0 / divisor)
-                del self._scratch[fp.index]
-                self.working_set.observe(self._scratch_bytes())
+                for fp, out in zip(reduction.fps, reduction.outs):
+                    self.gradients.add(fp, out, 1.0 / divisor)
+                    scratch = self._scratch.pop(fp.index)
+                    self._scratch_bytes -= scratch.numel() * scratch.element_size()
+                self.working_set.observe(self._scratch_bytes)
                 return
-            if reduction.kind is _Kind.ALL_REDUCED:
-                _store_all_reduced(fp, out, divisor)
-            else:
-                _store_mean(fp.grad_shard, out, divisor)
-                for p in fp.params:  # grad_full keeps this rank's own sum; no rank may read it as the gradient
-                    p.grad = None
-            if self.on_reduced is not None and self.sync:
-                self.on_reduced(fp, self.reduced_grad(fp))
+            for fp, out in zip(reduction.fps, reduction.outs):
+                if reduction.kind is _Kind.ALL_REDUCED:
+                    _store_all_reduced(fp, out, divisor)
+                else:
+                    _store_mean(fp.grad_shard, out, divisor)
+                    for p in fp.params:  # grad_full keeps this rank's own sum; no rank may read it as the gradient
+                        p.grad = None
+                if self.on_reduced is not None and self.sync:
+                    self.on_reduced(fp, self.reduced_grad(fp))
 
     def _end_of_backward(self) -> None:
         with profiler_range("backward.end"):

@@ -6,12 +6,14 @@ gathered stage-3 units and gradient scratch. With Adam in fp32 (4 bytes per para
 gradients, 8 for the two moments; Ψ parameters, N ranks) the paper's formulas are stage 0: 16Ψ, stage 1:
 4Ψ + 4Ψ + 8Ψ/N, stage 2: 4Ψ + 4Ψ/N + 8Ψ/N, stage 3: 16Ψ/N (``ds_strategy.estimate`` has the mixed-precision
 ones). The working set is bounded by units, not by elements, when the sizes are "units" (the default, see
-:func:`unit_bounded_sizes`): gradient scratch is at most the largest unit in flight plus the unit filling, and
-stage 3 gathers the unit computing plus one prefetched (and, in backward, the unit whose reductions are being
-launched). So ``memory_report(engine, peak=True)``, summed over kinds and places, stays within
-formula x 1.05 + two largest units' parameter and gradient bytes, by construction rather than by timing: the
-reducer waits for the oldest reduction before scratch passes the bound, and the gatherer never prefetches past
-it. ``tests/engine/test_memory_bounds.py`` checks this with reductions slowed on purpose.
+:func:`unit_bounded_sizes`): gradient scratch (stage 2/3) is at most one reduction bucket in flight plus the
+bucket filling, a bucket being the largest unit's elements but at least ``MIN_BUCKET_NUMEL`` (2**18: Note:
+[Buckets span units] in :mod:`.buckets`), and stage 3 gathers the unit computing plus one prefetched (and, in
+backward, the unit whose reductions are being launched). So ``memory_report(engine, peak=True)``, summed over
+kinds and places, stays within formula x 1.05 + the two largest units' parameter bytes + two buckets' gradient
+bytes, by construction rather than by timing: the reducer waits for the oldest reduction before scratch passes
+the bound, and the gatherer never prefetches past it. ``tests/engine/test_memory_bounds.py`` checks this with
+reductions slowed on purpose. Stage 0/1 buckets cost nothing: they reduce the persistent ``grad_full`` buffers.
 
 A whole-tensor optimizer (Muon) keeps each of its parameters whole on one owner rank (Note: [Whole parameters on
 owner ranks] in :mod:`.owner_layout`): a rank owns at most Ψ_w/N + P of its Ψ_w elements, P the largest such
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from ..config import UNITS
+from .buckets import MIN_BUCKET_NUMEL
 from .param_types import plain_tensors
 
 if TYPE_CHECKING:
@@ -48,16 +51,17 @@ class WorkingSetSizes(NamedTuple):
 
 
 def unit_bounded_sizes(comm: CommPolicy, units: list[Unit]) -> WorkingSetSizes:
-    """``comm``'s sizes with "units" resolved (see [The bound the peak is held to]): the largest unit's
-    gradient scratch in flight; one unit prefetched, and then at most the root and two units gathered."""
-    scratch = max((sum(fp.padded_numel for fp in u.flat_params if fp.policy.grads) for u in units), default=0)
+    """``comm``'s sizes with "units" resolved (see [The bound the peak is held to]): a reduction bucket of the
+    largest unit's elements, at least ``MIN_BUCKET_NUMEL``; one unit prefetched, and then at most the root and two
+    units gathered."""
+    scratch = max((sum(fp.padded_numel for fp in u.flat_params) for u in units), default=0)
     gathered = max((sum(fp.padded_numel for fp in u.partitioned) for u in units[1:]), default=0)
     root = sum(fp.padded_numel for fp in units[0].partitioned) if units else 0
     max_live = int(comm.max_live_parameters)
     if comm.prefetch_bucket_size == UNITS:
         max_live = min(max_live, root + 2 * gathered)
     return WorkingSetSizes(
-        max(1, scratch) if comm.reduce_bucket_size == UNITS else int(comm.reduce_bucket_size),
+        max(MIN_BUCKET_NUMEL, scratch) if comm.reduce_bucket_size == UNITS else int(comm.reduce_bucket_size),
         gathered if comm.prefetch_bucket_size == UNITS else int(comm.prefetch_bucket_size),
         max_live,
     )

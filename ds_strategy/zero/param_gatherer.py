@@ -74,6 +74,7 @@ class ParamGatherer:
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
         self.order: list[Unit] = []
+        self._place: dict[Unit, int] = {}  # each recorded unit's index in ``order``, looked up once per hook
         self._recording = True
         self._position = 0
         self._prefetch_enabled = True
@@ -143,9 +144,10 @@ class ParamGatherer:
 
     def _track_order(self, unit: Unit) -> None:
         if self._recording:
-            if unit in self.order:
+            if unit in self._place:
                 self._recording = False
             else:
+                self._place[unit] = len(self.order)
                 self.order.append(unit)
                 return
         expected = self.order[self._position] if self._position < len(self.order) else None
@@ -160,14 +162,14 @@ class ParamGatherer:
         self._position += 1
 
     def _upcoming_forward(self, unit: Unit) -> list[Unit]:
-        if self._recording or not self._prefetch_enabled or unit not in self.order:
+        if self._recording or not self._prefetch_enabled or unit not in self._place:
             return []
-        return self.order[self.order.index(unit) + 1 :]
+        return self.order[self._place[unit] + 1 :]
 
     def _upcoming_backward(self, unit: Unit) -> list[Unit]:
-        if not self._prefetch_enabled or unit not in self.order:
+        if not self._prefetch_enabled or unit not in self._place:
             return []
-        return list(reversed(self.order[: self.order.index(unit)]))
+        return self.order[self._place[unit] - 1 :: -1] if self._place[unit] else []
 
     def _prefetch(self, candidates: list[Unit]) -> None:
         """Launch gathers for upcoming units within the prefetch and live-parameter budgets."""

@@ -79,11 +79,10 @@ class Unit:
         self.training_state = state
 
     # -- gather / release ----------------------------------------------------------------------------------------
-    def refresh(self, flat_params: list[FlatParam]) -> None:
-        """Launch all-gathers that bring whole (never freed) buffers up to date after a partitioned optimizer step."""
-        for fp in flat_params:
-            label = f"unit {self.name} ({fp.name})"
-            self._refreshing.append(self.collectives.all_gather(fp.full, fp.shard, label=label, regions=fp.regions))
+    def track_refresh(self, pending: PendingCollective) -> None:
+        """An all-gather bringing some of this unit's whole (never freed) buffers up to date after a partitioned
+        optimizer step is in flight (:mod:`.param_refresh`): the unit's parameters are read only after it."""
+        self._refreshing.append(pending)
 
     def wait_refreshed(self) -> None:
         """Block until the whole buffers' refresh is done (partitioned parameters are left as they are)."""

@@ -30,6 +30,9 @@ PARTITION_ALL = {"param_persistence_threshold": 0}
 # reduction is still in flight at that check is a race gloo often wins on an idle machine (the engine retires
 # completed reductions at once), and "a reduction overlaps backward" could not be observed reliably.
 PEER_DELAY_S = 0.2
+# The tiny GPT (29.5k elements) fits one default bucket, which launches at the last gradient: buckets of about one of
+# its blocks (12.7k) make several, the first launched while backward still produces gradients.
+BLOCK_BUCKETS = {"reduce_bucket_size": 13_000}
 
 
 @dataclass(frozen=True)
@@ -256,7 +259,7 @@ def _two_rank_plan() -> dict:
     for stage in (1, 2, 3):
         for overlap in (True, False):
             plan[f"overlap stage {stage} {overlap}"] = Run(
-                {"stage": stage, "overlap_comm": overlap, **PARTITION_ALL}, steps=4, record_step=2
+                {"stage": stage, "overlap_comm": overlap, **PARTITION_ALL, **BLOCK_BUCKETS}, steps=4, record_step=2
             )
     for name, options in {
         "plain": {},

@@ -74,6 +74,32 @@ class MLP(_Regression):
         return self.net(x)
 
 
+class _SmallBlock(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x))
+
+
+class ManySmallBlocks(_Regression):
+    """Many units of a few parameters each (``depth`` blocks of Linear(8, 8) + tanh, two param groups each): the
+    buckets of gradients and of updated parameters span units."""
+
+    depth = 24
+
+    def __init__(self, depth: int | None = None):
+        super().__init__()
+        self.blocks = nn.ModuleList(_SmallBlock(self.in_features) for _ in range(depth or self.depth))
+        self.head = nn.Linear(self.in_features, self.out_features)
+
+    def predict(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
 class FrozenParamModel(_Regression):
     """The first layer has ``requires_grad=False``: it must get no gradient and never change."""
 
