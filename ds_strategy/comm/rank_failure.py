@@ -50,7 +50,7 @@ POLL_S = 1.0  # how often a blocked gloo wait reads the failure record
 _PREFIX = "ds_strategy/rank_failure"
 _FIRST = f"{_PREFIX}/first"
 _LEFT = "exited with status 0"
-_UNKNOWN_DEATH = "no failure record: killed, e.g. by SIGKILL or the OOM killer, crashed, or exited before its status was read"
+_UNKNOWN_DEATH = "no failure record: killed (SIGKILL, the OOM killer), crashed, or gone before its status was read"
 _BOARD: list = []  # [(weak reference to the default group, its FailureBoard)] once made
 
 
