@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
@@ -15,64 +14,28 @@ from ..comm.collectives import Collectives
 from ..comm.quantized import reduce_scatter_quantized
 from ..comm.sequence_check import CollectiveSequenceCheck
 from ..config import ZeroConfig
-from ..parallel.dtensor_params import local_tensor, point_param_at
 from ..precision import GradStats, LossScaler
 from ..profiler_ranges import profiler_range
 from . import full_gradients
-from .comm_books import CommBooks
-from .compile_boundary import eager_hook
+from .comm_books import connect
 from .flat_param import FlatParam
 from .full_state_dict import compute_weights, gathered_state_dict, master_weights
+from .gathering import Gathering
 from .grad_reducer import GradReducer
 from .groups import EngineGroups
-from .hpz import WeightGather, hpz_collectives
 from .layout import Ranks, lay_out
-from .materialise import materialise
-from .memory_report import WorkingSetPeak, memory_report, unit_bounded_sizes, whole_tensor_ownership
+from .materialise import device_of, materialise
+from .memory_report import WorkingSetPeak, memory_report, summary, unit_bounded_sizes
 from .model_part import ModelPart
 from .optimizer_step import OptimizerStep
 from .param_gatherer import ParamGatherer
 from .param_refresh import ParamRefresh
+from .replaced_parameters import adopt_replaced_parameters
 from .schedule_interface import ScheduleInterface
 from .sharded_optimizers import ShardedOptimizers, as_optimizer_list
-from .step_runner import DeviceStep, StepContext, StepRunner, StepRunnerFactory
-from .unit import ShardedState, Unit
+from .step_runner import StepContext, StepRunner, StepRunnerFactory, runner_factory
+from .unit import Unit
 from .wrap_policy import select_unit_modules
-
-log = logging.getLogger(__name__)
-
-
-def _modules_owning(root: nn.Module, flat_params: list[FlatParam]) -> list[nn.Module]:
-    """Submodules of ``root`` that hold one of ``flat_params``' parameters directly."""
-    held = {id(p) for fp in flat_params for p in fp.params}
-    return [m for m in root.modules() if m is not root and any(id(p) in held for p in m.parameters(recurse=False))]
-
-
-def _model_parallel(collectives: Collectives | None) -> Collectives | None:
-    """A model-parallel dimension's collectives, or None for none or one rank."""
-    return None if collectives is None or collectives.world_size == 1 else collectives
-
-
-def _step_runner_factory(step_runner: StepRunnerFactory | None, config: ZeroConfig) -> StepRunnerFactory:
-    """The runner given, else the device's; an offloading config without a runner is an error, not a silent
-    on-device step (zero never imports offload: Note: [One-way dependency between the engine and offload])."""
-    if step_runner is not None:
-        return step_runner
-    if config.plan.offloads:
-        raise ValueError(
-            f"ZeroConfig offloads (offload_optimizer={config.offload_optimizer!r}, offload_params="
-            f"{config.offload_params!r}) but no step_runner was given: pass "
-            f"step_runner=ds_strategy.offload.step_runner_for(config), or build through ds_strategy.compose"
-        )
-    return DeviceStep
-
-
-def _device_of(module: nn.Module) -> torch.device:
-    """Where the flat buffers go: the module's device, or the CPU for a module built on the meta device."""
-    for p in module.parameters():
-        if not p.is_meta:
-            return p.device
-    return torch.device("cpu")
 
 
 class ZeroEngine:
@@ -86,6 +49,23 @@ class ZeroEngine:
     Several optimizers may train one model (Muon on the hidden matrices and AdamW on the rest): each owns its
     parameters' shards, and ``step``, ``zero_grad``, ``clip_grad_norm_`` and ``grad_norm`` take the optimizer to act
     for (None: all of them, as one process clipping ``model.parameters()`` computes one norm over every parameter).
+
+    It is a façade: each job is a collaborator's (ARCHITECTURE.md), the layout of units and flat buffers
+    (:func:`.layout.lay_out`), materialisation (:mod:`.materialise`), communication and its books
+    (:mod:`.comm_books`), gathering around forwards (:class:`.gathering.Gathering`), reduction
+    (:class:`.grad_reducer.GradReducer`) and the optimizer step (:class:`.optimizer_step.OptimizerStep`). What other
+    features need from the engine they set through public methods after construction, as torch's pipeline stages
+    drive FSDP2: :meth:`set_gradient_divide_factor` (Ulysses) and :meth:`driven_by_schedule` (a pipeline schedule
+    hands gradients over).
+
+    Note: [Expert units]
+    Experts containers (``EngineGroups.experts``) are units of their own (:func:`.layout.lay_out`), each nested
+    in its layer's, holding every parameter inside it (the layer's unit takes none of them), sharded,
+    gathered and reduced over the expert-data-parallel group, so that its flat buffers are laid out for that
+    group's size and its all-gathers and reduce-scatters never mix two ranks' different experts. Everything
+    else, the step, the norm and the overflow check included, treats them as any unit. The expert-parallel
+    group's token all-to-alls move as many rows as each rank's tokens chose, so their sizes differ by rank:
+    they are counted in ``comm_stats`` but left out of the per-step sequence check, which compares sizes.
     """
 
     def __init__(
@@ -109,104 +89,38 @@ class ZeroEngine:
         or None for a whole model. ``unit_modules``: the (name, module) pairs that become units, as the caller
         chose them (the composition function, which checkpoints the same modules); None: chosen here by the
         config's unit policy (:func:`.wrap_policy.select_unit_modules`).
-
-        What other features need from the engine they set through public methods after construction, as torch's
-        pipeline stages drive FSDP2: :meth:`set_gradient_divide_factor` (Ulysses) and :meth:`driven_by_schedule`
-        (a pipeline schedule hands gradients over).
-
-        The order below is the order of construction: communication first (units gather through it), then units
-        and their flat buffers, placed or initialised on the device; then the step runner, which may move shards
-        and masters off the device, before the optimizer is pointed at the masters (once, wherever they now live);
-        then the stage-3 gatherer and the gradient reducer, which calls both from autograd's hooks."""
+        """
         groups = groups or EngineGroups()
         self.module, self.config, self.plan = module, config, config.plan
         self.sharded_optimizers = ShardedOptimizers(as_optimizer_list(optimizer))
         self.process_group = groups.zero
-        self.device = torch.device(device) if device is not None else _device_of(module)
-        self._connect(groups)
-        factory = _step_runner_factory(step_runner, config)
-        global_rank = dist.get_rank() if dist.is_initialized() else 0
-        shard_store = factory.shard_store(config.offload_policy, global_rank)
+        self.device = torch.device(device) if device is not None else device_of(module)
         self.part = part or ModelPart()
         self.whole_model_names: tuple[str, ...] = self.part.whole_names
+        # communication first: units gather through it
+        comm = connect(groups, config)
+        self.collectives, self.expert_collectives, self.tp_collectives = comm.zero, comm.experts, comm.tensor_parallel
+        self.model_parallel, self.weight_gather, self.books = comm.model_parallel, comm.weight_gather, comm.books
+        self.rank, self.world_size, self.experts = self.collectives.rank, self.collectives.world_size, groups.experts
+        # then units and their flat buffers, placed or initialised on the device
+        factory = runner_factory(step_runner, config)
+        global_rank = dist.get_rank() if dist.is_initialized() else 0
+        shard_store = factory.shard_store(config.offload_policy, global_rank)
         self._build_units(unit_modules, shard_store)
         materialise(module, self.units, self.device, self.collectives, config, self.part.cut_pieces)
         # after construction's broadcasts; token all-to-alls differ in size by rank (Note: [Expert units])
         self.books.start_sequence_check({"ep": self.experts.parallel} if self.experts is not None else {})
         for fp in self.flat_params:
             fp.allocate_grads(self.plan.comm_dtype, self.collectives.use_all_reduce)
+        # then the step runner, which may move shards and masters off the device, before the optimizer is pointed
+        # at the masters (once, wherever they now live)
         self.step_runner: StepRunner = factory(
             StepContext(self.flat_params, self.optimizers, config.offload_policy, self.device, global_rank, shard_store)
         )
         self.sharded_optimizers.retarget(self.flat_params)
-        self.working_set = WorkingSetPeak(self.flat_params)
-        sizes = unit_bounded_sizes(config.comm_policy, self.units)
-        self.loss_scaler = LossScaler(config.precision_policy) if self.plan.loss_scaling else None
-        self.gatherer = None
-        if self.plan.partitions_parameters:  # without overlap_comm nothing is prefetched: units gather on demand
-            prefetch = sizes.prefetch if config.overlap_comm else 0
-            self.gatherer = ParamGatherer(
-                self.units, self.units[0], config.reshard_after_forward, prefetch, sizes.max_live, self.working_set
-            )
-        self._unit_of = [unit for unit in self.units for _ in unit.flat_params]  # by fp.index
-        self._launched_per_unit: dict[Unit, int] = {}
-        self.reducer = self._gradient_reducer(sizes.reduce_bucket)
-        self.reducer.register_hooks()
-        self.optimizer_step = OptimizerStep(
-            self.flat_params,
-            self.sharded_optimizers,
-            self.reducer,
-            self.step_runner,
-            ParamRefresh(self.units, sizes.reduce_bucket, config.allgather_bucket_size),
-            self.gatherer,
-            self.loss_scaler,
-            self.collectives,
-            self.model_parallel,
-            self.device,
-            self.plan.partitions_optimizer,
-        )
-        self._register_forward_hooks()
+        self._build_step()
 
     # -- construction -------------------------------------------------------------------------------------------
-    def _connect(self, groups: EngineGroups) -> None:
-        """The collectives over every group the engine spans, and the books counting them (the model-parallel
-        ones carry the model's traffic too); ZeRO++ groups and weight gathering (qwZ and hpZ), which the units are
-        built with.
-
-        Note: [Expert units]
-        Experts containers (``EngineGroups.experts``) are units of their own (:func:`.layout.lay_out`), each nested
-        in its layer's, holding every parameter inside it (the layer's unit takes none of them), sharded,
-        gathered and reduced over the expert-data-parallel group, so that its flat buffers are laid out for that
-        group's size and its all-gathers and reduce-scatters never mix two ranks' different experts. Everything
-        else, the step, the norm and the overflow check included, treats them as any unit. The expert-parallel
-        group's token all-to-alls move as many rows as each rank's tokens chose, so their sizes differ by rank:
-        they are counted in ``comm_stats`` but left out of the per-step sequence check, which compares sizes."""
-        cfg = self.config
-        backend = dist.get_backend(self.process_group) if dist.is_initialized() else "gloo"
-        all_reduce = self.plan.gradient_collective(backend) == "all_reduce"
-        self.collectives = Collectives(self.process_group, use_all_reduce=all_reduce, timeout=cfg.collective_timeout)
-        self.rank, self.world_size = self.collectives.rank, self.collectives.world_size
-        self.experts = groups.experts
-        self.expert_collectives = None
-        if self.experts is not None:
-            self.expert_collectives = Collectives(
-                self.experts.group, use_all_reduce=all_reduce, timeout=cfg.collective_timeout
-            )
-        self.tp_collectives = _model_parallel(groups.tensor_parallel)
-        pp_collectives = _model_parallel(groups.pipeline)
-        self.model_parallel = tuple(c for c in (self.tp_collectives, pp_collectives) if c is not None)
-        self.books = CommBooks(self.collectives)
-        self.books.add("tp", self.tp_collectives)
-        self.books.add("sp", _model_parallel(groups.sequence_parallel))
-        self.books.add("pp", pp_collectives)
-        if cfg.zero_hpz_partition_size > 1 and self.world_size > 1:
-            self.books.add("hpz", hpz_collectives(self.collectives, cfg.zero_hpz_partition_size))
-        self.weight_gather = None
-        if cfg.zero_quantized_weights or "hpz" in self.comm_groups:
-            hpz = self.comm_groups.get("hpz")
-            self.weight_gather = WeightGather(self.collectives, hpz, cfg.zero_quantized_weights)
-        self.books.add("edp", self.expert_collectives)
-
     def _build_units(self, unit_modules: Sequence[tuple[str, nn.Module]] | None, shard_store) -> None:
         """The units and their flat buffers as :func:`.layout.lay_out` lays them out, each over its group."""
         if unit_modules is None:
@@ -233,6 +147,38 @@ class ZeroEngine:
         ]
         self.flat_params = [fp for unit in self.units for fp in unit.flat_params]
 
+    def _build_step(self) -> None:
+        """The stage-3 gatherer and the gradient reducer, which calls it from autograd's hooks, then the optimizer
+        step over what the reducer leaves; all sized by the units (:func:`.memory_report.unit_bounded_sizes`)."""
+        config = self.config
+        self.working_set = WorkingSetPeak(self.flat_params)
+        sizes = unit_bounded_sizes(config.comm_policy, self.units)
+        self.loss_scaler = LossScaler(config.precision_policy) if self.plan.loss_scaling else None
+        self.gatherer = None
+        if self.plan.partitions_parameters:  # without overlap_comm nothing is prefetched: units gather on demand
+            prefetch = sizes.prefetch if config.overlap_comm else 0
+            self.gatherer = ParamGatherer(
+                self.units, self.units[0], config.reshard_after_forward, prefetch, sizes.max_live, self.working_set
+            )
+        self.gathering = Gathering(self.module, self.units, self.gatherer, self.weight_gather)
+        self.reducer = self._gradient_reducer(sizes.reduce_bucket)
+        self.reducer.register_hooks()
+        refresher = ParamRefresh(self.units, sizes.reduce_bucket, config.allgather_bucket_size)
+        self.optimizer_step = OptimizerStep(
+            self.flat_params,
+            self.sharded_optimizers,
+            self.reducer,
+            self.step_runner,
+            refresher,
+            self.gatherer,
+            self.loss_scaler,
+            self.collectives,
+            self.model_parallel,
+            self.device,
+            self.plan.partitions_optimizer,
+        )
+        self.gathering.register_hooks()
+
     def _gradient_reducer(self, bucket_numel: int) -> GradReducer:
         """The reducer of every flat buffer's gradients, calling back into the stage-3 gatherer (when there is one)
         as units' reductions are launched and at the end of backward."""
@@ -247,8 +193,8 @@ class ZeroEngine:
             bucket_numel=bucket_numel,
             comm_dtype=self.plan.comm_dtype,
             working_set=self.working_set,
-            on_launched=self._on_flat_param_launched if self.gatherer is not None else None,
-            on_backward_end=self._end_of_backward if self.gatherer is not None else None,
+            on_launched=self.gathering.on_flat_param_launched if self.gatherer is not None else None,
+            on_backward_end=self.gathering.end_of_backward if self.gatherer is not None else None,
             on_reduced=self.step_runner.on_reduced,
             quantized_reduce_scatter=qgz,
             gradients=self.step_runner.gradients,
@@ -260,16 +206,6 @@ class ZeroEngine:
             },
             fences=[i if unit.partitioned else -1 for i, unit in enumerate(self.units) for _ in unit.flat_params],
         )
-
-    def _register_forward_hooks(self) -> None:
-        """The root module's forward pre-hook, and the gathering of a sharded root before any module holding its
-        parameters runs (Note: [Root parameters outside the root's forward])."""
-        root = self.units[0].module
-        self._hooks = [root.register_forward_pre_hook(eager_hook(lambda module, args: self.before_forward()))]
-        self._hooks += [
-            module.register_forward_pre_hook(eager_hook(self._gather_root_for))
-            for module in _modules_owning(self.module, self.units[0].partitioned)
-        ]
 
     @property
     def comm_groups(self) -> dict[str, Collectives]:
@@ -292,13 +228,7 @@ class ZeroEngine:
 
     def holds(self, optimizer: object) -> bool:
         """Whether ``optimizer`` (the object itself, or a chain of them) trains this engine's module."""
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            return False
-        try:
-            self.sharded_optimizers.indices_of(optimizer)
-        except ValueError:
-            return False
-        return True
+        return self.sharded_optimizers.holds(optimizer)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Give an engine built without it (a model prepared before its optimizers) an optimizer that trains it
@@ -333,8 +263,8 @@ class ZeroEngine:
 
     def master_pieces(self, name: str) -> list[tuple[FlatParam, torch.Tensor, int]]:
         """(flat buffer, view of its master, start within the parameter's local flattening) for each piece of the
-        trainable parameter ``name`` whose master this rank holds, for code that sets values in place (a tied
-        pipeline copy made equal to its owner); :meth:`refresh_from_masters` then updates the compute copies."""
+        trainable parameter ``name`` whose master this rank holds, for code that sets values in place (a copy made
+        equal to the one another part saves); :meth:`refresh_from_masters` then updates the compute copies."""
         return [
             (fp, fp.master.narrow(0, slot.offset + start - fp.master_base, length), start)
             for fp in self.flat_params
@@ -354,97 +284,30 @@ class ZeroEngine:
     def before_forward(self) -> None:
         """Make the root unit usable: called by the root module's forward pre-hook and by adapters whose step
         functions (e.g. a LightningModule's ``training_step``) call submodules without the root's forward."""
-        root = self.units[0]
-        root.wait_gathered()
-        if self.gatherer is not None:
-            self.gatherer.before_root_forward()
-
-    def _gather_root_for(self, module: nn.Module, args) -> None:
-        """Note: [Root parameters outside the root's forward]
-        The root unit (parameters no single unit owns: embeddings, final norm, tied weights) is gathered by
-        the root module's forward pre-hook, or by ``before_forward`` from adapters whose step functions call
-        submodules instead (a LightningModule's ``training_step``). A step may also run a second forward after
-        a backward, which released the root (manual optimization: two backwards per step, GANs), without
-        either. So every module that holds root parameters gathers the root before it runs if it is sharded;
-        a sharded root means a forward is starting, so the prefetch position starts over too. Parameters read
-        outside any module's forward (``x @ module.weight`` in the step function) are not covered: call
-        ``before_forward`` first.
-        """
-        if self.units[0].sharded_state is ShardedState.SHARDED:
-            self.before_forward()
+        self.gathering.before_forward()
 
     def wait_for_params(self) -> None:
         """Block until the stage 1/2 parameter refresh is complete (``step`` does this before returning).
         Stage 3 parameters stay partitioned: use :meth:`full_state_dict` or :meth:`gathered`."""
-        for unit in self.units:
-            unit.wait_refreshed()
+        self.gathering.wait_for_params()
 
     def reshard(self) -> None:
         """Free every gathered stage-3 unit (after an evaluation forward; before saving)."""
-        self.wait_for_params()
-        if self.gatherer is not None:
-            self.gatherer.release_all()
-        if self.weight_gather is not None:
-            self.weight_gather.drop_all()
+        self.gathering.reshard()
 
-    @contextlib.contextmanager
-    def gathered(self, unit: Unit):
+    def gathered(self, unit: Unit) -> contextlib.AbstractContextManager[Unit]:
         """Temporarily hold one unit's full parameters (stage 3), e.g. to export or inspect them."""
-        was_sharded = unit.sharded_state is ShardedState.SHARDED
-        unit.wait_gathered(exact=True)
-        try:
-            yield unit
-        finally:
-            if was_sharded:
-                unit.release()
+        return self.gathering.gathered(unit)
 
-    @contextlib.contextmanager
-    def gathered_parameters(self):
-        """Every unit's full parameters for the block, kept across its no-grad forwards (stage 3; a no-op below).
-
-        For generation: ``generate`` runs one forward per token, and each would otherwise gather and free every
-        unit again (correct, at one unit's memory). Inside this block each unit is gathered once, so the whole
-        model is held on every rank until the block ends, as DeepSpeed's ``GatheredParameters`` holds it; then
-        every unit gathered here is freed. Collective: every rank of the engine's group enters it. Not for
-        training: a forward with grad enabled frees its units as usual.
-        """
-        if self.gatherer is None:
-            yield
-            return
-        with contextlib.ExitStack() as stack:
-            for unit in self.units:
-                stack.enter_context(self.gathered(unit))
-            self.gatherer.holding = True
-            try:
-                yield
-            finally:
-                self.gatherer.holding = False
+    def gathered_parameters(self) -> contextlib.AbstractContextManager[None]:
+        """Every unit's full parameters for the block, kept across its no-grad forwards (stage 3; a no-op below), as
+        DeepSpeed's ``GatheredParameters``: see :meth:`.gathering.Gathering.gathered_parameters`."""
+        return self.gathering.gathered_parameters()
 
     def adopt_replaced_parameters(self) -> None:
-        """Note: [Parameters replaced behind the engine's back]
-        Every trainable parameter is a view of its flat buffer, which the engine reduces, steps and gathers. Code
-        that assigns ``param.data = ...`` (accelerate's ``LocalSGD`` averaging its replicas) moves the parameter
-        onto a tensor of its own: the model would then read values no later step updates. This copies each moved
-        parameter's values into its place in the buffer (and its fp32 master, when that is a separate tensor) and
-        points the parameter back. Only whole buffers can take them (stages 0-2); a partitioned parameter is
-        empty between gathers, and replacing it means nothing. Checked before reading the weights out
-        (:meth:`full_state_dict`, checkpoints) and by adapters after user code that may replace parameters."""
-        with torch.no_grad():
-            for fp in self.flat_params:
-                if fp.policy.params:
-                    continue
-                moved = set()
-                for slot, p, view in zip(fp.slots, fp.params, fp.param_views()):
-                    if local_tensor(p).data_ptr() != view.data_ptr():
-                        view.copy_(local_tensor(p))
-                        point_param_at(p, view, storage_kept=True)
-                        moved.add(slot.name)
-                if not moved or fp.master.data_ptr() == fp.master_region().data_ptr():
-                    continue
-                for slot, start, length in fp.master_slots():  # a separate master: the moved pieces only
-                    if slot.name in moved:
-                        where = slot.offset + start
-                        fp.master.narrow(0, where - fp.master_base, length).copy_(fp.full.narrow(0, where, length))
+        """Point parameters that user code moved (``param.data = ...``) back at their flat buffers, keeping their
+        values (Note: [Parameters replaced behind the engine's back] in :mod:`.replaced_parameters`)."""
+        adopt_replaced_parameters(self.flat_params)
 
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """The module's whole ``state_dict``, its trainable parameters from the optimizer's masters in the dtype the
@@ -461,23 +324,6 @@ class ZeroEngine:
         copies rounded from the masters (DeepSpeed's ``save_16bit_model``), half the bytes of
         :meth:`full_state_dict`, which is what trained. Gathered one unit at a time, as :meth:`full_state_dict`."""
         return gathered_state_dict(self, compute_weights, rank0_only)
-
-    def _end_of_backward(self) -> None:
-        with profiler_range("backward.end"):
-            self.gatherer.end_of_backward()
-            if self.weight_gather is not None:
-                self.weight_gather.drop_all()
-
-    def _on_flat_param_launched(self, fp: FlatParam) -> None:
-        if not fp.policy.params:
-            return
-        unit = self._unit_of[fp.index]
-        count = self._launched_per_unit.get(unit, 0) + 1
-        if count == len(unit.partitioned):
-            self._launched_per_unit.pop(unit, None)
-            self.gatherer.on_flat_params_reduced(unit)
-        else:
-            self._launched_per_unit[unit] = count
 
     # -- backward ---------------------------------------------------------------------------------------------
     @property
@@ -516,24 +362,14 @@ class ZeroEngine:
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer | None = None) -> GradStats:
         """Divide the loss scale out of this rank's reduced gradients (``optimizer``'s, or all), check every rank's
-        for inf/nan and take their global norm: one pass and one all-reduce (see
-        :mod:`ds_strategy.precision.grad_stats`).
-
-        Call after the step's last backward; ``clip_grad_norm_`` and ``step`` call it when they need it, and later
-        calls until those gradients are consumed return the same statistics without touching the gradients again
-        (a gradient already unscaled for another selection is only read).
-        """
+        for inf/nan and take their global norm, once per step (see :class:`.optimizer_step.OptimizerStep`)."""
         return self.optimizer_step.unscale_gradients(optimizer)
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, optimizer: torch.optim.Optimizer | None = None
     ) -> torch.Tensor:
         """Scale gradients (``optimizer``'s, or all) so their global norm over all shards of all ranks is at most
-        ``max_norm``.
-
-        Returns the norm before clipping, of the unscaled gradients; it equals the unsharded model's gradient norm
-        (over every parameter when ``optimizer`` is None, as ``clip_grad_norm_(model.parameters())`` takes it).
-        """
+        ``max_norm``; returns the norm before clipping (see :meth:`.optimizer_step.OptimizerStep.clip_grad_norm_`)."""
         return self.optimizer_step.clip_grad_norm_(max_norm, norm_type, optimizer)
 
     def clip_grad_value_(self, clip_value: float, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -554,15 +390,8 @@ class ZeroEngine:
 
     def step(self, optimizer: torch.optim.Optimizer | None = None) -> bool:
         """Run ``optimizer`` (None: every optimizer) on this rank's shards, then bring every rank's parameters up
-        to date.
-
-        First the ranks compare the collectives each issued since the last step and raise
-        ``CollectiveMismatchError`` if they differ (see :mod:`ds_strategy.comm.sequence_check`).
-
-        Returns False when fp16 loss scaling found an inf/nan in the gradients stepped on some rank: then no rank
-        steps them, parameters and optimizer state stay as they were, those gradients are discarded and the loss
-        scaler is updated (see :mod:`ds_strategy.precision.loss_scaler`), once per call, as Lightning's and
-        Accelerate's ``GradScaler`` update after each optimizer's step. bf16 and fp32 training never skip.
+        to date; False when fp16 loss scaling skipped it (see :meth:`.optimizer_step.OptimizerStep.step`). First the
+        ranks compare the collectives each issued since the last step (:mod:`ds_strategy.comm.sequence_check`).
 
         Note: [Stage 1/2 parameter refresh]
         After the step each rank holds updated values only in its own shard.
@@ -589,37 +418,14 @@ class ZeroEngine:
         return memory_report(self, peak)
 
     def comm_stats(self, group: str | None = None, last_step: bool = False) -> dict[str, dict[str, float]]:
-        """Calls, bytes and seconds waited per collective kind, summed over the groups that carry training data
-        ("world"; under hpZ, "hpz"; and the mesh's model-parallel groups "tp", "sp", "pp", whose counters include the
-        model's own traffic over them: tensor-parallel sums, Ulysses all-to-alls, pipeline losses and tied weights;
-        under expert parallelism "edp", the experts' gathers and reductions, and "ep", the token all-to-alls),
-        or for one of ``comm_groups``, which also holds "monitor" (the per-step sequence check's all-gather of 16
-        bytes per rank, left out of the sum).
-
-        ``last_step``: only what the last optimizer step's iteration issued, from the end of the step before it
-        (or construction) to the end of that step: its forwards, backwards, clipping and step. The collectives per
-        step are the figure to watch on a model of many small units (Note: [Buckets span units] in
-        :mod:`.buckets`)."""
+        """Calls, bytes and seconds waited per collective kind, summed over the groups that carry training data, or
+        for one of ``comm_groups``; ``last_step``: only what the last optimizer step's iteration issued (see
+        :meth:`.comm_books.CommBooks.stats`)."""
         return self.books.stats(group, last_step)
 
     def summary(self) -> str:
-        report = self.memory_report()
-        mib = {k: sum(v.values()) / 2**20 for k, v in report.items()}
-        placed = self.step_runner.describe(report)
-        whole = whole_tensor_ownership(self)
-        owned = (
-            f"; whole-tensor parameters: this rank owns {whole.owned:,} of {whole.total:,} elements (at most "
-            f"{whole.bound:,.0f}: 1/N plus the largest, {whole.largest:,})"
-            if whole is not None
-            else ""
-        )
-        return (
-            f"ZeRO stage {self.config.stage} on {self.world_size} ranks, {len(self.units)} units, "
-            f"{sum(fp.numel for fp in self.flat_params):,} trainable params; per rank: "
-            + ", ".join(f"{k} {v:.1f} MiB" for k, v in mib.items())
-            + (f"; {placed}" if placed else "")
-            + owned
-        )
+        """The setup log's line: units, elements, bytes per rank and where (:func:`.memory_report.summary`)."""
+        return summary(self, self.config.stage, len(self.units))
 
     def remove_hooks(self) -> None:
         """Detach the engine from the module (teardown); also removes this rank's offload files."""
@@ -628,6 +434,4 @@ class ZeroEngine:
         self.reducer.remove_hooks()
         if self.gatherer is not None:
             self.gatherer.remove_hooks()
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
+        self.gathering.remove_hooks()

@@ -60,16 +60,9 @@ def _modules_outside(root: nn.Module, unit_names: list[str]) -> list[nn.Module]:
 
 
 def _unit_index(root: nn.Module, chosen: list[tuple[str, nn.Module]], expert_count: int) -> dict[int, list[int]]:
-    """id(parameter) -> the indices in ``chosen`` of the units holding it (-1: a module outside every unit).
-
-    Note: [Expert units]
-    The last ``expert_count`` of ``chosen`` are experts containers (``EngineGroups.experts``): each is a unit
-    nested in its layer's, holding every parameter inside it (the layer's unit takes none of them), sharded,
-    gathered and reduced over the expert-data-parallel group, so that its flat buffers are laid out for that
-    group's size and its all-gathers and reduce-scatters never mix two ranks' different experts. Everything
-    else, the step, the norm and the overflow check included, treats them as any unit. The expert-parallel
-    group's token all-to-alls move as many rows as each rank's tokens chose, so their sizes differ by rank:
-    they are counted in ``comm_stats`` but left out of the per-step sequence check, which compares sizes."""
+    """id(parameter) -> the indices in ``chosen`` of the units holding it (-1: a module outside every unit). The last
+    ``expert_count`` of ``chosen`` are experts containers, each holding every parameter inside it (Note: [Expert
+    units] in :mod:`.engine`)."""
     owners: dict[int, list[int]] = {}
     experts_from = len(chosen) - expert_count
     for i, (_, module) in enumerate(chosen):

@@ -17,6 +17,14 @@ from .sharded_init import materialise_sharded
 from .unit import Unit
 
 
+def device_of(module: nn.Module) -> torch.device:
+    """Where the flat buffers go: the module's device, or the CPU for a module built on the meta device."""
+    for p in module.parameters():
+        if not p.is_meta:
+            return p.device
+    return torch.device("cpu")
+
+
 def materialise(
     module: nn.Module,
     units: list[Unit],

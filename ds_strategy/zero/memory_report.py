@@ -208,3 +208,25 @@ def memory_report(engine: HeldState, peak: bool = False) -> dict[str, dict[str, 
     for kind, tensor in engine.step_runner.own_tensors():
         add(kind, tensor)
     return report
+
+
+def summary(engine: HeldState, stage: int, unit_count: int) -> str:
+    """The engine's setup line: stage, ranks, units, trainable elements, model-state MiB per rank and where the
+    step runner placed them, and a whole-tensor optimizer's ownership against its bound."""
+    report = memory_report(engine)
+    mib = {k: sum(v.values()) / 2**20 for k, v in report.items()}
+    placed = engine.step_runner.describe(report)
+    whole = whole_tensor_ownership(engine)
+    owned = (
+        f"; whole-tensor parameters: this rank owns {whole.owned:,} of {whole.total:,} elements (at most "
+        f"{whole.bound:,.0f}: 1/N plus the largest, {whole.largest:,})"
+        if whole is not None
+        else ""
+    )
+    return (
+        f"ZeRO stage {stage} on {engine.world_size} ranks, {unit_count} units, "
+        f"{sum(fp.numel for fp in engine.flat_params):,} trainable params; per rank: "
+        + ", ".join(f"{k} {v:.1f} MiB" for k, v in mib.items())
+        + (f"; {placed}" if placed else "")
+        + owned
+    )

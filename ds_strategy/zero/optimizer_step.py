@@ -74,7 +74,14 @@ class OptimizerStep:
         return [fp for fp in self.flat_params if fp.optimizer_index in indices]
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer | None = None) -> GradStats:
-        """See :meth:`.engine.ZeroEngine.unscale_gradients`."""
+        """Divide the loss scale out of this rank's reduced gradients (``optimizer``'s, or all), check every rank's
+        for inf/nan and take their global norm: one pass and one all-reduce (see
+        :mod:`ds_strategy.precision.grad_stats`).
+
+        Call after the step's last backward; ``clip_grad_norm_`` and ``step`` call it when they need it, and later
+        calls until those gradients are consumed return the same statistics without touching the gradients again
+        (a gradient already unscaled for another selection is only read).
+        """
         with profiler_range("step.unscale"):
             fps = self.flat_params_of(optimizer)
             key = tuple(fp.index for fp in fps)
@@ -107,7 +114,12 @@ class OptimizerStep:
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, optimizer: torch.optim.Optimizer | None = None
     ) -> torch.Tensor:
-        """See :meth:`.engine.ZeroEngine.clip_grad_norm_`."""
+        """Scale gradients (``optimizer``'s, or all) so their global norm over all shards of all ranks is at most
+        ``max_norm``.
+
+        Returns the norm before clipping, of the unscaled gradients; it equals the unsharded model's gradient norm
+        (over every parameter when ``optimizer`` is None, as ``clip_grad_norm_(model.parameters())`` takes it).
+        """
         total = self.grad_norm(norm_type, optimizer)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for grad in self._gradients_to_clip(self.flat_params_of(optimizer)):
@@ -158,8 +170,15 @@ class OptimizerStep:
         return local if math.isinf(norm_type) else local.pow(1.0 / norm_type)
 
     def step(self, optimizer: torch.optim.Optimizer | None, count_step: Callable[[], None]) -> bool:
-        """See :meth:`.engine.ZeroEngine.step` (after its sequence check); ``count_step`` closes the step's books,
-        on both outcomes."""
+        """Run ``optimizer`` (None: every optimizer) on this rank's shards, then bring every rank's parameters up
+        to date (Note: [Stage 1/2 parameter refresh] in :mod:`.engine`); ``count_step`` closes the step's books, on
+        both outcomes.
+
+        Returns False when fp16 loss scaling found an inf/nan in the gradients stepped on some rank: then no rank
+        steps them, parameters and optimizer state stay as they were, those gradients are discarded and the loss
+        scaler is updated (see :mod:`ds_strategy.precision.loss_scaler`), once per call, as Lightning's and
+        Accelerate's ``GradScaler`` update after each optimizer's step. bf16 and fp32 training never skip.
+        """
         fps = self.flat_params_of(optimizer)
         if self.loss_scaler is not None:
             overflow = self.unscale_gradients(optimizer).found_inf
