@@ -92,9 +92,9 @@ def lay_out(
     shard_store: Callable[[FlatParam, torch.Tensor], torch.Tensor] | None = None,
 ) -> Layout:
     """Root first, then the unit modules in module order; a parameter shared by two units, or by a unit and a
-    module outside every unit (a tied LM head beside an embeddings unit), goes to the root: a unit is gathered
-    only for its own forward, the root for the whole step. ``tp_size``: the tensor-parallel group's size (1:
-    none), whose replicated parameters each rank counts ``1 / tp_size`` of in the norm."""
+    module outside every unit (an LM head sharing the weight of an embeddings unit), goes to the root: a unit is
+    gathered only for its own forward, the root for the whole step. ``tp_size``: the tensor-parallel group's size
+    (1: none), whose replicated parameters each rank counts ``1 / tp_size`` of in the norm."""
     owners = _unit_index(root, chosen, expert_count)
     experts_from = len(chosen) - expert_count
     if expert_count and any(map(optimizers.is_whole_param, root.parameters())):

@@ -2,12 +2,12 @@
 construction: the engine itself knows nothing of pipelines, only these facts about the module it was handed.
 
 Note: [Parameters another part saves]
-  A rank may hold a copy of a parameter another rank owns and saves (under pipelining, an LM head tied to the
-  embedding on another rank's stage). The engine knows two facts per parameter, never why: the share of the global
-  gradient norm this rank's copy carries (:attr:`ModelPart.norm_shares`; 0 for such a copy, which its owner counts)
-  and the name it is saved under (:attr:`ModelPart.saved_as`; the owner's, so that checkpoints and pretrained loading
-  find one tensor under one name). Its flat buffers keep parameters of different shares apart, and hold each
-  parameter under its saved name; the engine lists the trainable ones saved under another name as
+  A rank may hold a copy of a parameter another rank owns and saves (under pipelining, an LM head sharing the
+  embedding's weight on another rank's stage). The engine knows two facts per parameter, never why: the share of
+  the global gradient norm this rank's copy carries (:attr:`ModelPart.norm_shares`; 0 for such a copy, which its
+  owner counts) and the name it is saved under (:attr:`ModelPart.saved_as`; the owner's, so that checkpoints and
+  pretrained loading find one tensor under one name). Its flat buffers keep parameters of different shares apart,
+  and hold each parameter under its saved name; the engine lists the trainable ones saved under another name as
   ``ZeroEngine.saved_as``, which checkpoints leave to the part that saves them. Whoever cut the model supplies both
   facts (``ds_strategy.pipeline.model_part``).
 """
