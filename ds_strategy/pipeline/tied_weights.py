@@ -33,14 +33,13 @@ class TiedWeights:
         """Give every tied copy its owner's master values: stages initialise their pieces on their own (a model
         built on the meta device gives an LM head its Linear init, not the embedding's). The owner's data-parallel
         ranks each hold a piece of its master; a sum over dp, then over the pipeline group, puts it whole everywhere."""
-        copies = self._copies
         for tied in self.tied:
             value = torch.zeros(math.prod(tied.shape), dtype=torch.float32, device=self.engine.device)
-            if tied.name not in copies:
+            if tied.name not in self._copies:
                 self.engine.read_master(tied.name, value)
             self.engine.sum_over_zero_group(value)
             self.pp.all_reduce(value, label=f"tied {tied.name}").wait()
-            if tied.name in copies:
+            if tied.name in self._copies:
                 self.engine.write_master(tied.name, value)
         if self.tied:
             self.engine.refresh_from_masters()
