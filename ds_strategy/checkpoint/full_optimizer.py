@@ -27,7 +27,7 @@ from ..zero.engine import ZeroEngine
 from ..zero.flat_param import FlatParam
 from .errors import CheckpointError
 from .manifest import StateKind
-from .rank_state import state_kind, stored_names
+from .rank_state import saved_elsewhere, state_kind, stored_names
 
 
 def why_not_whole(engine: ZeroEngine) -> str | None:
@@ -60,7 +60,7 @@ def full_optimizer_state(engine: ZeroEngine, optimizer_index: int = 0, by_name: 
     names = stored_names(engine)
     state: dict[str, dict[str, Any]] = {}
     for fp in engine.flat_params:
-        if fp.optimizer_index != optimizer_index or fp.tied_copy:
+        if fp.optimizer_index != optimizer_index or saved_elsewhere(engine, fp):
             continue
         held = optimizer.state.get(fp.master, {})
         whole = {key: _whole(engine, fp, value) for key, value in held.items()}

@@ -201,7 +201,7 @@ def _check_fits(engine: ZeroEngine, files: WeightReader, prefix: str) -> list[tu
         if key.startswith(prefix):
             names_of.setdefault(id(tensor), []).append(key[len(prefix) :])
             tensor_of[id(tensor)] = tensor
-    for copy, owner in engine.tied_copies.items():  # a pipeline stage's copy of a weight another stage owns
+    for copy, owner in engine.saved_as.items():  # a pipeline stage's copy of a weight another stage owns
         if copy in state and owner.startswith(prefix):
             names_of[id(state[copy])].append(owner[len(prefix) :])
     stored = files.shapes()

@@ -91,6 +91,13 @@ def _tensor_parallel_rank(engine: ZeroEngine) -> int:
     return engine.tp_collectives.rank if engine.tp_collectives is not None else 0
 
 
+def saved_elsewhere(engine: ZeroEngine, fp: FlatParam) -> bool:
+    """Whether another part of the model saves ``fp``'s parameters, under the names they have here (a pipeline
+    stage's tied copy; Note: [Parameters another part saves] in :mod:`ds_strategy.zero.model_part`)."""
+    names = set(engine.saved_as.values())
+    return bool(names) and all(slot.name in names for slot in fp.slots)
+
+
 def stored_names(engine: ZeroEngine) -> dict[tuple[int, str], str]:
     """``(id(fp), slot.name)`` -> the ``state_dict`` name the slot's parameter is stored under (its first one)."""
     first: dict[int, str] = {}
@@ -108,7 +115,7 @@ def describe(module: nn.Module, engine: ZeroEngine | None = None) -> dict[str, E
     """Every ``state_dict`` entry of ``module`` as a manifest :class:`Entry`, in ``state_dict`` order; a tied copy
     that another pipeline stage owns is an alias of the owner's name."""
     flat = {id(p): (fp, slot) for fp in engine.flat_params for p, slot in zip(fp.params, fp.slots)} if engine else {}
-    tied = engine.tied_copies if engine is not None else {}
+    tied = engine.saved_as if engine is not None else {}
     rows = rows_of(engine)
     parameters = {id(p) for p in module.parameters()}
     first: dict[int, str] = {}
@@ -141,7 +148,7 @@ def describe_optimizer(engine: ZeroEngine) -> dict[str, dict[str, StateKind]]:
     names = stored_names(engine)
     described = {}
     for fp in engine.flat_params:
-        if fp.tied_copy:
+        if saved_elsewhere(engine, fp):
             continue
         for slot, state, like in slot_states(engine, fp):
             kinds = {key: state_kind(key, value, like, fp) for key, value in state.items()}
@@ -186,7 +193,7 @@ def model_state(module: nn.Module, engine: ZeroEngine | None = None) -> dict[str
     if engine is not None:
         names, rows = stored_names(engine), rows_of(engine)
         for fp in engine.flat_params:
-            if fp.tied_copy:  # the owning stage writes it: Note: [Pipeline stages in one checkpoint]
+            if saved_elsewhere(engine, fp):  # the owning stage writes it: Note: [Pipeline stages in one checkpoint]
                 continue
             for slot, start, length in fp.shard_slots():
                 if writes_slot(engine, slot):
@@ -218,7 +225,7 @@ def optimizer_state(engine: ZeroEngine) -> dict[str, Any]:
     names, rows = stored_names(engine), rows_of(engine)
     state: dict[str, dict[str, Any]] = {}
     for fp in engine.flat_params:
-        if fp.tied_copy:
+        if saved_elsewhere(engine, fp):
             continue
         held = {slot.name: (slot_state, like) for slot, slot_state, like in slot_states(engine, fp)}
         for slot, start, length in fp.shard_slots():

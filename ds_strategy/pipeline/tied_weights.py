@@ -1,7 +1,7 @@
 """Parameters two stages on different ranks both use (an LM head tied to the embedding): the owner's stage and each
 copy's are made equal once, and their gradients summed over the pipeline group after every step's schedule, as
 DeepSpeed's ``_exec_reduce_tied_grads`` does (Note: [Pipeline gradients] in :mod:`.runner`; the engine's side is
-Note: [Tied copies] in :mod:`ds_strategy.zero.model_part`)."""
+Note: [Parameters another part saves] in :mod:`ds_strategy.zero.model_part`)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ class TiedWeights:
         self.engine = engine
         self.pp = pp
         self.tied = plan.tied
+        self._copies = set(plan.tied_copies(root).values())  # the owners' names of this rank's copies
         present = dict(root.named_parameters(remove_duplicate=False))
         self._held = [next((present[n] for n in tied.names if n in present), None) for tied in self.tied]
 
@@ -32,14 +33,13 @@ class TiedWeights:
         """Give every tied copy its owner's master values: stages initialise their pieces on their own (a model
         built on the meta device gives an LM head its Linear init, not the embedding's). The owner's data-parallel
         ranks each hold a piece of its master; a sum over dp, then over the pipeline group, puts it whole everywhere."""
-        copies = set(self.engine.tied_copies.values())
         for tied in self.tied:
             value = torch.zeros(math.prod(tied.shape), dtype=torch.float32, device=self.engine.device)
-            if tied.name not in copies:
+            if tied.name not in self._copies:
                 self.engine.read_master(tied.name, value)
             self.engine.sum_over_zero_group(value)
             self.pp.all_reduce(value, label=f"tied {tied.name}").wait()
-            if tied.name in copies:
+            if tied.name in self._copies:
                 self.engine.write_master(tied.name, value)
         if self.tied:
             self.engine.refresh_from_masters()

@@ -73,7 +73,7 @@ class FlatParam:
         dtypes: FlatDtypes,
         device: torch.device,
         shard_store: Callable[[FlatParam, torch.Tensor], torch.Tensor] | None = None,
-        tied_copy: bool = False,
+        norm_share: float = 1.0,
         whole: bool = False,
         owners: list[int] | None = None,
         optimizer_index: int = 0,
@@ -88,7 +88,7 @@ class FlatParam:
         self.index = index  # position in the engine's flat_params: the key of per-buffer state elsewhere
         self.name = name
         self.shard_store = shard_store  # (fp, values) -> where a partitioned shard lives; None: a clone in memory
-        self.tied_copy = tied_copy  # its parameters are tied copies another pipeline stage owns and saves
+        self.norm_share = norm_share  # the share of the global gradient norm its gradients carry (0: counted elsewhere)
         self.params = [p for _, p in params]
         self.group_index = group_index
         self.optimizer_index = optimizer_index

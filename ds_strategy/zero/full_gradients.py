@@ -31,56 +31,56 @@ from torch import nn
 from ..profiler_ranges import profiler_range
 
 if TYPE_CHECKING:
-    from .engine import ZeroEngine
     from .flat_param import FlatParam
+    from .optimizer_step import OptimizerStep
 
 
-def _refuse_model_parallel(engine: ZeroEngine, what: str) -> None:
-    if engine.model_parallel:
+def _refuse_model_parallel(step: OptimizerStep, what: str) -> None:
+    if step.model_parallel:
         raise ValueError(
             f"{what} is for data parallelism: under tensor or pipeline parallelism a parameter's gradient is spread "
             f"over other groups too; use engine.grad_norm() for the global norm"
         )
 
 
-def _optimizer_gradients(engine: ZeroEngine) -> list[torch.Tensor]:
+def _optimizer_gradients(step: OptimizerStep) -> list[torch.Tensor]:
     """Each flat buffer's reduced gradient as the optimizer will read it: loss scale divided out."""
-    if engine.loss_scaler is not None:
-        engine.unscale_gradients()
-    return engine._optimizer_grads(engine.flat_params)
+    if step.loss_scaler is not None:
+        step.unscale_gradients()
+    return step.optimizer_grads(step.flat_params)
 
 
-def full_grad(engine: ZeroEngine, param: nn.Parameter) -> torch.Tensor | None:
+def full_grad(step: OptimizerStep, param: nn.Parameter) -> torch.Tensor | None:
     """``param``'s whole averaged gradient (a new tensor shaped like it, in its master's dtype), or None for a
     parameter the engine does not train; a collective over the engine's group (see Note: [Per-parameter
     gradients])."""
-    _refuse_model_parallel(engine, "full_grad")
-    for fp, grad in zip(engine.flat_params, _optimizer_gradients(engine)):
+    _refuse_model_parallel(step, "full_grad")
+    for fp, grad in zip(step.flat_params, _optimizer_gradients(step)):
         for slot, p in zip(fp.slots, fp.params):
             if p is param:
                 with profiler_range("full_grad"):
-                    whole = _whole(engine, fp, grad)
+                    whole = _whole(step, fp, grad)
                 return whole.narrow(0, slot.offset, slot.numel).view(slot.shape).clone()
     return None
 
 
-def grad_norms(engine: ZeroEngine, norm_type: float = 2.0) -> dict[str, torch.Tensor]:
+def grad_norms(step: OptimizerStep, module: nn.Module, norm_type: float = 2.0) -> dict[str, torch.Tensor]:
     """The ``norm_type``-norm of every trained parameter's gradient, by its name in the engine's module, in one
     collective over the engine's group (see Note: [Per-parameter gradients])."""
-    _refuse_model_parallel(engine, "grad_norms")
+    _refuse_model_parallel(step, "grad_norms")
     norm_type = float(norm_type)
-    names = {id(p): name for name, p in engine.module.named_parameters()}
+    names = {id(p): name for name, p in module.named_parameters()}
     index = {}
-    for fp in engine.flat_params:
-        if fp.tied_copy:
+    for fp in step.flat_params:
+        if not fp.norm_share:  # counted, and named, where another rank holds it
             continue
         for slot in fp.slots:
             index[fp.index, slot.name] = len(index)
-    local = torch.zeros(len(index), dtype=torch.float64, device=engine.device)
-    grads = _optimizer_gradients(engine)
+    local = torch.zeros(len(index), dtype=torch.float64, device=step.device)
+    grads = _optimizer_gradients(step)
     with profiler_range("grad_norms"):
-        for fp, grad in zip(engine.flat_params, grads):
-            if fp.tied_copy:
+        for fp, grad in zip(step.flat_params, grads):
+            if not fp.norm_share:
                 continue
             for slot, start, length in fp.master_slots() if fp.policy.optimizer else _whole_slots(fp):
                 piece = grad.narrow(0, slot.offset + start - fp.master_base, length).double().abs()
@@ -88,12 +88,12 @@ def grad_norms(engine: ZeroEngine, norm_type: float = 2.0) -> dict[str, torch.Te
                 local[at] = (
                     max(local[at], piece.max()) if math.isinf(norm_type) else local[at] + piece.pow(norm_type).sum()
                 )
-        if any(fp.policy.optimizer for fp in engine.flat_params):
+        if any(fp.policy.optimizer for fp in step.flat_params):
             op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-            engine.collectives.all_reduce(local, op=op, label="grad_norms").wait()
+            step.collectives.all_reduce(local, op=op, label="grad_norms").wait()
     norms = local if math.isinf(norm_type) else local.pow(1.0 / norm_type)
     result = {}
-    for fp in engine.flat_params:
+    for fp in step.flat_params:
         for slot, p in zip(fp.slots, fp.params):
             if (fp.index, slot.name) in index:
                 result[names.get(id(p), slot.name)] = norms[index[fp.index, slot.name]].float()
@@ -106,12 +106,10 @@ def _whole_slots(fp: FlatParam) -> list[tuple[object, int, int]]:
     return [(slot, 0, slot.numel) for slot in fp.slots]
 
 
-def _whole(engine: ZeroEngine, fp: FlatParam, grad: torch.Tensor) -> torch.Tensor:
+def _whole(step: OptimizerStep, fp: FlatParam, grad: torch.Tensor) -> torch.Tensor:
     """``fp``'s gradient over the whole flat layout: gathered where each rank holds a shard of it."""
     if not fp.policy.optimizer:
         return grad
-    whole = torch.empty(fp.padded_numel, dtype=grad.dtype, device=engine.device)
-    engine.collectives.all_gather(
-        whole, grad.to(engine.device), label=f"full_grad {fp.name}", regions=fp.regions
-    ).wait()
+    whole = torch.empty(fp.padded_numel, dtype=grad.dtype, device=step.device)
+    step.collectives.all_gather(whole, grad.to(step.device), label=f"full_grad {fp.name}", regions=fp.regions).wait()
     return whole

@@ -26,8 +26,9 @@ the others return an empty dict.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
@@ -38,13 +39,32 @@ from .flat_param import FlatParam, ParamSlot
 from .unit import Unit
 
 if TYPE_CHECKING:
-    from .engine import ZeroEngine
+    from ..comm.collectives import Collectives
+    from .groups import ExpertShards
+
+
+class ShardedModule(Protocol):
+    """What an export reads of an engine (:class:`~.engine.ZeroEngine` is one), which itself exports through this
+    module: typed here, so that no file of ``zero/`` imports the engine back."""
+
+    module: nn.Module
+    units: list[Unit]
+    device: torch.device
+    experts: ExpertShards | None
+    expert_collectives: Collectives | None
+
+    def adopt_replaced_parameters(self) -> None: ...
+
+    def reshard(self) -> None: ...
+
+    def gathered(self, unit: Unit) -> contextlib.AbstractContextManager: ...
+
 
 # (parameter, its whole value, the dtype an export returns it in) for each trainable parameter of a unit
-Weights = Callable[["ZeroEngine", Unit], Iterator[tuple[nn.Parameter, torch.Tensor, torch.dtype]]]
+Weights = Callable[[ShardedModule, Unit], Iterator[tuple[nn.Parameter, torch.Tensor, torch.dtype]]]
 
 
-def master_weights(engine: ZeroEngine, unit: Unit) -> Iterator[tuple[nn.Parameter, torch.Tensor, torch.dtype]]:
+def master_weights(engine: ShardedModule, unit: Unit) -> Iterator[tuple[nn.Parameter, torch.Tensor, torch.dtype]]:
     """Each trainable parameter of ``unit`` from its master, to be returned in the dtype the model gave it."""
     for fp in unit.flat_params:
         whole = _whole_master(engine, unit, fp)
@@ -52,7 +72,7 @@ def master_weights(engine: ZeroEngine, unit: Unit) -> Iterator[tuple[nn.Paramete
             yield p, _global(engine, unit, slot, whole.narrow(0, slot.offset, slot.numel).view(slot.shape)), slot.dtype
 
 
-def compute_weights(engine: ZeroEngine, unit: Unit) -> Iterator[tuple[nn.Parameter, torch.Tensor, torch.dtype]]:
+def compute_weights(engine: ShardedModule, unit: Unit) -> Iterator[tuple[nn.Parameter, torch.Tensor, torch.dtype]]:
     """Each trainable parameter of ``unit`` as the forward reads it (gathered, exactly, under stage 3)."""
     with engine.gathered(unit):
         for fp in unit.flat_params:
@@ -61,7 +81,7 @@ def compute_weights(engine: ZeroEngine, unit: Unit) -> Iterator[tuple[nn.Paramet
                 yield p, _global(engine, unit, slot, value), value.dtype
 
 
-def gathered_state_dict(engine: ZeroEngine, weights: Weights, rank0_only: bool) -> dict[str, torch.Tensor]:
+def gathered_state_dict(engine: ShardedModule, weights: Weights, rank0_only: bool) -> dict[str, torch.Tensor]:
     """The module's whole ``state_dict`` in its order, its trainable parameters from ``weights``, every tensor a
     copy of its own (the parameters are views of flat buffers, which safetensors would take for shared tensors)."""
     engine.adopt_replaced_parameters()
@@ -83,7 +103,7 @@ def gathered_state_dict(engine: ZeroEngine, weights: Weights, rank0_only: bool) 
     return {key: result[key] for key in state}
 
 
-def _whole_master(engine: ZeroEngine, unit: Unit, fp: FlatParam) -> torch.Tensor:
+def _whole_master(engine: ShardedModule, unit: Unit, fp: FlatParam) -> torch.Tensor:
     """``fp``'s master over the whole padded flat layout, on the engine's device (see the module's Note)."""
     if not fp.policy.optimizer:
         return fp.master
@@ -95,7 +115,7 @@ def _whole_master(engine: ZeroEngine, unit: Unit, fp: FlatParam) -> torch.Tensor
     return whole
 
 
-def _global(engine: ZeroEngine, unit: Unit, slot: ParamSlot, local: torch.Tensor) -> torch.Tensor:
+def _global(engine: ShardedModule, unit: Unit, slot: ParamSlot, local: torch.Tensor) -> torch.Tensor:
     """The whole parameter: ``local`` itself, or for a tensor-parallel one its global tensor, which every
     tensor-parallel rank takes part in gathering, or for an experts container's its rows from every rank of the
     expert-parallel group, in rank order (Note: [Expert units] in :mod:`.engine`)."""

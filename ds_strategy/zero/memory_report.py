@@ -24,9 +24,11 @@ figures, which the engine's setup summary prints.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
+from torch import nn
 
 from ..config import UNITS
 from .buckets import MIN_BUCKET_NUMEL
@@ -34,8 +36,8 @@ from .param_types import plain_tensors
 
 if TYPE_CHECKING:
     from ..config.policies import CommPolicy
-    from .engine import ZeroEngine
     from .flat_param import FlatParam
+    from .step_runner import StepRunner
     from .unit import Unit
 
 PLACES = ("device", "host", "nvme")  # where a report (and ds_strategy.estimate) puts bytes
@@ -95,6 +97,25 @@ class WorkingSetPeak:
         self.observe()
 
 
+class _Scratch(Protocol):
+    peak_scratch_bytes: int
+
+
+class HeldState(Protocol):
+    """What a report reads of an engine (:class:`~.engine.ZeroEngine` is one): typed here, so that this module,
+    which the reducer and the gatherer import for :class:`WorkingSetPeak`, imports no engine."""
+
+    flat_params: list[FlatParam]
+    module: nn.Module
+    world_size: int
+    step_runner: StepRunner
+    working_set: WorkingSetPeak
+    reducer: _Scratch
+
+    @property
+    def optimizers(self) -> Sequence[torch.optim.Optimizer]: ...
+
+
 class WholeTensorOwnership(NamedTuple):
     """Elements of whole-tensor parameters: this rank's, all ranks', the largest parameter's, and the bound."""
 
@@ -109,7 +130,7 @@ class WholeTensorOwnership(NamedTuple):
         return self.total / self.world_size + self.largest
 
 
-def whole_tensor_ownership(engine: ZeroEngine) -> WholeTensorOwnership | None:
+def whole_tensor_ownership(engine: HeldState) -> WholeTensorOwnership | None:
     """How much of the whole-tensor optimizers' parameters this rank owns, against the bound; None when no flat
     buffer is laid out by owners (no whole-tensor optimizer, or optimizer state not partitioned)."""
     owned_layouts = [fp for fp in engine.flat_params if fp.regions is not None]
@@ -128,7 +149,7 @@ def _place(tensor: torch.Tensor, compute_device: torch.device) -> str:
     return "host" if tensor.device.type == "cpu" and compute_device.type != "cpu" else "device"
 
 
-def memory_report(engine: ZeroEngine, peak: bool = False) -> dict[str, dict[str, int]]:
+def memory_report(engine: HeldState, peak: bool = False) -> dict[str, dict[str, int]]:
     """``{"params"|"grads"|"optimizer"|"buffers": {"device"|"host"|"nvme": bytes}}`` for this rank.
 
     params: the compute-dtype parameters this rank holds (full buffers while gathered, shards otherwise, plus
@@ -187,3 +208,25 @@ def memory_report(engine: ZeroEngine, peak: bool = False) -> dict[str, dict[str,
     for kind, tensor in engine.step_runner.own_tensors():
         add(kind, tensor)
     return report
+
+
+def summary(engine: HeldState, stage: int, unit_count: int) -> str:
+    """The engine's setup line: stage, ranks, units, trainable elements, model-state MiB per rank and where the
+    step runner placed them, and a whole-tensor optimizer's ownership against its bound."""
+    report = memory_report(engine)
+    mib = {k: sum(v.values()) / 2**20 for k, v in report.items()}
+    placed = engine.step_runner.describe(report)
+    whole = whole_tensor_ownership(engine)
+    owned = (
+        f"; whole-tensor parameters: this rank owns {whole.owned:,} of {whole.total:,} elements (at most "
+        f"{whole.bound:,.0f}: 1/N plus the largest, {whole.largest:,})"
+        if whole is not None
+        else ""
+    )
+    return (
+        f"ZeRO stage {stage} on {engine.world_size} ranks, {unit_count} units, "
+        f"{sum(fp.numel for fp in engine.flat_params):,} trainable params; per rank: "
+        + ", ".join(f"{k} {v:.1f} MiB" for k, v in mib.items())
+        + (f"; {placed}" if placed else "")
+        + owned
+    )

@@ -9,7 +9,7 @@ of meta tensor". So, as Accelerate's ``init_empty_weights(include_buffers=False)
 device and each parameter is moved to meta as it is registered on its module (torch's global parameter
 registration hook): its initialiser (a ``nn.Linear``'s ``reset_parameters`` at construction) then runs on meta at no
 cost, while buffers and other tensors keep their values. The move swaps the Parameter object's contents in place
-(``torch.utils.swap_tensors``), so a parameter registered under two names (tied weights) stays one object. A
+(``torch.utils.swap_tensors``), so a parameter registered under two names (shared weights) stays one object. A
 parameter's tensor briefly exists on the real device before it is moved: ``torch.empty`` for the usual
 ``nn.Parameter(torch.empty(...))``, one parameter at a time.
 
@@ -22,8 +22,8 @@ whether or not it builds anything, so a registration keeps its parameter as it i
 - replaces a real one under the same name: torch's ``parallelize_module`` re-registers each weight it distributes
   as a DTensor, and any re-wrap of a weight does the same; or
 - is one of the parameters of ``existing`` at entry (the LightningModule as ``configure_model`` finds it): a
-  weight of the model built before, shared into a new module (a new head tied to the old embedding) or moved under
-  one (``torch.nn.utils.parametrize``).
+  weight of the model built before, shared into a new module (a new head sharing the old embedding's weight) or
+  moved under one (``torch.nn.utils.parametrize``).
 
 A parameter the block builds keeps its type on meta (Note: [Parameter types the engine shards]): an
 ``nn.Parameter`` subclass with its attributes, a ``DTensor`` with its mesh, placements and global shape (the engine

@@ -14,14 +14,38 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from .engine import ZeroEngine
+    from ..comm.collectives import Collectives
     from .flat_param import FlatParam
+    from .grad_reducer import GradReducer
+    from .param_gatherer import ParamGatherer
+    from .unit import Unit
+
+
+class DrivenEngine(Protocol):
+    """What the interface drives of an engine (:class:`~.engine.ZeroEngine`, which hands it out): typed here, so
+    that no file of ``zero/`` imports the engine back."""
+
+    device: torch.device
+    world_size: int
+    collectives: Collectives
+    units: list[Unit]
+    flat_params: list[FlatParam]
+    reducer: GradReducer
+    gatherer: ParamGatherer | None
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor: ...
+
+    def reshard(self) -> None: ...
+
+    def master_pieces(self, name: str) -> list[tuple[FlatParam, torch.Tensor, int]]: ...
+
+    def refresh_from_masters(self) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,11 +60,12 @@ class ScheduleInterface:
 
     ``stages``: each of this rank's stages and the parameters it runs (a parameter may be in two, a shared one).
     ``finished_later``: names of parameters whose gradients the schedule completes only after its last backward (a
-    tied weight's, summed over the pipeline group), whose buffers therefore wait for the end of the step."""
+    weight shared by stages on several ranks, summed over the pipeline group; a copy another part saves is named by
+    its saved name), whose buffers therefore wait for the end of the step."""
 
     def __init__(
         self,
-        engine: ZeroEngine,
+        engine: DrivenEngine,
         stages: Mapping[int, Iterable[nn.Parameter]],
         finished_later: frozenset[str] = frozenset(),
     ):
@@ -56,14 +81,12 @@ class ScheduleInterface:
         return [u for u in self._engine.units[1:] if u.partitioned and id(u.flat_params[0].params[0]) in held]
 
     def _buffers_only_in(self, stage: int, held: dict[int, set[int]], finished_later: frozenset[str]) -> list:
-        """The flat buffers whose parameters ``stage`` alone uses, none a tied copy or finished later, in the
-        reduction order."""
+        """The flat buffers whose parameters ``stage`` alone uses, none finished later, in the reduction order."""
         others = set().union(*(ids for s, ids in held.items() if s != stage))
         return [
             fp
             for fp in self._order
-            if not fp.tied_copy
-            and all(id(p) in held[stage] and id(p) not in others for p in fp.params)
+            if all(id(p) in held[stage] and id(p) not in others for p in fp.params)
             and not any(slot.name in finished_later for slot in fp.slots)
         ]
 
@@ -76,11 +99,6 @@ class ScheduleInterface:
     def gathers_units(self) -> bool:
         """Whether parameters are partitioned (stage 3): units must be gathered before use."""
         return self._engine.gatherer is not None
-
-    @property
-    def tied_copies(self) -> dict[str, str]:
-        """This rank's tied copies, by name, mapped to their owners' names (Note: [Tied copies])."""
-        return self._engine.tied_copies
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss to run backward on (see ``ZeroEngine.scale_loss``)."""
@@ -113,7 +131,7 @@ class ScheduleInterface:
         return [GradientBuffer(fp.index) for fp in self._order]
 
     def buffers_only_in(self, stage: int) -> list[GradientBuffer]:
-        """The buffers ``stage`` alone uses (none a tied copy or finished later), in the reduction order: those a
+        """The buffers ``stage`` alone uses (none finished later), in the reduction order: those a
         schedule may reduce as soon as that stage's micro-batch backward is done."""
         return [GradientBuffer(fp.index) for fp in self._only_in[stage]]
 

@@ -28,11 +28,11 @@ has run, ``distribute_tensor`` keeps this rank's piece of tensor-parallel rank 0
 back for the duration (``ModelPart.cut_pieces``, which the engine is handed), and while an initialiser runs, the cut
 tensors it writes (its module's own, or its subtree's for a ``reset_parameters`` that initialises a whole subtree) are
 whole scratch tensors too, dropped right after, so the generator advances exactly as in a normal build, also across an
-initialiser that writes a kept unit and a cut piece at once (our GPT's embeddings when the tied head is on the last
-stage). Memory: those tensors of one initialiser, at most what a normal build's initialiser touches. Hugging Face passes
-restore their own recorded generator state besides (Note: [Equal to a normal Hugging Face build]), so a pass reaching
-into a cut child (GPT-2's ``c_proj``) changes nothing after it. Ranks must start from the same seed, as for a normal
-build (the broadcasts make data-parallel ranks agree regardless).
+initialiser that writes a kept unit and a cut piece at once (our GPT's embeddings, whose weight the head on the last
+stage shares). Memory: those tensors of one initialiser, at most what a normal build's initialiser touches. Hugging Face
+passes restore their own recorded generator state besides (Note: [Equal to a normal Hugging Face build]), so a pass
+reaching into a cut child (GPT-2's ``c_proj``) changes nothing after it. Ranks must start from the same seed, as for a
+normal build (the broadcasts make data-parallel ranks agree regardless).
 
 Note: [Values built before the meta build]
 Part of a model may arrive with values: a LightningModule whose ``__init__`` built (or loaded) the backbone and whose
@@ -76,7 +76,7 @@ def reset_parameters_initialisers(
     """In module order, the outermost modules below the root (or the root itself when it has no children, a bare
     ``nn.Linear``) whose ``reset_parameters`` initialises parameters of at most one unit and any frozen parameters
     built on meta (Note: [Frozen parameters built on meta]), skipping modules whose
-    parameters are already covered (a tied LM head whose weight the embedding already initialised) or all have
+    parameters are already covered (an LM head sharing the weight the embedding already initialised) or all have
     values (their ids in ``valued``: Note: [Values built before the meta build]), and the subtrees in ``skip``
     (initialised otherwise). Parameters only the ``cut_away`` pieces hold belong to no unit: an initialiser may
     write them besides one unit, on scratch, for the generator's sake (Note: [A sharded build equals a normal

@@ -140,6 +140,16 @@ class ShardedOptimizers:
                     f"leave it out of the tensor-parallel plan"
                 )
 
+    def holds(self, optimizer: object) -> bool:
+        """Whether ``optimizer`` (the object itself, or a chain of them) is held here."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            return False
+        try:
+            self.indices_of(optimizer)
+        except ValueError:
+            return False
+        return True
+
     def indices_of(self, optimizer: torch.optim.Optimizer) -> set[int]:
         """The positions of ``optimizer`` (the object itself; a chain's members) among these; ValueError when it is
         not one of them."""

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 import torch
 
 if TYPE_CHECKING:
+    from ..config import ZeroConfig
     from ..config.policies import OffloadPolicy
     from .flat_param import FlatParam
 
@@ -154,3 +155,17 @@ class DeviceStep:
 
     def close(self) -> None:
         pass
+
+
+def runner_factory(step_runner: StepRunnerFactory | None, config: ZeroConfig) -> StepRunnerFactory:
+    """The runner given, else the device's; an offloading config without a runner is an error, not a silent
+    on-device step (zero never imports offload: Note: [One-way dependency between the engine and offload])."""
+    if step_runner is not None:
+        return step_runner
+    if config.plan.offloads:
+        raise ValueError(
+            f"ZeroConfig offloads (offload_optimizer={config.offload_optimizer!r}, offload_params="
+            f"{config.offload_params!r}) but no step_runner was given: pass "
+            f"step_runner=ds_strategy.offload.step_runner_for(config), or build through ds_strategy.compose"
+        )
+    return DeviceStep

@@ -134,3 +134,71 @@ def test_no_package_imports_itself_through_others():
         f"{a} -> {b} ({', '.join(files)})" for (a, b), files in sorted(edges.items()) if a in _reachable(edges, b)
     ]
     assert circular == []
+
+
+def _file_edges(package: str) -> dict[str, set[str]]:
+    """Module -> the modules of the same package it imports (under ``TYPE_CHECKING`` too, as everywhere here)."""
+    files = sorted((ROOT / package).rglob("*.py"))
+    modules = {_module_name(path) for path in files}
+    return {_module_name(path): (_imports(path) & modules) - {_module_name(path)} for path in files}
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """One circle through each module that reaches itself, as the list of modules around it."""
+    found = []
+    for start in sorted(edges):
+        path, todo = {start: [start]}, [start]
+        while todo:
+            node = todo.pop()
+            for target in sorted(edges[node]):
+                if target == start:
+                    found.append(path[node] + [start])
+                    todo.clear()
+                    break
+                if target not in path:
+                    path[target] = path[node] + [target]
+                    todo.append(target)
+    return found
+
+
+def test_the_cycle_finder_finds_a_circle():
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(edges) == [["a", "b", "c", "a"], ["b", "c", "a", "b"], ["c", "a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_file_of_zero_imports_itself_through_others():
+    """The engine is a façade over collaborators that each import only what lies below them: a collaborator that
+    needs the engine types what it reads as a ``Protocol`` of its own (``memory_report.HeldState``,
+    ``full_state_dict.ShardedModule``, ``schedule_interface.DrivenEngine``) or takes the collaborator it works with
+    (``full_gradients`` takes the ``OptimizerStep``). Imports under ``TYPE_CHECKING`` count: a circle of types is
+    still a circle a reader must hold in mind at once."""
+    edges = _file_edges("zero")
+    assert "ds_strategy.zero.layout" in edges["ds_strategy.zero.engine"]
+    assert _cycles(edges) == []
+
+
+def _engine_private_reads(source: str) -> list[str]:
+    """``engine._name`` (or ``x.engine._name``, ``zero_engine._name``) read in ``source``, as ``line: name``."""
+    hits = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            holder = node.value
+            name = getattr(holder, "id", None) or getattr(holder, "attr", "")
+            if name == "engine" or name.endswith("_engine"):
+                hits.append(f"{node.lineno}: {node.attr}")
+    return sorted(hits, key=lambda hit: int(hit.split(":")[0]))
+
+
+def test_the_private_read_finder_finds_one():
+    source = "engine.step()\nself.engine._grad_stats.clear()\nzero_engine._hooks\nengine.__class__\n"
+    assert _engine_private_reads(source) == ["2: _grad_stats", "3: _hooks"]
+
+
+def test_no_module_outside_zero_reads_engine_internals():
+    """What other packages need of the engine is its public surface (methods, and attributes without a leading
+    underscore); its private state may change with any refactoring of ``zero/``."""
+    outside = [p for p in sorted(ROOT.rglob("*.py")) if p.relative_to(ROOT).parts[0] != "zero"]
+    assert len(outside) > 100
+    hits = {str(p.relative_to(ROOT)): _engine_private_reads(p.read_text()) for p in outside}
+    assert {path: found for path, found in hits.items() if found} == {}

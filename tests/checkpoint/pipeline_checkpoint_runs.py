@@ -12,7 +12,7 @@ import torch
 from pipeline_runs import MODELS, batches, build_pipeline, full_output, loss_fn, mean_over_dp, optimizer_for
 
 from ds_strategy.checkpoint import load, save
-from ds_strategy.checkpoint.rank_state import stored_names
+from ds_strategy.checkpoint.rank_state import saved_elsewhere, stored_names
 from ds_strategy.compose import build_mesh, compose_model
 from ds_strategy.config import ZeroConfig
 
@@ -57,7 +57,7 @@ def train(model_name: str, model, engine, runner, mesh, first: int, last: int) -
 def whole_state(engine) -> dict:
     """This rank's parameters and elementwise and scalar optimizer state by stored name (tied copies under their
     canonical name, separately), read straight from the engine; needs dp=1, where the master is whole."""
-    params = {k: v for k, v in engine.full_state_dict(rank0_only=False).items() if k not in engine.tied_copies}
+    params = {k: v for k, v in engine.full_state_dict(rank0_only=False).items() if k not in engine.saved_as}
     names = stored_names(engine)
     optimizer, tied = {}, {}
     for fp in engine.flat_params:
@@ -68,7 +68,8 @@ def whole_state(engine) -> dict:
                 key: value.narrow(0, at, slot.numel).view(slot.shape).clone() if value.dim() else value.clone()
                 for key, value in state.items()
             }
-            (tied if fp.tied_copy else optimizer)[slot.name if fp.tied_copy else names[id(fp), slot.name]] = values
+            copy = saved_elsewhere(engine, fp)
+            (tied if copy else optimizer)[slot.name if copy else names[id(fp), slot.name]] = values
     return {"params": params, "optimizer": optimizer, "tied": tied}
 
 

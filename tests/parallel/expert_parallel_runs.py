@@ -88,7 +88,7 @@ def zero_with_experts_matches_one_process(rank: int, world_size: int, name: str,
         mesh=mesh,
         device=torch.device("cpu"),
         log=lambda message: None,
-        build_optimizers=lambda: [torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)],
+        optimizers=lambda: [torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)],
     )
     engine = composed.engine
     reference = moe_models.build(name)
@@ -128,7 +128,7 @@ def _composed(name: str, stage: int, ep: int):
         mesh=build_mesh(config, "cpu"),
         device=torch.device("cpu"),
         log=lambda message: None,
-        build_optimizers=lambda: [torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)],
+        optimizers=lambda: [torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)],
     )
     return model, composed.engine
 

@@ -145,7 +145,7 @@ def train_pipeline(
         "raw_losses": raw_losses,
         "norms": norms,
         "params": owned,
-        "tied": dict(engine.tied_copies),
+        "tied": dict(engine.saved_as),
         "calls": calls,
         "layout": collective_layout(engine, runner),
     }
@@ -190,7 +190,7 @@ def collective_layout(engine, runner) -> dict:
     alone = {s: 0 for s in runner.modules}
     for fp in scattered:
         stages = set().union(*(stage_of.get(id(p), {None}) for p in fp.params))
-        if len(stages) == 1 and None not in stages and not fp.tied_copy:
+        if len(stages) == 1 and None not in stages and fp.norm_share:
             alone[stages.pop()] += 1
     partitioned = {s: 0 for s in runner.modules}
     for unit in engine.units[1:]:

@@ -38,7 +38,8 @@ def test_the_engine_is_told_the_whole_model_its_stage_is_part_of():
     plan = cut_to_stages(model, plan_stages(model, 2, 1, "1f1b", "auto"))
     part = model_part(model, plan)
     assert (part.pipeline_size, part.whole_names) == (2, whole_names)
-    assert dict(part.copy_owners) == {"lm_head.weight": "embed.wte.weight"}  # the head, tied to stage 0's embedding
+    assert dict(part.saved_as) == {"lm_head.weight": "embed.wte.weight"}  # the head, tied to stage 0's embedding,
+    assert dict(part.norm_shares) == {"lm_head.weight": 0.0}  # whose stage counts it in the norm
     assert [(p.parent, p.name, p.module) for p in part.cut_pieces] == list(plan.cut_pieces)
     assert model_part(model, None) is None
 

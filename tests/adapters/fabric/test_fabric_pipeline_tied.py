@@ -41,7 +41,7 @@ def _train(rank: int, world_size: int, stage: int) -> dict:
         "losses": losses,
         "norms": [],
         "params": {k: v for k, v in state.items() if k in held},
-        "tied": dict(engine.tied_copies),
+        "tied": dict(engine.saved_as),
     }
 
 

@@ -126,7 +126,7 @@ def fit(
         "val": dict(zip(("before", "after"), _by_phase(module.val_losses, strategy))),
         "logged": [{k: v for k, v in m.items() if k in ("train_loss", "val_loss")} for m in logger.metrics],
         "params": {_unprefixed(n): v for n, v in state.items() if n in held},
-        "tied": {_unprefixed(k): _unprefixed(v) for k, v in strategy.engine.tied_copies.items()},
+        "tied": {_unprefixed(k): _unprefixed(v) for k, v in strategy.engine.saved_as.items()},
         "sampler": strategy.distributed_sampler_kwargs,
         "mesh": strategy.parallel_mesh.mesh.mesh_dim_names if strategy.parallel_mesh is not None else None,
     }
