@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from quick_args import parse_args_with_quick
 from report import add_ratios, markdown_table, overlap_pairs, overlap_table, summarize, write_chart, write_json
 from runner import Settings, rank_main
 from systems import SYSTEMS, SystemSpec
@@ -52,11 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--name", help="output file stem (default: <model>-ws<N>[-quick])")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds before the ranks are killed")
     parser.add_argument("--list", action="store_true", help="list the systems and exit")
-    args = parser.parse_args(argv)
-    if args.quick:
-        for key, value in QUICK.items():
-            if parser.get_default(key) == getattr(args, key):
-                setattr(args, key, value)
+    args = parse_args_with_quick(parser, argv, QUICK)
     args.model = args.model.removeprefix("gpt-")
     return args
 

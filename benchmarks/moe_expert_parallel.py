@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from quick_args import parse_args_with_quick
 
 from ds_strategy.autotune.launcher import launch_ranks
 from ds_strategy.compose import build_mesh, compose_model
@@ -154,12 +155,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="the tiny model, one timed step")
     parser.add_argument("--name", default=None)
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
-    args = parser.parse_args(argv)
-    if args.quick:
-        for key, value in QUICK.items():
-            if parser.get_default(key) == getattr(args, key):
-                setattr(args, key, value)
-    return args
+    return parse_args_with_quick(parser, argv, QUICK)
 
 
 def main(argv: list[str] | None = None) -> int:

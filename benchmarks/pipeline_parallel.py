@@ -75,6 +75,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from accounting import release_free_memory
+from quick_args import parse_args_with_quick
 from torch import nn
 
 from ds_strategy.autotune.launcher import launch_ranks
@@ -494,11 +495,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     parser.add_argument("--name", default=None, help="output file stem (default: pipeline-parallel-ws<N>[-quick])")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are killed")
-    args = parser.parse_args(argv)
-    if args.quick:
-        for key, value in QUICK.items():
-            if parser.get_default(key) == getattr(args, key):
-                setattr(args, key, value)
+    args = parse_args_with_quick(parser, argv, QUICK)
     if args.pp is None:
         args.pp = ",".join(str(p) for p in (2, 4) if p <= args.world_size and args.world_size % p == 0)
     return args

@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 from accounting import optimizer_state_tensors, release_free_memory, storage_bytes
 from lightning.pytorch.strategies import ModelParallelStrategy
+from quick_args import parse_args_with_quick
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import fully_shard
@@ -400,12 +401,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     parser.add_argument("--name", default=None, help="output file stem (default: tensor-parallel-ws<N>[-quick])")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before the ranks are killed")
-    args = parser.parse_args(argv)
-    if args.quick:
-        for key, value in QUICK.items():
-            if parser.get_default(key) == getattr(args, key):
-                setattr(args, key, value)
-    return args
+    return parse_args_with_quick(parser, argv, QUICK)
 
 
 def main(argv: list[str] | None = None) -> int:
