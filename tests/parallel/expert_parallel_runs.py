@@ -6,6 +6,7 @@ import torch
 from hf_models import SEQ, VOCAB
 
 from ds_strategy.comm.collectives import Collectives
+from ds_strategy.compose.activation_checkpointing import CheckpointedForward
 from ds_strategy.parallel.expert_parallel import shard_experts, tokens_per_expert
 from ds_strategy.parallel.moe_layers import find_experts_containers
 
@@ -75,7 +76,8 @@ def _global_mean(value: torch.Tensor, world_size: int) -> float:
 def zero_with_experts_matches_one_process(rank: int, world_size: int, name: str, stage: int, ep: int, **fields) -> dict:
     """ZeRO at ``stage`` with ``expert_parallel_size=ep`` on every rank's batch, against one process training the
     unsharded model on the global batch: per-step losses, gradient norms (clipped, so the norm spanning both kinds of
-    parameters steers the update) and the exported weights. ``fields``: more ZeroConfig fields."""
+    parameters steers the update) and the exported weights. ``fields``: more ZeroConfig fields; what they turned on
+    is reported (the step runner, offloaded or on the device, and how many units are checkpointed)."""
     from ds_strategy.compose import build_mesh, compose_model
     from ds_strategy.config import ZeroConfig
 
@@ -88,7 +90,7 @@ def zero_with_experts_matches_one_process(rank: int, world_size: int, name: str,
         mesh=mesh,
         device=torch.device("cpu"),
         log=lambda message: None,
-        build_optimizers=lambda: [torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)],
+        optimizers=lambda: [torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)],
     )
     engine = composed.engine
     reference = moe_models.build(name)
@@ -113,6 +115,8 @@ def zero_with_experts_matches_one_process(rank: int, world_size: int, name: str,
         assert exported.keys() == expected.keys()
         result["weight_diff"] = max((exported[k] - expected[k]).abs().max().item() for k in expected)
     result["comm"] = engine.comm_stats()
+    result["step_runner"] = type(engine.step_runner).__name__
+    result["checkpointed"] = sum(isinstance(m.__dict__.get("forward"), CheckpointedForward) for m in model.modules())
     return result
 
 
@@ -128,7 +132,7 @@ def _composed(name: str, stage: int, ep: int):
         mesh=build_mesh(config, "cpu"),
         device=torch.device("cpu"),
         log=lambda message: None,
-        build_optimizers=lambda: [torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)],
+        optimizers=lambda: [torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)],
     )
     return model, composed.engine
 

@@ -32,6 +32,10 @@ def test_expert_parallel_layers_match_the_unsharded_model(name):
         ("qwen3_moe", 3, 2, {}),
         ("deepseek_v3", 2, 4, {}),
         ("qwen3_moe", 1, 4, {}),
+        ("deepseek_v3", 3, 2, {"activation_checkpointing": "full"}),
+        ("qwen3_moe", 2, 2, {"activation_checkpointing": "selective"}),
+        ("qwen3_moe", 2, 2, {"offload_optimizer": "cpu"}),
+        ("deepseek_v3", 3, 2, {"offload_optimizer": "cpu", "offload_params": "cpu"}),
     ],
 )
 def test_zero_with_experts_matches_one_process(name, stage, ep, fields):
@@ -41,6 +45,9 @@ def test_zero_with_experts_matches_one_process(name, stage, ep, fields):
         assert result["norms"] == pytest.approx(result["reference_norms"], rel=1e-5)
     assert results[0]["weight_diff"] < 1e-5
     assert results[0]["comm"]["all_to_all"]["bytes"] > 0  # the token exchange is counted in comm_stats
+    offloaded = fields.get("offload_optimizer", "none") != "none"
+    assert results[0]["step_runner"] == ("OffloadedStep" if offloaded else "DeviceStep")
+    assert (results[0]["checkpointed"] > 0) == ("activation_checkpointing" in fields)
 
 
 def test_experts_containers_are_found_in_transformers_moe_models():

@@ -56,6 +56,7 @@ def build(name: str, seed: int = 0, **overrides) -> transformers.PreTrainedModel
     the experts as in a trained model."""
     torch.manual_seed(seed)
     model = getattr(transformers, MODEL_CLASSES[name])(config(name, **overrides))
+    model.config.use_cache = False  # training keeps no KV cache; a checkpointed layer's recomputation would extend it
     with torch.no_grad():
         for module_name, p in model.named_parameters():
             if module_name.endswith("mlp.gate.weight"):
