@@ -96,7 +96,9 @@ def expert_rows(module: nn.Module) -> list[str]:
 def shard_experts(module: nn.Module, collectives: Collectives) -> None:
     """Turn the experts container ``module`` into its expert-parallel form in place: keep this rank's
     ``num_experts / ep`` rows of each stacked parameter and route tokens through ``collectives`` (the expert-parallel
-    group). The rows kept are consecutive: rank r holds experts ``r * E/ep`` to ``(r + 1) * E/ep - 1``."""
+    group). The rows kept are consecutive: rank r holds experts ``r * E/ep`` to ``(r + 1) * E/ep - 1``. On a model
+    built on the meta device the rows kept stay on meta; the engine initialises them as a normal build draws them
+    (Note: [A sharded build equals a normal build] in :mod:`ds_strategy.zero.sharded_init`)."""
     total, ep = module.num_experts, collectives.world_size
     if total % ep:
         raise ValueError(

@@ -296,7 +296,8 @@ REFUSED_DEEPSPEED_CELLS = ((Cell("normal", "pp", 1, "deepspeed"), "pipeline_para
 
 
 # Expert parallelism (issue 47) at stages 1-3 under every entry point, on 2 ranks (ep2) and 4 (dp4 x ep2: each
-# expert sharded over the 2 ranks holding it), under activation checkpointing and with the optimizer offloaded.
+# expert sharded over the 2 ranks holding it), under activation checkpointing, with the optimizer offloaded, and built
+# on meta (each rank initialising its experts' rows as a normal build draws them).
 EXPERT_CELLS = (
     Cell("normal", "ep", 1, "engine"),
     Cell("normal", "ep", 2, "fabric"),
@@ -307,6 +308,10 @@ EXPERT_CELLS = (
     Cell("normal", "ep checkpointed", 2, "lightning"),
     Cell("normal", "ep offloaded", 2, "engine"),
     Cell("normal", "ep offloaded", 3, "fabric"),
+    Cell("meta", "ep", 3, "lightning"),
+    Cell("init_module", "dp x ep", 3, "fabric"),
+    Cell("meta", "ep", 2, "accelerate"),
+    Cell("meta", "ep checkpointed", 3, "engine"),
 )
 
 
@@ -339,8 +344,8 @@ def build_model(seed: int = 0, model_name: str = MODEL):
     if model_name == MODEL:
         torch.manual_seed(seed)
         model = tiny_llama(BLOCKS, HEADS)
-    else:
-        model = moe_models.build(model_name, seed)
+    else:  # transformers' build alone, which a build on meta reproduces (no routers drawn again)
+        model = moe_models.build(model_name, seed, spread_routers=False)
     model.config.use_cache = False  # training keeps no KV cache; a checkpointed layer's recomputation would extend it
     return model
 

@@ -209,11 +209,12 @@ def test_frozen_parameters_in_the_optimizer_train_as_one_process(matrix, cell):
 @pytest.mark.parametrize("cell", EXPERT_CELLS, ids=[c.id for c in EXPERT_CELLS])
 def test_expert_parallel_cell_trains_as_one_process_on_the_unsharded_model(matrix, cell):
     """Issue 47: a Qwen3-MoE whose experts are split over an expert-parallel group of 2 (and ZeRO-sharded over the
-    ranks holding the same ones), at stages 1-3 under every entry point, alone, under activation checkpointing and
-    with the optimizer on the host, starts as the normal build and trains as the whole model in one process; every
-    rank's export holds every expert."""
+    ranks holding the same ones), at stages 1-3 under every entry point, alone, under activation checkpointing, with
+    the optimizer on the host and built on meta, starts as the normal build and trains as the whole model in one
+    process; every rank's export holds every expert."""
     results, references = matrix
     expected = references[EXPERT_LAYOUTS[cell.layout].model]
+    assert all(rank["on_meta"] == (cell.build != "normal") for rank in results[cell.id])
     initial, final = _gathered(results[cell.id])
     _assert_initial_equal(cell.id, initial, expected["initial"])
     for name, value in expected["params"].items():
