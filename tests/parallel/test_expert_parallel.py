@@ -43,6 +43,14 @@ def test_zero_with_experts_matches_one_process(name, stage, ep, fields):
 
 
 @pytest.mark.slow
+def test_experts_offloaded_to_nvme_train_as_one_process(tmp_path):
+    """Each rank's swap files hold its own experts' shards (their sizes differ from the other parameters' units)."""
+    fields = {"offload_optimizer": "nvme", "offload_params": "nvme", "nvme_path": str(tmp_path)}
+    results = run_ranks(zero_with_experts_matches_one_process, 4, "qwen3_moe", 3, 2, timeout=300, **fields)
+    _assert_trains_as_one_process(results, fields)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(("stage", "ep"), [(3, 2), (2, 4)])
 def test_a_model_built_on_meta_starts_as_a_normal_build_and_trains_as_one_process(stage, ep):
     """Sharded construction: each rank initialises its experts' rows of every whole container, as a normal build
