@@ -738,7 +738,7 @@ def _accelerate_entry(
 
 
 def _deepspeed_entry(
-    rank: int, build: Build, layout: Layout, fields: dict, pretrained: str, export_to, optimizers
+    rank: int, build: Build, layout: Layout, fields: dict, pretrained: str, export_to, kind: str
 ) -> dict:
     """A ``deepspeed.initialize`` script: the model built under ``zero.Init`` for an empty build, the script's own
     optimizer, ``engine.backward``/``engine.step`` per batch."""
@@ -749,7 +749,7 @@ def _deepspeed_entry(
     with deepspeed.zero.Init(enabled=build.empty_on(rank, layout)):
         model = build_model(0)
     built = _as_built(model)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizers(model)[0], config=config)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=make_optimizers(model, kind)[0], config=config)
     initial = engine.zero.full_state_dict(rank0_only=False)
     for x, y in _my_batches(layout, rank):
         engine.backward(_plain_loss(engine, x, y))
