@@ -192,11 +192,6 @@ def _expert_parallel(module: nn.Module, mesh: ParallelMesh | None) -> None:
     """Step 2b: each experts container cut to this rank's experts, routing over the expert-parallel group."""
     if mesh is None or mesh.ep_size == 1:
         return
-    if any(p.is_meta for p in module.parameters()):
-        raise ValueError(
-            "expert_parallel_size > 1 with a model built on the meta device is not supported yet: build it on the "
-            "CPU (each rank keeps its experts only), or use expert_parallel_size=1"
-        )
     for _, experts in find_experts_containers(module):
         shard_experts(experts, mesh.ep_collectives)
 

@@ -148,8 +148,8 @@ def not_pipelined(check: Check) -> Check:
 def expert_parallel(name: str, value: Any, earlier: Mapping[str, Any]) -> int:
     """An expert-parallel group size, refused beside what does not compose with it yet, each named: the other
     model-parallel dimensions (the mesh has no place for experts among them yet), stage 0 (whose gradient norm
-    spans one group only), offload and ZeRO++ (their buffers assume one group per engine), activation checkpointing
-    (a recomputed DeepSeek-V3 MoE layer saved tensors of other shapes than its forward, cause not found yet)."""
+    spans one group only) and ZeRO++ (its quantized and secondary buffers assume one group per engine). Offload and
+    activation checkpointing compose (the composition matrix's expert cells)."""
     value = integer(1)(name, value, earlier)
     if value == 1:
         return value
@@ -161,12 +161,9 @@ def expert_parallel(name: str, value: Any, earlier: Mapping[str, Any]) -> int:
         "tensor_parallel_size": 1,
         "sequence_parallel_size": 1,
         "pipeline_parallel_size": 1,
-        "offload_optimizer": "none",
-        "offload_params": "none",
         "zero_quantized_weights": False,
         "zero_quantized_gradients": False,
         "zero_hpz_partition_size": 1,
-        "activation_checkpointing": "none",  # a recomputed MoE layer saved other shapes than its forward: not yet
     }
     for other, default in alone.items():
         if earlier[other] != default:

@@ -813,9 +813,9 @@ class ZeroConfig:
             "this many consecutive ranks splits every MoE layer's experts, each holding num_experts / this of them, "
             "and tokens travel to their experts' ranks and back with all-to-alls (dropless: the results equal the "
             "unsharded model's). Every rank still reads its own batch. ZeRO shards the other parameters over all "
-            "ranks and the experts over the ranks holding the same ones (world size / this). Stages 1-3; not yet with "
-            "tensor, sequence or pipeline parallelism, offload, ZeRO++, activation checkpointing or whole-tensor "
-            "optimizers."
+            "ranks and the experts over the ranks holding the same ones (world size / this). Stages 1-3, with offload, "
+            "activation checkpointing and models built on the meta device; not yet with tensor, sequence or pipeline "
+            "parallelism, ZeRO++ or whole-tensor optimizers."
         ),
         section=EXPERTS,
     )

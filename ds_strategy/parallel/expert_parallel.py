@@ -19,6 +19,18 @@ Note: [Dropless dispatch]
   backward even when it received no rows, since the others wait for it: the computed rows always depend on the
   received ones.
 
+Note: [Recomputing a dispatch]
+  Under activation checkpointing a decoder layer holding an experts container runs its forward again in backward,
+  all-to-alls included, and every rank of the expert-parallel group must run the same exchanges in the same order.
+  It does: the routing is a function of the layer's saved input and of the same weights (stage 3 gathers them
+  again for the recomputation), so the counts, and with them every split size, are those of the forward; the ranks
+  recompute their layers in the same backward order; and torch stops a recomputation early only after the last
+  tensor the forward saved, which on every rank comes after the combine (its product with the routing weights
+  saves the returned rows), so no rank stops between two exchanges. The first failure seen here, a recomputed
+  DeepSeek-V3 layer saving tensors of other shapes, was not expert parallelism but the KV cache: with
+  ``config.use_cache=True`` the recomputation appends its keys to the cache the forward filled, in one process
+  too (``apply_activation_checkpointing`` warns of it; turn the cache off for training).
+
 Note: [Expert gradient scale]
   An expert's gradient on its rank sums the contributions of the tokens every rank of the expert-parallel group
   sent it; summed again over the expert-data-parallel group, it covers every rank's tokens once, as the unsharded
@@ -84,7 +96,9 @@ def expert_rows(module: nn.Module) -> list[str]:
 def shard_experts(module: nn.Module, collectives: Collectives) -> None:
     """Turn the experts container ``module`` into its expert-parallel form in place: keep this rank's
     ``num_experts / ep`` rows of each stacked parameter and route tokens through ``collectives`` (the expert-parallel
-    group). The rows kept are consecutive: rank r holds experts ``r * E/ep`` to ``(r + 1) * E/ep - 1``."""
+    group). The rows kept are consecutive: rank r holds experts ``r * E/ep`` to ``(r + 1) * E/ep - 1``. On a model
+    built on the meta device the rows kept stay on meta; the engine initialises them as a normal build draws them
+    (Note: [A sharded build equals a normal build] in :mod:`ds_strategy.zero.sharded_init`)."""
     total, ep = module.num_experts, collectives.world_size
     if total % ep:
         raise ValueError(

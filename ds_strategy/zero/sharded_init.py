@@ -19,7 +19,8 @@ schedule including two stages per rank, times data parallel and every ZeRO stage
 pieces of the whole model a normal build makes under the same seed, bitwise, and the generator is left where a
 normal build leaves it (Hugging Face models) or has advanced by the same draws (``reset_parameters``,
 ``param_init_fn``). Two things make it so. (1) Every initialiser runs on whole tensors: while a unit is being
-initialised its tensor-parallel (DTensor) parameters are replaced, in every module that registers them, by plain
+initialised its tensor-parallel (DTensor) parameters, and under expert parallelism its experts containers' stacked
+rows (of which the rank keeps its experts'), are replaced, in every module that registers them, by plain
 scratch tensors of the global shape, so a random initialiser draws what it draws in a normal build (on a local
 shard every tensor-parallel rank would draw the same numbers: identical halves); when the unit's last initialiser
 has run, ``distribute_tensor`` keeps this rank's piece of tensor-parallel rank 0's tensor (as
@@ -59,6 +60,7 @@ from torch import nn
 from torch.distributed.tensor import distribute_tensor
 
 from ..parallel.dtensor_params import local_tensor, point_param_at
+from ..parallel.expert_parallel import expert_rows, is_expert_parallel
 from .hf_init import Initialiser, hf_initialisers, outermost_hf_models
 from .model_part import CutPiece
 from .param_types import parameter_like
@@ -155,9 +157,9 @@ def materialise_sharded(
     param_init_fn: Callable[[nn.Module], None] | None = None,
     cut_pieces: tuple[CutPiece, ...] = (),
 ) -> None:
-    """Run the whole model's initialisers unit by unit; ``broadcast(tensor)`` makes every rank hold rank 0's
-    values; ``cut_pieces``: the meta pieces a pipeline cut from ``root``. See Note: [A sharded build equals a
-    normal build]."""
+    """Run the whole model's initialisers unit by unit; ``broadcast(tensor, collectives)`` makes every rank of the
+    unit's group hold its first rank's values; ``cut_pieces``: the meta pieces a pipeline cut from ``root``. See
+    Note: [A sharded build equals a normal build]."""
     with _restored(cut_pieces):
         _materialise(root, units, broadcast, device, param_init_fn, tuple(piece.module for piece in cut_pieces))
     _move_valued_loose_tensors(root, device)
@@ -201,7 +203,7 @@ def _materialise(
     for unit in unused:  # every parameter has values: placed as a normally built unit
         for fp in unit.flat_params:
             fp.adopt_params()
-            broadcast(fp.full)
+            broadcast(fp.full, unit.collectives)
             fp.finish_sharding()
     scratch = WholeTensorScratch(root, cut_away, device, valued)
     started: set[int] = set()
@@ -222,7 +224,7 @@ def _materialise(
             if remaining[id(unit)] == 0:
                 scratch.keep_local_pieces(unit)
                 for fp in unit.flat_params:
-                    broadcast(fp.full)
+                    broadcast(fp.full, unit.collectives)  # over the ranks holding the same experts, for experts
                     fp.finish_sharding()
     if final_rng_state is not None:
         set_generator_state(device, final_rng_state)
@@ -273,8 +275,9 @@ def _refuse_peft_adapters_on_meta(root: nn.Module) -> None:
 
 class WholeTensorScratch:
     """Plain tensors of the global shape standing in for what an initialiser must see whole but this rank keeps
-    in part: a unit's tensor-parallel parameters (those without values, ids not in ``valued``), and the tensors of
-    the pieces a pipeline cut away (Note: [A sharded build equals a normal build])."""
+    in part: a unit's tensor-parallel parameters and an experts container's stacked rows under expert parallelism
+    (those without values, ids not in ``valued``), and the tensors of the pieces a pipeline cut away (Note: [A
+    sharded build equals a normal build])."""
 
     def __init__(self, root: nn.Module, cut_away: tuple[nn.Module, ...], device: torch.device, valued: frozenset[int]):
         self.device = device
@@ -285,31 +288,51 @@ class WholeTensorScratch:
             for name, p in module._parameters.items():
                 if p is not None:
                     self.registered.setdefault(id(p), []).append((module, name))
+        self.cutters: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}  # by parameter: its piece of the whole
 
-    def _whole(self, like: torch.Tensor) -> nn.Parameter:
-        """Uninitialised storage of ``like``'s global shape (a DTensor's ``shape`` is global)."""
-        return nn.Parameter(torch.empty(like.shape, dtype=like.dtype, device=self.device), like.requires_grad)
+    def _whole(self, like: torch.Tensor, shape: torch.Size | None = None) -> nn.Parameter:
+        """Uninitialised storage of ``like``'s global shape (a DTensor's ``shape`` is global), or of ``shape``."""
+        shape = like.shape if shape is None else shape
+        return nn.Parameter(torch.empty(shape, dtype=like.dtype, device=self.device), like.requires_grad)
+
+    def _piece_of(self, slot, p: nn.Parameter) -> tuple[torch.Size, Callable[[torch.Tensor], torch.Tensor]] | None:
+        """For a parameter built on meta of which this rank keeps a piece: its global shape and how the piece is cut
+        from the whole. A tensor-parallel (DTensor) one's is cut from tensor-parallel rank 0's tensor, as
+        ``parallelize_module`` does; an experts container's rows are this rank's experts, as ``shard_experts``
+        cuts a normally built container. None for a parameter this rank keeps whole (or that has values)."""
+        if id(p) in self.valued:
+            return None
+        if slot.tp is not None:
+            return p.shape, lambda whole: distribute_tensor(whole, slot.tp.mesh, slot.tp.placements).to_local()
+        module, name = self.registered[id(p)][0]
+        if is_expert_parallel(module) and name in expert_rows(module):
+            rows = (module.first_expert, module.num_experts)
+            return torch.Size((module.global_experts, *p.shape[1:])), lambda whole: whole.narrow(0, *rows)
+        return None
 
     def substitute(self, unit: Unit) -> None:
-        """Register a whole-shape scratch tensor wherever each of ``unit``'s DTensor parameters built on meta is
-        registered (one with values keeps them: Note: [Values built before the meta build])."""
+        """Register a whole-shape scratch tensor wherever each of ``unit``'s parameters built on meta of which this
+        rank keeps a piece is registered (one with values keeps them: Note: [Values built before the meta build])."""
         for fp in unit.flat_params:
             for slot, p in zip(fp.slots, fp.params):
-                if slot.tp is not None and id(p) not in self.valued:
-                    whole = self._whole(p)
-                    for module, name in self.registered[id(p)]:
-                        module._parameters[name] = whole
+                piece = self._piece_of(slot, p)
+                if piece is None:
+                    continue
+                shape, self.cutters[id(p)] = piece
+                whole = self._whole(p, shape)
+                for module, name in self.registered[id(p)]:
+                    module._parameters[name] = whole
 
     def keep_local_pieces(self, unit: Unit) -> None:
         """Copy this rank's piece of each scratch tensor into its parameter's flat view and register the
-        parameter again. The piece is cut from tensor-parallel rank 0's tensor, as ``parallelize_module`` does."""
+        parameter again."""
         for fp in unit.flat_params:
-            for slot, p, view in zip(fp.slots, fp.params, fp.param_views()):
-                if slot.tp is None or id(p) in self.valued:
+            for p, view in zip(fp.params, fp.param_views()):
+                cut = self.cutters.pop(id(p), None)
+                if cut is None:
                     continue
                 module, name = self.registered[id(p)][0]
-                whole = module._parameters[name].detach()
-                view.copy_(distribute_tensor(whole, slot.tp.mesh, slot.tp.placements).to_local().reshape(view.shape))
+                view.copy_(cut(module._parameters[name].detach()).reshape(view.shape))
                 for module, name in self.registered[id(p)]:
                     module._parameters[name] = p
 

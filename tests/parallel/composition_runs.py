@@ -1,8 +1,9 @@
 """The composition matrix: {build} x {layout} x {ZeRO stage} x {entry point}, pruned to a pairwise-covering set of
 cells, each trained on real gloo ranks and compared with one process training a normally built copy.
 
-Every cell builds the same tiny Hugging Face Llama (``pipeline_runs.tiny_llama``: 4 layers, hidden 16, 4 heads, so
-that Ulysses inside tensor parallelism has heads to split over tp x sp), hands it to an entry point under a layout,
+Every cell but the expert-parallel ones (``EXPERT_CELLS``, a Qwen3-MoE) builds the same tiny Hugging Face Llama
+(``pipeline_runs.tiny_llama``: 4 layers, hidden 16, 4 heads, so that Ulysses inside tensor parallelism has heads to
+split over tp x sp), hands it to an entry point under a layout,
 records the full state dict right after setup (which must equal a normal build bitwise) and after ``STEPS`` SGD
 steps on the global batches of ``pipeline_runs.batches`` (which must match the reference in fp32). The axes are
 data, so a new way to build (say another empty-init path) is one more :class:`Build` in ``BUILDS``; a configuration
@@ -31,6 +32,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+import moe_models
 import torch
 import torch.distributed as dist
 from distributed import set_lightning_environment
@@ -51,6 +53,9 @@ class Layout:
     sp: int = 1
     megatron_sp: bool = False
     long_context: bool = False  # tiled MLPs and every unit checkpointed, its input kept on the host
+    ep: int = 1  # expert parallelism, inside the data-parallel ranks (each still reads its own batch)
+    model: str = MODEL  # what the cells build: an expert-parallel layout needs a mixture of experts
+    settings: tuple[tuple[str, object], ...] = ()  # more ZeroConfig fields (what expert parallelism composes with)
 
     @property
     def dp(self) -> int:
@@ -70,7 +75,9 @@ class Layout:
             fields.update(sequence_parallel_size=self.sp)
         if self.long_context:
             fields.update(tiled_mlp=True, tile_tokens=3, activation_checkpointing="full", cpu_checkpointing=True)
-        return fields
+        if self.ep > 1:
+            fields.update(expert_parallel_size=self.ep)
+        return {**fields, **dict(self.settings)}
 
 
 LAYOUTS = {
@@ -89,6 +96,18 @@ LAYOUTS = {
         Layout("megatron sp", 2, tp=2, megatron_sp=True),
     )
 }
+# Expert parallelism (issue 47) over a Qwen3-MoE (``moe_models``: 8 experts, top-2), outside the pairwise set (its
+# cells are EXPERT_CELLS): alone, under activation checkpointing and with the optimizer offloaded to the host.
+EXPERT_LAYOUTS = {
+    layout.name: layout
+    for layout in (
+        Layout("ep", 2, ep=2, model="qwen3_moe"),
+        Layout("dp x ep", 4, ep=2, model="qwen3_moe"),
+        Layout("ep checkpointed", 2, ep=2, model="qwen3_moe", settings=(("activation_checkpointing", "full"),)),
+        Layout("ep offloaded", 2, ep=2, model="qwen3_moe", settings=(("offload_optimizer", "cpu"),)),
+    )
+}
+ALL_LAYOUTS = {**LAYOUTS, **EXPERT_LAYOUTS}
 STAGES = (0, 1, 2, 3)
 ENTRIES = ("engine", "lightning", "fabric", "accelerate")
 
@@ -152,16 +171,15 @@ REFUSED_CONFIGS = (
         {"tiled_loss": True, "pipeline_parallel_size": 2},
         "tiled_loss=True is not allowed with pipeline_parallel_size=2",
     ),
-    # expert parallelism (issue 47) beside what does not compose with it yet; its own cells: test_expert_parallel.py
+    # expert parallelism (issue 47) beside what does not compose with it yet; its cells: EXPERT_CELLS
     *(
         ({"stage": 3, "expert_parallel_size": 2, other: value}, f"expert_parallel_size=2 is not allowed with {other}=")
         for other, value in (
             ("tensor_parallel_size", 2),
             ("pipeline_parallel_size", 2),
             ("sequence_parallel_size", 2),
-            ("offload_optimizer", "cpu"),
-            ("offload_params", "cpu"),
-            ("activation_checkpointing", "full"),
+            ("zero_quantized_weights", True),
+            ("zero_hpz_partition_size", 2),
         )
     ),
     ({"stage": 0, "expert_parallel_size": 2}, "expert_parallel_size=2 is not allowed with stage=0"),
@@ -277,6 +295,26 @@ DEEPSPEED_CELLS = (
 REFUSED_DEEPSPEED_CELLS = ((Cell("normal", "pp", 1, "deepspeed"), "pipeline_parallel_size=2"),)
 
 
+# Expert parallelism (issue 47) at stages 1-3 under every entry point, on 2 ranks (ep2) and 4 (dp4 x ep2: each
+# expert sharded over the 2 ranks holding it), under activation checkpointing, with the optimizer offloaded, and built
+# on meta (each rank initialising its experts' rows as a normal build draws them).
+EXPERT_CELLS = (
+    Cell("normal", "ep", 1, "engine"),
+    Cell("normal", "ep", 2, "fabric"),
+    Cell("normal", "ep", 3, "lightning"),
+    Cell("normal", "dp x ep", 3, "accelerate"),
+    Cell("normal", "dp x ep", 2, "engine"),
+    Cell("normal", "ep checkpointed", 3, "engine"),
+    Cell("normal", "ep checkpointed", 2, "lightning"),
+    Cell("normal", "ep offloaded", 2, "engine"),
+    Cell("normal", "ep offloaded", 3, "fabric"),
+    Cell("meta", "ep", 3, "lightning"),
+    Cell("init_module", "dp x ep", 3, "fabric"),
+    Cell("meta", "ep", 2, "accelerate"),
+    Cell("meta", "ep checkpointed", 3, "engine"),
+)
+
+
 def pairwise_cells() -> list[Cell]:
     """A deterministic greedy pairwise-covering set: every pair of values of two axes appears in some cell (a build
     path an entry point does not have pairs with no cell). Starting from ``REQUIRED``, each round takes the cell
@@ -301,9 +339,13 @@ def pairwise_cells() -> list[Cell]:
 # -- one cell on one rank -------------------------------------------------------------------------------------
 
 
-def build_model(seed: int = 0):
-    torch.manual_seed(seed)
-    model = tiny_llama(BLOCKS, HEADS)
+def build_model(seed: int = 0, model_name: str = MODEL):
+    """The Llama every pairwise cell builds, or a layout's ``model``: the MoE of ``moe_models``."""
+    if model_name == MODEL:
+        torch.manual_seed(seed)
+        model = tiny_llama(BLOCKS, HEADS)
+    else:  # transformers' build alone, which a build on meta reproduces (no routers drawn again)
+        model = moe_models.build(model_name, seed, spread_routers=False)
     model.config.use_cache = False  # training keeps no KV cache; a checkpointed layer's recomputation would extend it
     return model
 
@@ -356,12 +398,16 @@ def make_optimizers(model: torch.nn.Module, kind: str) -> list[torch.optim.Optim
 
 
 def reference(
-    seed: int, dtype: torch.dtype = torch.float32, autocast: torch.dtype | None = None, optimizers: str = "sgd"
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+    autocast: torch.dtype | None = None,
+    optimizers: str = "sgd",
+    model_name: str = MODEL,
 ) -> dict:
     """One process, the normally built model (converted to ``dtype``), trained by ``make_optimizers(optimizers)``
     on each whole global batch (mean token loss), its forward in ``torch.autocast`` to ``autocast`` if given."""
     torch.set_num_threads(1)
-    model = freeze(build_model(seed).to(dtype), optimizers)
+    model = freeze(build_model(seed, model_name).to(dtype), optimizers)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     stepping = make_optimizers(model, optimizers)
     losses = []
@@ -428,14 +474,14 @@ def _make(build: Build, rank: int, layout: Layout, empty: Callable[[], contextli
     """The model under seed 0, built normally or, where ``build`` says so, under the context ``empty()`` (for
     ``init_module``, the entry point's), then frozen in part as the optimizers' ``kind`` says (:func:`freeze`)."""
     with empty() if build.empty_on(rank, layout) else contextlib.nullcontext():
-        return freeze(build_model(0), kind)
+        return freeze(build_model(0, layout.model), kind)
 
 
 def run_cell(rank: int, world_size: int, cell: Cell, pretrained: str) -> dict:
     """Build, set up, (load,) record the initial state, train ``STEPS`` steps, record the final state."""
     torch.set_num_threads(1)
     set_lightning_environment(rank)
-    build, layout = BUILDS[cell.build], LAYOUTS[cell.layout]
+    build, layout = BUILDS[cell.build], ALL_LAYOUTS[cell.layout]
     fields = {"stage": cell.stage, "precision": cell.precision, **layout.fields(), **dict(build.fields)}
     export_to = export_dir(pretrained, cell) if cell in EXPORT_CELLS else None
     return ENTRY_RUNNERS[cell.entry](rank, build, layout, fields, pretrained, export_to, cell.optimizers)
@@ -522,11 +568,11 @@ def _lightning_entry(
             super().__init__()
             self.empty = empty
             if not self.empty:
-                self.model = build_model(0)
+                self.model = build_model(0, layout.model)
 
         def configure_model(self):
             if self.empty and not hasattr(self, "model"):
-                self.model = build_model(0)
+                self.model = build_model(0, layout.model)
             freeze(self.model, kind)
             if build.user_plan and not hasattr(self, "metric"):
                 user_parallelize(self.model, self.device_mesh["tensor_parallel"])
@@ -692,7 +738,7 @@ def _accelerate_entry(
 
 
 def _deepspeed_entry(
-    rank: int, build: Build, layout: Layout, fields: dict, pretrained: str, export_to, optimizers
+    rank: int, build: Build, layout: Layout, fields: dict, pretrained: str, export_to, kind: str
 ) -> dict:
     """A ``deepspeed.initialize`` script: the model built under ``zero.Init`` for an empty build, the script's own
     optimizer, ``engine.backward``/``engine.step`` per batch."""
@@ -703,7 +749,7 @@ def _deepspeed_entry(
     with deepspeed.zero.Init(enabled=build.empty_on(rank, layout)):
         model = build_model(0)
     built = _as_built(model)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizers(model)[0], config=config)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=make_optimizers(model, kind)[0], config=config)
     initial = engine.zero.full_state_dict(rank0_only=False)
     for x, y in _my_batches(layout, rank):
         engine.backward(_plain_loss(engine, x, y))

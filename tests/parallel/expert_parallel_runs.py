@@ -1,11 +1,14 @@
 """Rank bodies for test_expert_parallel.py: the expert-parallel MoE layers against the unsharded model, and ZeRO
 with experts on 4 gloo ranks against one process."""
 
+import contextlib
+
 import moe_models
 import torch
 from hf_models import SEQ, VOCAB
 
 from ds_strategy.comm.collectives import Collectives
+from ds_strategy.compose.activation_checkpointing import CheckpointedForward
 from ds_strategy.parallel.expert_parallel import shard_experts, tokens_per_expert
 from ds_strategy.parallel.moe_layers import find_experts_containers
 
@@ -47,23 +50,7 @@ def layer_matches_unsharded(rank: int, world_size: int, name: str) -> dict:
         "reference": mine_reference.item(),
         "grad_diff": worst,
         "routed": routed,
-        "meta_build": _refusal_of_a_meta_build(name, world_size),
     }
-
-
-def _refusal_of_a_meta_build(name: str, ep: int) -> str:
-    """What composing a model built on the meta device under expert parallelism says (refused for now)."""
-    from ds_strategy.compose import build_mesh, compose_model
-    from ds_strategy.config import ZeroConfig
-
-    config = ZeroConfig(stage=3, expert_parallel_size=ep)
-    with torch.device("meta"):
-        model = moe_models.build(name)
-    try:
-        compose_model(model, config, mesh=build_mesh(config, "cpu"), device=torch.device("cpu"), log=print)
-    except ValueError as error:
-        return str(error)
-    return "not refused"
 
 
 def _global_mean(value: torch.Tensor, world_size: int) -> float:
@@ -72,16 +59,22 @@ def _global_mean(value: torch.Tensor, world_size: int) -> float:
     return value.item() / world_size
 
 
-def zero_with_experts_matches_one_process(rank: int, world_size: int, name: str, stage: int, ep: int, **fields) -> dict:
+def zero_with_experts_matches_one_process(
+    rank: int, world_size: int, name: str, stage: int, ep: int, on_meta: bool = False, **fields
+) -> dict:
     """ZeRO at ``stage`` with ``expert_parallel_size=ep`` on every rank's batch, against one process training the
     unsharded model on the global batch: per-step losses, gradient norms (clipped, so the norm spanning both kinds of
-    parameters steers the update) and the exported weights. ``fields``: more ZeroConfig fields."""
+    parameters steers the update) and the exported weights, before training (equal bitwise) and after. ``on_meta``:
+    every rank builds the model on the meta device (transformers' build alone, the reference too), which the engine
+    initialises unit by unit. ``fields``: more ZeroConfig fields; what they turned on is reported (the step runner,
+    offloaded or on the device, and how many units are checkpointed)."""
     from ds_strategy.compose import build_mesh, compose_model
     from ds_strategy.config import ZeroConfig
 
     config = ZeroConfig(stage=stage, expert_parallel_size=ep, **fields)
     mesh = build_mesh(config, "cpu")
-    model = moe_models.build(name)
+    with torch.device("meta") if on_meta else contextlib.nullcontext():
+        model = moe_models.build(name, spread_routers=not on_meta)
     composed = compose_model(
         model,
         config,
@@ -91,9 +84,13 @@ def zero_with_experts_matches_one_process(rank: int, world_size: int, name: str,
         optimizers=lambda: [torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)],
     )
     engine = composed.engine
-    reference = moe_models.build(name)
+    reference = moe_models.build(name, spread_routers=not on_meta)
     optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-6)
     result = {"losses": [], "reference_losses": [], "norms": [], "reference_norms": []}
+    initial, expected = engine.full_state_dict(rank0_only=False), reference.state_dict()
+    result["initial_equal"] = initial.keys() == expected.keys() and all(
+        torch.equal(initial[k], expected[k]) for k in expected
+    )
     for step in range(3):
         everything, mine = _batch(rank, world_size, seed=step)
         loss = model(input_ids=mine, labels=mine).loss
@@ -113,6 +110,8 @@ def zero_with_experts_matches_one_process(rank: int, world_size: int, name: str,
         assert exported.keys() == expected.keys()
         result["weight_diff"] = max((exported[k] - expected[k]).abs().max().item() for k in expected)
     result["comm"] = engine.comm_stats()
+    result["step_runner"] = type(engine.step_runner).__name__
+    result["checkpointed"] = sum(isinstance(m.__dict__.get("forward"), CheckpointedForward) for m in model.modules())
     return result
 
 

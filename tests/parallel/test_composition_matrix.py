@@ -15,10 +15,13 @@ import hf_models  # noqa: F401  (transformers' logging quieted before the ranks 
 import pytest
 import torch
 from composition_runs import (
+    ALL_LAYOUTS,
     BF16_CELLS,
     BUFFER_VALUE,
     BUILDS,
     DEEPSPEED_CELLS,
+    EXPERT_CELLS,
+    EXPERT_LAYOUTS,
     EXPORT_CELLS,
     FROZEN_CELLS,
     LAYOUTS,
@@ -55,9 +58,18 @@ def matrix(pretrained):
     """Each world size's cells in one process group; the references per seed in this process."""
     results = {}
     refused = (cell for cell, _ in (*REFUSED_OPTIMIZER_CELLS, *REFUSED_DEEPSPEED_CELLS))
-    every = [*CELLS, *BF16_CELLS, *EXPORT_CELLS, *OPTIMIZER_CELLS, *FROZEN_CELLS, *DEEPSPEED_CELLS, *refused]
-    for world in sorted({LAYOUTS[c.layout].world for c in every}):
-        cells = [c for c in every if LAYOUTS[c.layout].world == world]
+    every = [
+        *CELLS,
+        *BF16_CELLS,
+        *EXPORT_CELLS,
+        *OPTIMIZER_CELLS,
+        *FROZEN_CELLS,
+        *DEEPSPEED_CELLS,
+        *EXPERT_CELLS,
+        *refused,
+    ]
+    for world in sorted({ALL_LAYOUTS[c.layout].world for c in every}):
+        cells = [c for c in every if ALL_LAYOUTS[c.layout].world == world]
         for outcome in run_ranks(run_cells, world, cells, pretrained, timeout=600):
             for cell_id, result in outcome.items():
                 results.setdefault(cell_id, []).append(result)
@@ -67,6 +79,8 @@ def matrix(pretrained):
         references["bf16-mixed", seed] = reference(seed, autocast=torch.bfloat16)
     references["whole+sgd"] = reference(0, optimizers="whole+sgd")
     references["frozen"] = reference(0, optimizers="frozen")
+    for model_name in {layout.model for layout in EXPERT_LAYOUTS.values()}:
+        references[model_name] = reference(0, model_name=model_name)
     return results, references
 
 
@@ -189,6 +203,24 @@ def test_frozen_parameters_in_the_optimizer_train_as_one_process(matrix, cell):
         torch.testing.assert_close(final[name], value, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
     frozen = "model.layers.0.mlp.up_proj.weight"
     assert torch.equal(final[frozen], expected["initial"][frozen])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cell", EXPERT_CELLS, ids=[c.id for c in EXPERT_CELLS])
+def test_expert_parallel_cell_trains_as_one_process_on_the_unsharded_model(matrix, cell):
+    """Issue 47: a Qwen3-MoE whose experts are split over an expert-parallel group of 2 (and ZeRO-sharded over the
+    ranks holding the same ones), at stages 1-3 under every entry point, alone, under activation checkpointing, with
+    the optimizer on the host and built on meta, starts as the normal build and trains as the whole model in one
+    process; every rank's export holds every expert."""
+    results, references = matrix
+    expected = references[EXPERT_LAYOUTS[cell.layout].model]
+    assert all(rank["on_meta"] == (cell.build != "normal") for rank in results[cell.id])
+    initial, final = _gathered(results[cell.id])
+    _assert_initial_equal(cell.id, initial, expected["initial"])
+    for name, value in expected["params"].items():
+        torch.testing.assert_close(final[name], value, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
+    if cell.entry == "lightning":
+        _assert_extras(results[cell.id], expected["losses"])
 
 
 @pytest.mark.slow

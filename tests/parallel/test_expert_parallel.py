@@ -22,7 +22,6 @@ def test_expert_parallel_layers_match_the_unsharded_model(name):
         assert result["loss"] == pytest.approx(result["reference"], abs=1e-5)
         assert result["grad_diff"] < 1e-5
         assert sum(sum(counts) for counts in result["routed"].values()) > 0
-        assert "built on the meta device is not supported yet" in result["meta_build"]
 
 
 @pytest.mark.slow
@@ -32,15 +31,44 @@ def test_expert_parallel_layers_match_the_unsharded_model(name):
         ("qwen3_moe", 3, 2, {}),
         ("deepseek_v3", 2, 4, {}),
         ("qwen3_moe", 1, 4, {}),
+        ("deepseek_v3", 3, 2, {"activation_checkpointing": "full"}),
+        ("qwen3_moe", 2, 2, {"activation_checkpointing": "selective"}),
+        ("qwen3_moe", 2, 2, {"offload_optimizer": "cpu"}),
+        ("deepseek_v3", 3, 2, {"offload_optimizer": "cpu", "offload_params": "cpu"}),
     ],
 )
 def test_zero_with_experts_matches_one_process(name, stage, ep, fields):
     results = run_ranks(zero_with_experts_matches_one_process, 4, name, stage, ep, timeout=300, **fields)
+    _assert_trains_as_one_process(results, fields)
+
+
+@pytest.mark.slow
+def test_experts_offloaded_to_nvme_train_as_one_process(tmp_path):
+    """Each rank's swap files hold its own experts' shards (their sizes differ from the other parameters' units)."""
+    fields = {"offload_optimizer": "nvme", "offload_params": "nvme", "nvme_path": str(tmp_path)}
+    results = run_ranks(zero_with_experts_matches_one_process, 4, "qwen3_moe", 3, 2, timeout=300, **fields)
+    _assert_trains_as_one_process(results, fields)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("stage", "ep"), [(3, 2), (2, 4)])
+def test_a_model_built_on_meta_starts_as_a_normal_build_and_trains_as_one_process(stage, ep):
+    """Sharded construction: each rank initialises its experts' rows of every whole container, as a normal build
+    draws them, and keeps only those (Note: [A sharded build equals a normal build])."""
+    results = run_ranks(zero_with_experts_matches_one_process, 4, "qwen3_moe", stage, ep, on_meta=True, timeout=300)
+    _assert_trains_as_one_process(results, {})
+
+
+def _assert_trains_as_one_process(results: list[dict], fields: dict) -> None:
+    assert results[0]["initial_equal"]
     for result in results:
         assert result["losses"] == pytest.approx(result["reference_losses"], abs=1e-5)
         assert result["norms"] == pytest.approx(result["reference_norms"], rel=1e-5)
     assert results[0]["weight_diff"] < 1e-5
     assert results[0]["comm"]["all_to_all"]["bytes"] > 0  # the token exchange is counted in comm_stats
+    offloaded = fields.get("offload_optimizer", "none") != "none"
+    assert results[0]["step_runner"] == ("OffloadedStep" if offloaded else "DeviceStep")
+    assert (results[0]["checkpointed"] > 0) == ("activation_checkpointing" in fields)
 
 
 def test_experts_containers_are_found_in_transformers_moe_models():

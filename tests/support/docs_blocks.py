@@ -58,10 +58,10 @@ def notes_index() -> str:
 
 
 def composition_matrix_table() -> str:
-    from composition_runs import BF16_CELLS, REFUSED_CONFIGS, pairwise_cells
+    from composition_runs import BF16_CELLS, EXPERT_CELLS, REFUSED_CONFIGS, pairwise_cells
 
     lines = ["| entry point | layout | ZeRO stage | build |", "| --- | --- | --- | --- |"]
-    for cell in [*pairwise_cells(), *BF16_CELLS]:
+    for cell in [*pairwise_cells(), *BF16_CELLS, *EXPERT_CELLS]:
         build = cell.build if cell.precision == "32-true" else f"{cell.build} ({cell.precision})"
         lines.append(f"| {cell.entry} | {cell.layout} | {cell.stage} | {build} |")
     lines += ["", "Refused by design, whatever the entry point, each with an error naming the combination:", ""]

@@ -50,12 +50,16 @@ def config(name: str, **overrides):
 MODEL_CLASSES = {"qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
-def build(name: str, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
-    """``Model(config)`` under ``torch.manual_seed(seed)``, its router weights drawn too (DeepSeek-V3 starts them at
-    zero, which would route every token alike) and, for DeepSeek-V3, its correction bias, so that tokens spread over
-    the experts as in a trained model."""
+def build(name: str, seed: int = 0, spread_routers: bool = True, **overrides) -> transformers.PreTrainedModel:
+    """``Model(config)`` under ``torch.manual_seed(seed)``, with ``spread_routers`` its router weights drawn again
+    wider (DeepSeek-V3 starts them at zero, which would route every token alike), so that tokens spread over the
+    experts as in a trained model. Without it the model is transformers' build alone, which a build on the meta device
+    reproduces (Qwen3-MoE's routers are drawn at the initializer range)."""
     torch.manual_seed(seed)
     model = getattr(transformers, MODEL_CLASSES[name])(config(name, **overrides))
+    model.config.use_cache = False  # training keeps no KV cache; a checkpointed layer's recomputation would extend it
+    if not spread_routers:
+        return model
     with torch.no_grad():
         for module_name, p in model.named_parameters():
             if module_name.endswith("mlp.gate.weight"):

@@ -24,8 +24,8 @@ def _data() -> TensorDataset:
 
 
 class MoeModule(L.LightningModule):
-    """The model built in ``__init__``, with values: a build on meta (``configure_model`` at stage 3) is refused
-    under expert parallelism for now (see ``test_expert_parallel.py``)."""
+    """The model built in ``__init__``, with values (a build on meta in ``configure_model`` is a composition matrix
+    expert cell)."""
 
     def __init__(self, name: str):
         super().__init__()
