@@ -58,6 +58,7 @@ class Recorder(pl.Callback):
         self.summary.record(loss, self.grad_norm.item())
 
 
+pl.seed_everything(0)  # the same weights and batches as its stage-0 reference run (tests/e2e/e2e_runs.py)
 recorder = Recorder()
 trainer = pl.Trainer(
     accelerator="cpu",
