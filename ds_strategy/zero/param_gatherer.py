@@ -174,13 +174,15 @@ class ParamGatherer:
     def _prefetch(self, candidates: list[Unit]) -> None:
         """Launch gathers for upcoming units within the prefetch and live-parameter budgets."""
         budget = self.prefetch_numel
+        live = self.gathered_numel()
         for unit in candidates:
             if unit.sharded_state is not ShardedState.SHARDED:
                 continue
-            size = sum(fp.padded_numel for fp in unit.partitioned)
-            if size > budget or self.gathered_numel() + size > self.max_live_numel:
+            size = unit.partitioned_numel
+            if size > budget or live + size > self.max_live_numel:
                 return
             budget -= size
+            live += size
             self._gather(unit, wait=False)
 
     # -- backward --------------------------------------------------------------------------------------------
