@@ -98,11 +98,13 @@ class ParamGatherer:
 
     def _gather(self, unit: Unit, wait: bool) -> None:
         with profiler_range("unit.gather", unit.name):
+            newly = unit.sharded_state is ShardedState.SHARDED  # only then can what is gathered grow
             unit.gather()
             if wait:
                 unit.wait_gathered()
-            self.peak_gathered_numel = max(self.peak_gathered_numel, self.gathered_numel())
-            self.working_set.observe()
+            if newly:
+                self.peak_gathered_numel = max(self.peak_gathered_numel, self.gathered_numel())
+                self.working_set.observe()
 
     # -- forward ---------------------------------------------------------------------------------------------
     def before_root_forward(self) -> None:
