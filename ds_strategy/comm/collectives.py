@@ -55,7 +55,12 @@ layout. ``all_reduce_many``, ``reduce_scatter_many`` and ``all_gather_many`` iss
 torch's coalescing manager, which the backend runs as one (gloo flattens them into one buffer, NCCL groups the
 calls into one launch), so a bucket pays one latency however many buffers it holds: 96 all-reduces of 4,160
 elements took 65 ms one by one and 3.7 ms coalesced (2 gloo ranks, loaded machine), against 3.1 ms for one flat
-buffer of the same elements. Each is booked as one call of its kind, with the bytes of all its buffers.
+buffer of the same elements. Each is booked as one call of its kind, with the bytes of all its buffers. Issuing the
+calls still costs Python per buffer (tens of microseconds each under the coalescing manager), so two shapes skip it:
+buffers that lie end to end in one storage (a stage-2 bucket's scratch) are all-reduced as the one tensor they
+tile, and ``all_gather_many`` gathers through one staging copy (FSDP2's copy-in / copy-out: the shards concatenated,
+one all-gather, each rank's row split back into the buffers), two kernels instead of a call per buffer, for a
+temporary of the bucket's elements times (1 + 1/N).
 """
 
 from __future__ import annotations
@@ -443,10 +448,11 @@ class Collectives:
         return _AllOf(manager.works)
 
     def all_reduce_many(self, tensors: list[torch.Tensor], label: str = "") -> PendingCollective:
-        """Sum each of ``tensors`` (one dtype, one device) in place across ranks as one coalesced collective, booked
-        as one all-reduce of their bytes."""
-        if len(tensors) == 1:
-            return self.all_reduce(tensors[0], label=label)
+        """Sum each of ``tensors`` (one dtype, one device) in place across ranks as one coalesced collective (one
+        plain all-reduce where they tile one span of a storage), booked as one all-reduce of their bytes."""
+        span = _tiled_span(tensors)
+        if span is not None:
+            return self.all_reduce(span, label=label)
         nbytes = 2 * sum(t.numel() * t.element_size() for t in tensors)
 
         def issue():
@@ -484,24 +490,30 @@ class Collectives:
     def all_gather_many(
         self, fulls: list[torch.Tensor], shards: list[torch.Tensor], label: str = ""
     ) -> PendingCollective:
-        """:meth:`all_gather` of each (full, shard) pair (equal slices, no regions) as one coalesced all-gather,
-        on every backend: buffers small enough to share a bucket are bound by latency, where gloo's broadcasts
-        lose their edge."""
+        """:meth:`all_gather` of each (full, shard) pair (equal slices, no regions) as one all-gather of their
+        concatenated shards, copied out into the fulls on wait (Note: [Coalesced collectives]), on every backend:
+        buffers small enough to share a bucket are bound by latency, where gloo's broadcasts lose their edge."""
         if len(fulls) == 1:
             return self.all_gather(fulls[0], shards[0], label=label)
         nbytes = sum(t.numel() * t.element_size() for t in fulls)
+        sizes = [shard.numel() for shard in shards]
+        send = torch.cat(shards)
+        received = send.new_empty(self.world_size, send.numel())
+
+        def copy_out():
+            rows = [full.view(self.world_size, n) for full, n in zip(fulls, sizes)]
+            torch.split_with_sizes_copy(received, sizes, dim=1, out=rows)
+
         if not dist.is_initialized():
-            for full, shard in zip(fulls, shards):
-                mine = full.narrow(0, 0, shard.numel())
-                if mine.data_ptr() != shard.data_ptr():
-                    mine.copy_(shard)
-
-        def issue():
-            for full, shard in zip(fulls, shards):
-                getattr(dist, _ALL_GATHER)(full, shard, group=self.group)
-
-        device = fulls[0].device
-        return self._launch("all_gather", nbytes, lambda: self._coalesced(issue), device, label=label)
+            received.copy_(send.unsqueeze(0))
+        return self._launch(
+            "all_gather",
+            nbytes,
+            lambda: getattr(dist, _ALL_GATHER)(received.view(-1), send, group=self.group, async_op=True),
+            send.device,
+            on_done=copy_out,
+            label=label,
+        )
 
     def _global_rank(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
@@ -537,3 +549,17 @@ class Collectives:
             input.device,
             label=label,
         )
+
+
+def _tiled_span(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The one tensor ``tensors`` tile when each is contiguous and starts where the one before ends in the same
+    storage (same dtype), else None (Note: [Coalesced collectives])."""
+    first = tensors[0]
+    at = first.data_ptr()
+    for tensor in tensors:
+        if not tensor.is_contiguous() or tensor.dtype != first.dtype or tensor.data_ptr() != at:
+            return None
+        at += tensor.numel() * tensor.element_size()
+    if any(t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() for t in tensors):
+        return None
+    return first.as_strided((sum(t.numel() for t in tensors),), (1,), first.storage_offset())

@@ -119,6 +119,7 @@ class FlatParam:
             self.padded_numel = offset
         self.device = device
         self.full = torch.empty(self.padded_numel, dtype=self.compute_dtype, device=device)
+        self.is_full_allocated = False
         self.free_full()  # storage comes one unit at a time, when the unit is adopted (see zero.placement)
         self.shard: torch.Tensor
         self.master: torch.Tensor
@@ -257,18 +258,19 @@ class FlatParam:
             point_param_at(p, empty)
 
     # -- full buffer lifetime (stage 3) -----------------------------------------------------------------------
-    @property
-    def is_full_allocated(self) -> bool:
-        return self.full.untyped_storage().size() > 0
-
     def alloc_full(self) -> None:
+        """Give ``full`` its storage. ``full``'s storage changes only here and in :meth:`free_full`, so
+        ``is_full_allocated`` is kept as a plain flag: the stage-3 working-set accounting reads it for every buffer
+        after every gather, where asking the storage cost microseconds per buffer."""
         storage = self.full.untyped_storage()
         nbytes = self.padded_numel * self.full.element_size()
         if storage.size() != nbytes:
             storage.resize_(nbytes)
+        self.is_full_allocated = True
 
     def free_full(self) -> None:
         self.full.untyped_storage().resize_(0)
+        self.is_full_allocated = False
 
     # -- master <-> shard ---------------------------------------------------------------------------------------
     @property

@@ -14,7 +14,7 @@ from ..comm.collectives import Collectives, PendingCollective
 from ..profiler_ranges import profiler_range
 from .buckets import bucket_label, plan_buckets
 from .compile_boundary import eager_hook
-from .flat_param import FlatParam
+from .flat_param import FlatParam, ParamSlot
 from .memory_report import WorkingSetPeak
 from .step_runner import DeviceGradients, GradientStore
 
@@ -38,6 +38,23 @@ class _Reduction(NamedTuple):
     outs: tuple[torch.Tensor, ...]
     kind: _Kind
     scratch_numel: int
+
+
+class _Route(NamedTuple):
+    """What a parameter's gradient hook needs: its flat buffer, its slot, its bucket and, at stage 0/1, its view of
+    ``grad_full`` (the buffer lives as long as the engine, so the view is made once)."""
+
+    fp: FlatParam
+    slot: ParamSlot
+    bucket: int
+    view: torch.Tensor | None
+
+
+def _grad_view(fp: FlatParam, slot: ParamSlot) -> torch.Tensor | None:
+    """``slot``'s view of ``fp.grad_full``; None when gradients are partitioned (they go to a scratch buffer)."""
+    if fp.policy.grads:
+        return None
+    return fp.grad_full.narrow(0, slot.offset, slot.numel).view(slot.shape)
 
 
 def _grad_as_view(param: torch.Tensor, slot, view: torch.Tensor) -> torch.Tensor | None:
@@ -156,9 +173,11 @@ class GradReducer:
         self.buckets = plan_buckets(self.order, bucket_numel, self._bucket_key)
         self._bucket_of = bucket_of = {fp.index: b for b, bucket in enumerate(self.buckets) for fp in bucket}
         self._params_in = [sum(len(fp.params) for fp in bucket) for bucket in self.buckets]
-        # per parameter, looked up once per gradient: its flat buffer, its slot and its bucket
+        # per parameter, looked up once per gradient: everything its hook needs, derived once here
         self._route = {
-            id(p): (fp, slot, bucket_of[fp.index]) for fp in flat_params for p, slot in zip(fp.params, fp.slots)
+            id(p): _Route(fp, slot, bucket_of[fp.index], _grad_view(fp, slot))
+            for fp in flat_params
+            for p, slot in zip(fp.params, fp.slots)
         }
         self._ready_count = [0] * len(self.buckets)
         self._scratch: dict[int, torch.Tensor] = {}  # fp.index -> scratch buffer (a view of its bucket's)
@@ -201,22 +220,25 @@ class GradReducer:
 
     # -- backward ----------------------------------------------------------------------------------------------
     def _on_grad(self, param: torch.Tensor) -> None:
-        """Per parameter, so without a profiler range (one costs microseconds): the flat buffer's ranges carry it."""
-        fp, slot, bucket = self._route[id(param)]
+        """Per parameter, so without a profiler range (one costs microseconds): the flat buffer's ranges carry it.
+        Kept to a lookup, one copy or add, and a count: its cost is paid per parameter per backward."""
+        fp, slot, bucket, view = self._route[id(param)]
         if not self._callback_queued:
             Variable._execution_engine.queue_callback(self._end_of_backward)
             self._callback_queued = True
         grad = param.grad if slot.tp is None else slot.tp.local_grad(param.grad)
-        if fp.policy.grads:
-            self._scratch_for(fp).narrow(0, slot.offset, slot.numel).copy_(grad.reshape(-1))
+        if view is None:
+            scratch = self._scratch.get(fp.index)
+            if scratch is None:
+                scratch = self._scratch_for(fp)
+            scratch.narrow(0, slot.offset, slot.numel).view(slot.shape).copy_(grad)
             param.grad = None
-        else:
-            view = fp.grad_full.narrow(0, slot.offset, slot.numel).view(slot.shape)
-            if grad.data_ptr() != view.data_ptr():
-                view.add_(grad)
-                param.grad = _grad_as_view(param, slot, view)
-        self._ready_count[bucket] += 1
-        if self._ready_count[bucket] == self._params_in[bucket]:
+        elif grad.data_ptr() != view.data_ptr():
+            view.add_(grad)
+            param.grad = _grad_as_view(param, slot, view)
+        count = self._ready_count[bucket] + 1
+        self._ready_count[bucket] = count
+        if count == self._params_in[bucket]:
             self._launch_ready()
 
     # -- gradients handed over by a caller (pipeline schedules) --------------------------------------------------
@@ -233,7 +255,7 @@ class GradReducer:
         for param in params:
             if param.grad is None:
                 continue
-            fp, slot, _ = self._route[id(param)]
+            fp, slot, _, _ = self._route[id(param)]
             grad = param.grad if slot.tp is None else slot.tp.local_grad(param.grad)
             region = self._scratch_for(fp) if fp.policy.grads else fp.grad_full
             region.narrow(0, slot.offset, slot.numel).add_(grad.reshape(-1), alpha=scale)

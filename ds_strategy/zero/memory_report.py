@@ -77,12 +77,13 @@ class WorkingSetPeak:
     """
 
     def __init__(self, flat_params: list[FlatParam]):
-        self.partitioned = [fp for fp in flat_params if fp.policy.params]
+        # each partitioned buffer with its bytes when gathered, computed once: observed after every gather
+        self.partitioned = [(fp, fp.padded_numel * fp.full.element_size()) for fp in flat_params if fp.policy.params]
         self.scratch_bytes = 0
         self.peak = {"params": 0, "buffers": 0}
 
     def gathered_bytes(self) -> int:
-        return sum(fp.padded_numel * fp.full.element_size() for fp in self.partitioned if fp.is_full_allocated)
+        return sum(nbytes for fp, nbytes in self.partitioned if fp.is_full_allocated)
 
     def observe(self, scratch_bytes: int | None = None) -> None:
         if scratch_bytes is not None:

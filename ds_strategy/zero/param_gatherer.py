@@ -98,11 +98,13 @@ class ParamGatherer:
 
     def _gather(self, unit: Unit, wait: bool) -> None:
         with profiler_range("unit.gather", unit.name):
+            newly = unit.sharded_state is ShardedState.SHARDED  # only then can what is gathered grow
             unit.gather()
             if wait:
                 unit.wait_gathered()
-            self.peak_gathered_numel = max(self.peak_gathered_numel, self.gathered_numel())
-            self.working_set.observe()
+            if newly:
+                self.peak_gathered_numel = max(self.peak_gathered_numel, self.gathered_numel())
+                self.working_set.observe()
 
     # -- forward ---------------------------------------------------------------------------------------------
     def before_root_forward(self) -> None:
@@ -174,13 +176,15 @@ class ParamGatherer:
     def _prefetch(self, candidates: list[Unit]) -> None:
         """Launch gathers for upcoming units within the prefetch and live-parameter budgets."""
         budget = self.prefetch_numel
+        live = self.gathered_numel()
         for unit in candidates:
             if unit.sharded_state is not ShardedState.SHARDED:
                 continue
-            size = sum(fp.padded_numel for fp in unit.partitioned)
-            if size > budget or self.gathered_numel() + size > self.max_live_numel:
+            size = unit.partitioned_numel
+            if size > budget or live + size > self.max_live_numel:
                 return
             budget -= size
+            live += size
             self._gather(unit, wait=False)
 
     # -- backward --------------------------------------------------------------------------------------------

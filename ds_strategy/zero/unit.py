@@ -59,7 +59,11 @@ class Unit:
         self.flat_params = flat_params
         self.collectives = collectives
         self.partitioned = [fp for fp in flat_params if fp.policy.params]
+        self.partitioned_numel = sum(fp.padded_numel for fp in self.partitioned)  # what gathering it holds
         self.sharded_state = ShardedState.SHARDED if self.partitioned else ShardedState.GATHERED
+        # elements of partitioned parameters held in full now: partitioned_numel unless SHARDED, kept as a plain
+        # attribute because the gatherer sums it over every unit after every gather
+        self.gathered_numel = 0
         self.training_state = TrainingState.IDLE
         self._pending: list[PendingCollective] = []
         self._refreshing: list[PendingCollective] = []
@@ -68,11 +72,6 @@ class Unit:
     @property
     def numel(self) -> int:
         return sum(fp.numel for fp in self.flat_params)
-
-    @property
-    def gathered_numel(self) -> int:
-        """Elements of partitioned parameters this unit holds in full right now."""
-        return sum(fp.padded_numel for fp in self.partitioned if fp.is_full_allocated)
 
     def set_training_state(self, state: TrainingState) -> None:
         assert state in _LEGAL[self.training_state], f"unit {self.name}: {self.training_state} -> {state}"
@@ -106,6 +105,7 @@ class Unit:
                 else self.collectives.all_gather(fp.full, fp.gather_source(), label=label, regions=fp.regions)
             )
         self.sharded_state = ShardedState.GATHERING
+        self.gathered_numel = self.partitioned_numel
 
     def wait_gathered(self, exact: bool = False) -> None:
         """Block until every launched gather is done; partitioned parameters then view the full buffers."""
@@ -134,6 +134,7 @@ class Unit:
                 fp.point_params_at_empty()
                 fp.free_full()
             self.sharded_state = ShardedState.SHARDED
+            self.gathered_numel = 0
 
     def __repr__(self) -> str:
         return f"Unit({self.name!r}, numel={self.numel}, {self.sharded_state.value}/{self.training_state.value})"

@@ -40,6 +40,10 @@ class _Slow:
         time.sleep(SLOW_S)
         self.pending.wait()
 
+    def then(self, fn) -> "_Slow":
+        self.pending.then(fn)
+        return self
+
 
 def _slow_down(engine: ZeroEngine) -> None:
     for name in ("all_reduce", "reduce_scatter"):
