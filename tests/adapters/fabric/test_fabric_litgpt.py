@@ -1,12 +1,13 @@
 """litgpt 0.5.13's own LoRA, full-finetuning and pretraining ``main()`` loops, unchanged, with the Fabric built as
-litgpt's ``setup()`` builds it but ``ZeroFabricStrategy(stage, state_dict_type="full")`` as its strategy: on 2 ranks at
-stages 1-3 (pretraining: stage 2) they end where DDP ends, pretraining resumed from its first step's file ends where
-the whole run ends, and the ``lit_model.pth`` they write is one file litgpt's own ``load_checkpoint`` and ``litgpt
-generate`` read (issue 45). litgpt cannot be in the ``test`` extra (it pins huggingface-hub below 1.4, which transformers 5 does not
-allow), so this runs where it is installed beside ours (``pip install --no-deps litgpt==0.5.13 jsonargparse==4.41.0
-docstring-parser typeshed-client``) and is skipped elsewhere; ``test_fabric_frozen_parameters`` and the composition
-matrix's frozen cells hold the calls it makes (``setup_module`` then ``setup_optimizers`` over ``model.parameters()``
-of a partly frozen model built under ``init_module(empty_init=True)``) everywhere.
+litgpt's ``setup()`` builds it but ``ZeroFabricStrategy(stage, state_dict_type="full")`` as its strategy: on 2 ranks
+at stages 1-3 (pretraining: stage 2) they end where DDP ends, pretraining resumed from its first step's file ends
+where the whole run ends, and the ``lit_model.pth`` they write is one file litgpt's own ``load_checkpoint`` and
+``litgpt generate`` read (issue 45). litgpt cannot be in the ``test`` extra (it pins huggingface-hub below 1.4, which
+transformers 5 does not allow), so this runs where it is installed beside ours (``pip install --no-deps
+litgpt==0.5.13 jsonargparse==4.41.0 docstring-parser typeshed-client``) and is skipped elsewhere;
+``test_fabric_frozen_parameters`` and the composition matrix's frozen cells hold the calls it makes (``setup_module``
+then ``setup_optimizers`` over ``model.parameters()`` of a partly frozen model built under
+``init_module(empty_init=True)``) everywhere.
 
 The data is litgpt's own ``JSON`` data module over random word rows, the tokenizer a word-level ``tokenizer.json``, the
 model a 2-layer litgpt ``GPT`` from a config. The base checkpoint holds the LoRA weights' initial values too: under
