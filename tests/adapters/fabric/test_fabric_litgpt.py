@@ -1,11 +1,13 @@
-"""litgpt 0.5.13's own LoRA and full-finetuning ``main()`` loops, unchanged, with the Fabric built as litgpt's
-``setup()`` builds it but ``ZeroFabricStrategy(stage, state_dict_type="full")`` as its strategy: on 2 ranks at stages
-1-3 they end where DDP ends, and the ``lit_model.pth`` they write is one file litgpt's own ``load_checkpoint`` reads
-(issue 45). litgpt cannot be in the ``test`` extra (it pins huggingface-hub below 1.4, which transformers 5 does not
-allow), so this runs where it is installed beside ours (``pip install --no-deps litgpt==0.5.13 jsonargparse==4.41.0
-docstring-parser typeshed-client``) and is skipped elsewhere; ``test_fabric_frozen_parameters`` and the composition
-matrix's frozen cells hold the calls it makes (``setup_module`` then ``setup_optimizers`` over ``model.parameters()``
-of a partly frozen model built under ``init_module(empty_init=True)``) everywhere.
+"""litgpt 0.5.13's own LoRA, full-finetuning and pretraining ``main()`` loops, unchanged, with the Fabric built as
+litgpt's ``setup()`` builds it but ``ZeroFabricStrategy(stage, state_dict_type="full")`` as its strategy: on 2 ranks
+at stages 1-3 (pretraining: stage 2) they end where DDP ends, pretraining resumed from its first step's file ends
+where the whole run ends, and the ``lit_model.pth`` they write is one file litgpt's own ``load_checkpoint`` and
+``litgpt generate`` read (issue 45). litgpt cannot be in the ``test`` extra (it pins huggingface-hub below 1.4, which
+transformers 5 does not allow), so this runs where it is installed beside ours (``pip install --no-deps
+litgpt==0.5.13 jsonargparse==4.41.0 docstring-parser typeshed-client``) and is skipped elsewhere;
+``test_fabric_frozen_parameters`` and the composition matrix's frozen cells hold the calls it makes (``setup_module``
+then ``setup_optimizers`` over ``model.parameters()`` of a partly frozen model built under
+``init_module(empty_init=True)``) everywhere.
 
 The data is litgpt's own ``JSON`` data module over random word rows, the tokenizer a word-level ``tokenizer.json``, the
 model a 2-layer litgpt ``GPT`` from a config. The base checkpoint holds the LoRA weights' initial values too: under
@@ -104,6 +106,109 @@ def _litgpt_main(rank: int, world_size: int, root: str, kind: str, stage: int | 
     return torch.load(out / "final" / "lit_model.pth")["model"]
 
 
+class _TokenRows(torch.utils.data.Dataset):
+    """Random token rows one longer than the sequence (pretraining's inputs and shifted targets)."""
+
+    def __init__(self, count: int, length: int, seed: int):
+        self.rows = torch.randint(0, len(WORDS) + 3, (count, length), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.rows[index]
+
+
+class _ResumableLoader(torch.utils.data.DataLoader):
+    """A DataLoader that checkpoints how far it got, as litdata's ``StreamingDataLoader`` (litgpt's pretraining
+    loader) does: litgpt saves it in its state and a resumed run goes on with the next batch."""
+
+    seen = 0
+
+    def __iter__(self):
+        batches, skip = super().__iter__(), self.seen
+        for i, batch in enumerate(batches):
+            if i >= skip:
+                self.seen = i + 1
+                yield batch
+        self.seen = 0
+
+    def state_dict(self) -> dict:
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seen = state["seen"]
+
+
+def _pretrain_data():
+    """A litgpt ``DataModule`` over :class:`_TokenRows` (litgpt's own pretraining data modules need litdata)."""
+    from litgpt.data import DataModule
+
+    class TokenRows(DataModule):
+        def connect(self, tokenizer=None, batch_size: int = 1, max_seq_length: int = -1) -> None:
+            self.batch_size, self.length = batch_size, max_seq_length + 1
+
+        def train_dataloader(self):
+            return _ResumableLoader(_TokenRows(32, self.length, 1), self.batch_size, shuffle=False)
+
+        def val_dataloader(self):
+            return torch.utils.data.DataLoader(_TokenRows(8, self.length, 2), self.batch_size, shuffle=False)
+
+    return TokenRows()
+
+
+def _litgpt_pretrain(rank: int, world_size: int, root: str, stage: int | None, resume: bool) -> dict:
+    """litgpt's pretraining ``main()`` as its ``setup()`` calls it, the strategy swapped (DDP for ``stage=None``):
+    4 micro-batches of 2 per rank (2 optimizer steps), a checkpoint after each step; ``resume`` starts again from
+    the first step's checkpoint. Its ``torch.compile`` is disabled (``TORCH_COMPILE_DISABLE``): compiling on CPU
+    takes minutes and is not what this checks."""
+    from lightning.fabric.strategies import DDPStrategy
+    from litgpt import Config
+    from litgpt.args import EvalArgs, TrainArgs
+    from litgpt.pretrain import main
+
+    from ds_strategy import ZeroFabricStrategy
+
+    set_lightning_environment(rank)
+    root = Path(root)
+    name = "ddp" if stage is None else f"zero{stage}"
+    out = root / f"pretrain_{name}{'_resumed' if resume else ''}"
+    sys.argv = [sys.argv[0], "tiny"]  # saved as hyperparameters
+    strategy = DDPStrategy() if stage is None else ZeroFabricStrategy(stage=stage, state_dict_type="full")
+    fabric = L.Fabric(devices=world_size, accelerator="cpu", strategy=strategy, precision="32-true")
+    fabric.launch()
+    train = TrainArgs(
+        save_interval=1,
+        log_interval=1,
+        global_batch_size=8,
+        micro_batch_size=2,
+        max_tokens=world_size * 4 * 2 * 16,
+        max_seq_length=16,
+        max_norm=1.0,
+        min_lr=1e-4,
+        lr_warmup_steps=1,
+    )
+    evaluation = EvalArgs(interval=1, max_iters=2, initial_validation=False, final_validation=True)
+    config = Config.from_file(root / "base" / "model_config.yaml")
+    start = root / f"pretrain_{name}" / "step-00000001" / "lit_model.pth" if resume else False
+    main(
+        fabric,
+        world_size,
+        42,
+        None,
+        start,
+        config,
+        _pretrain_data(),
+        out,
+        root / "base",
+        None,
+        train,
+        evaluation,
+        "AdamW",
+    )
+    return torch.load(out / "final" / "lit_model.pth", weights_only=False)["model"]
+
+
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("litgpt")
@@ -115,7 +220,8 @@ def root(tmp_path_factory) -> Path:
 # ZeRO reduces gradients in flat buckets (reduce-scatter at stage 2/3), DDP in its own buckets: the same sum in another
 # order, a few fp32 roundings apart. AdamW steps by g / sqrt(v), which for a gradient near zero (a bias here) turns
 # those roundings into a visible share of the step: measured at most 4.9e-6 after 3 steps at lr 1e-3 (the LoRA run:
-# 9e-10), the losses printed equal to every digit. So weights are held to 2e-5 absolute.
+# 9e-10; pretraining at zero2: 1.6e-5 after 2 steps, on a qkv bias of magnitude 1e-3), the losses printed equal to
+# every digit. So weights are held to 2e-5 absolute. A resumed run is bitwise the whole run, under DDP and zero2.
 ATOL = 2e-5
 
 
@@ -136,3 +242,33 @@ def test_litgpt_finetuning_main_runs_unchanged_at_every_stage_as_under_ddp(root,
         load_checkpoint(L.Fabric(devices=1, accelerator="cpu"), model, root / "full_3" / "final" / "lit_model.pth")
         for name, value in ddp.items():
             torch.testing.assert_close(model.state_dict()[name], value, rtol=1e-5, atol=ATOL)
+
+
+@pytest.mark.slow
+def test_litgpt_pretraining_main_runs_unchanged_resumes_and_generates_as_under_ddp(root, monkeypatch):
+    monkeypatch.setenv("TORCH_COMPILE_DISABLE", "1")
+    runs = {}
+    for resume in (False, True):  # the resumed runs start from the first runs' checkpoints
+        for stage in (None, 2):
+            runs[stage, resume] = run_ranks(_litgpt_pretrain, 2, str(root), stage, resume, timeout=300)[0]
+    ddp = runs[None, False]
+    for (stage, resume), weights in runs.items():  # zero2 ends where DDP ends; a resumed run where the whole run ends
+        assert weights.keys() == ddp.keys()
+        for name, value in ddp.items():
+            torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=ATOL, msg=f"{stage=} {resume=} {name}")
+    # `litgpt generate`, as its CLI calls it, greedy, on the file state_dict_type="full" wrote and on DDP's. Its
+    # tokens are compared, not its printed text: ids past the tokenizer's 43 (the padded vocabulary's) print as "".
+    import litgpt.generate.base as generate_cli
+
+    tokens, sample = [], generate_cli.generate
+
+    def recorded(*args, **kwargs):
+        tokens.append(sample(*args, **kwargs))
+        return tokens[-1]
+
+    monkeypatch.setattr(generate_cli, "generate", recorded)
+    for name in ("zero2", "ddp"):
+        final = root / f"pretrain_{name}" / "final"
+        generate_cli.main(final, prompt="w1 w2 w3", max_new_tokens=4, top_k=1, precision="32-true")
+    assert len(tokens) == 2 and tokens[1].shape == (3 + 4,), tokens  # the prompt's 3 tokens and 4 new ones
+    assert torch.equal(tokens[0], tokens[1]), tokens
