@@ -249,10 +249,10 @@ def test_litgpt_pretraining_main_runs_unchanged_resumes_and_generates_as_under_d
     monkeypatch.setenv("TORCH_COMPILE_DISABLE", "1")
     runs = {}
     for resume in (False, True):  # the resumed runs start from the first runs' checkpoints
-        for stage in (None, 2):
+        for stage in (None, 1, 2, 3):
             runs[stage, resume] = run_ranks(_litgpt_pretrain, 2, str(root), stage, resume, timeout=300)[0]
     ddp = runs[None, False]
-    for (stage, resume), weights in runs.items():  # zero2 ends where DDP ends; a resumed run where the whole run ends
+    for (stage, resume), weights in runs.items():  # every stage ends where DDP ends, resumed or not
         assert weights.keys() == ddp.keys()
         for name, value in ddp.items():
             torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=ATOL, msg=f"{stage=} {resume=} {name}")
@@ -267,8 +267,9 @@ def test_litgpt_pretraining_main_runs_unchanged_resumes_and_generates_as_under_d
         return tokens[-1]
 
     monkeypatch.setattr(generate_cli, "generate", recorded)
-    for name in ("zero2", "ddp"):
+    names = ("ddp", "zero1", "zero2", "zero3")
+    for name in names:
         final = root / f"pretrain_{name}" / "final"
         generate_cli.main(final, prompt="w1 w2 w3", max_new_tokens=4, top_k=1, precision="32-true")
-    assert len(tokens) == 2 and tokens[1].shape == (3 + 4,), tokens  # the prompt's 3 tokens and 4 new ones
-    assert torch.equal(tokens[0], tokens[1]), tokens
+    assert len(tokens) == len(names) and tokens[0].shape == (3 + 4,), tokens  # the prompt's 3 tokens and 4 new ones
+    assert all(torch.equal(tokens[0], other) for other in tokens[1:]), tokens
