@@ -135,6 +135,9 @@ class PreemptionCheckpoint(Callback):
                 _requeue_slurm_job()
         self._restore_handlers()
         code = self.exit_code if self.exit_code is not None else 128 + signum
+        # no rank exits before the launching rank waits for them: one that did while it still wrote, logged or
+        # requeued would be seen by the launcher's observer, which SIGKILLs everything on a non-zero exit
+        trainer.strategy.barrier("preemption checkpoint written")
         _let_children_exit(trainer, code)
         raise Preempted(code, path)
 
