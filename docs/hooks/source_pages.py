@@ -35,6 +35,7 @@ SPAN_OR_NOTE = re.compile(
     r"(?P<linked>\[)?(?P<code>`(?:(?P<path>[\w.-]+(?:/[\w.-]+)+)|[^`\n]+)`)|Note: \[(?P<note>[^\]]+)\]"
 )
 ROLE = re.compile(r":(?:class|func|meth|mod|attr|data|exc):(?=<code>)")
+LINE_ANCHOR = re.compile(r'id="(__codelineno-0-\d+)"')
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
 LANGUAGES = {".py": "python", ".yaml": "yaml", ".yml": "yaml", ".json": "json", ".toml": "toml", ".md": "markdown"}
 
@@ -82,8 +83,10 @@ def source_file(path: str) -> str | None:
     return None
 
 
-def source_url(path: str) -> str:
-    return f"{SOURCE}/{path}/"
+def source_page(path: str, here: str) -> str:
+    """The link from the page whose source is ``here`` to ``path``'s page, as a link to its Markdown file, which
+    mkdocs resolves (and checks) like any link between pages."""
+    return get_relative_url(f"{SOURCE}/{path}.md", here)
 
 
 def linked_sources() -> set[str]:
@@ -111,7 +114,7 @@ def on_files(files: Files, config) -> Files:
 def on_page_markdown(markdown: str, page, config, files) -> str:
     if page.file.src_uri.startswith(f"{SOURCE}/"):
         return markdown
-    here = page.file.url
+    here = page.file.src_uri
     pieces, last = [], 0
     for fence in FENCE.finditer(markdown):  # code blocks stay as written
         pieces += [_link(markdown[last : fence.start()], here), fence.group(0)]
@@ -131,7 +134,7 @@ def _link(text: str, here: str) -> str:
         path = match["path"] and source_file(match["path"])
         if path is None or match["linked"]:
             return match.group(0)
-        return f"[{match['code']}]({get_relative_url(source_url(path), here)})"
+        return f"[{match['code']}]({source_page(path, here)})"
 
     return SPAN_OR_NOTE.sub(linked, text)
 
@@ -140,7 +143,7 @@ def _index_row(row: re.Match, here: str) -> str:
     found = note_line(row["title"].replace("/", "|"), row["path"])
     if found is None:
         return row.group(0)
-    url = f"{get_relative_url(source_url(found[0]), here)}#__codelineno-0-{found[1]}"
+    url = f"{source_page(found[0], here)}#__codelineno-0-{found[1]}"
     return f"| [{row['title']}]({url}) | `{row['path']}` |"
 
 
@@ -149,8 +152,12 @@ def _note_link(title: str, here: str) -> str | None:
     if found is None:
         return None
     path, line = found
-    return f"[Note: \\[{title}\\]]({get_relative_url(source_url(path), here)}#__codelineno-0-{line})"
+    return f"[Note: \\[{title}\\]]({source_page(path, here)}#__codelineno-0-{line})"
 
 
 def on_page_content(html: str, page, config, files) -> str:
+    if page.file.src_uri.startswith(f"{SOURCE}/"):
+        # the line anchors are the highlighter's, in HTML mkdocs stashed away from its anchor scan: told here, so
+        # that a link to a line is checked against the lines that exist
+        page.present_anchor_ids |= set(LINE_ANCHOR.findall(html))
     return ROLE.sub("", html)
