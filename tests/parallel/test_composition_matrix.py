@@ -139,12 +139,18 @@ def _assert_extras(cell_results: list[dict], losses: list[float]) -> None:
 def test_cell_starts_as_a_normal_build_and_trains_as_one_process(matrix, cell):
     results, references = matrix
     expected = references[BUILDS[cell.build].seed]
-    initial, final = _gathered(results[cell.id])
+    _assert_trains_as_reference(results[cell.id], cell, expected)
+
+
+def _assert_trains_as_reference(ranks: list, cell, expected: dict) -> None:
+    """Every rank started as the normal build and ends with the one-process reference's parameters (and, under
+    Lightning, its losses and extras)."""
+    initial, final = _gathered(ranks)
     _assert_initial_equal(cell.id, initial, expected["initial"])
     for name, value in expected["params"].items():
         torch.testing.assert_close(final[name], value, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
     if cell.entry == "lightning":
-        _assert_extras(results[cell.id], expected["losses"])
+        _assert_extras(ranks, expected["losses"])
 
 
 # Note: [The bf16-true bound]
@@ -215,12 +221,7 @@ def test_expert_parallel_cell_trains_as_one_process_on_the_unsharded_model(matri
     results, references = matrix
     expected = references[EXPERT_LAYOUTS[cell.layout].model]
     assert all(rank["on_meta"] == (cell.build != "normal") for rank in results[cell.id])
-    initial, final = _gathered(results[cell.id])
-    _assert_initial_equal(cell.id, initial, expected["initial"])
-    for name, value in expected["params"].items():
-        torch.testing.assert_close(final[name], value, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}")
-    if cell.entry == "lightning":
-        _assert_extras(results[cell.id], expected["losses"])
+    _assert_trains_as_reference(results[cell.id], cell, expected)
 
 
 @pytest.mark.slow
