@@ -6,9 +6,9 @@ training included, and the NVMe run trains exactly as the same run with everythi
 The ranks start with glibc's default allocator settings (no ``MALLOC_MMAP_THRESHOLD_``): returning freed unit
 buffers is the engine's job (Note: [Large host blocks are mapped and unmapped] in ``ds_strategy.offload.host_memory``);
 without it this slope is 4-7 bytes per parameter, with it -0.3 to 0.1 when this test was written and 0.27 to 0.40 on
-2026-12-05 on a quiet machine (issue 48's goal of 0.25 is open; the bound here catches the unmapping lost). Two tokens keep activations, which do grow
-with depth, near 0.03 bytes per parameter, and the depths differ by 24 blocks so that what a peak catches in
-flight moves the slope little."""
+2026-12-05 on a quiet machine (issue 48's goal of 0.25 is open; the bound here catches the unmapping lost).
+Two tokens keep activations, which do grow with depth, near 0.03 bytes per parameter, and the depths differ by 24
+blocks so that what a peak catches in flight moves the slope little."""
 
 import pytest
 import torch
