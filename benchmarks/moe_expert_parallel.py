@@ -77,7 +77,7 @@ def _setting(rank: int, world_size: int, args: argparse.Namespace, ep: int) -> d
         mesh=build_mesh(config, "cpu"),
         device=torch.device("cpu"),
         log=lambda message: None,
-        build_optimizers=lambda: [torch.optim.AdamW(model.parameters(), lr=1e-3)],
+        optimizers=lambda: [torch.optim.AdamW(model.parameters(), lr=1e-3)],
     ).engine
     generator = torch.Generator().manual_seed(rank)
     times, loss = [], None

@@ -115,3 +115,20 @@ def test_tensor_parallel_benchmark_trains_the_same_model_as_lightning_with_the_f
     assert tensor_parallel_run["params"] / 2 < psi_local < tensor_parallel_run["params"]
     assert rows["lightning-tp2"]["model_state_bytes"] == 16 * psi_local
     assert rows["zero-tp2"]["model_state_bytes"] == pytest.approx(16 * psi_local, rel=0.02)
+
+
+def test_moe_benchmark_runs_and_expert_parallelism_divides_the_experts_gathered(tmp_path):
+    """benchmarks/moe_expert_parallel.py at its smallest (4 ranks, one timed step): it runs through compose_model as
+    shipped, every setting trains the same first loss, and the expert elements stage 3 gathers per step fall by ep."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import moe_expert_parallel
+
+        assert moe_expert_parallel.main(["--quick", "--timeout", "300", "--out-dir", str(tmp_path), "--name", "s"]) == 0
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    rows = json.loads((tmp_path / "s.json").read_text())["rows"]
+    assert [row["system"] for row in rows] == ["zero3", "zero3 + ep2", "zero3 + ep4"]
+    gathered = [row["expert_gather_elements"] for row in rows]
+    assert gathered[0] > 0 and gathered == [gathered[0], gathered[0] // 2, gathered[0] // 4]
+    assert all(abs(row["loss_vs_first"]) < 1e-5 for row in rows)
