@@ -1,9 +1,9 @@
 """How soon a job learns that one of its ranks failed: rank 1 of a 2-rank Lightning fit raises, runs out of memory or
 is SIGKILLed in its training_step while rank 0 goes on into the step's collectives (``tests/e2e/scripts/
 lightning_faults.py``, collective timeout 300 s). Per run, the seconds from rank 1's failure until rank 0 names it
-(``[ds_strategy] rank 0: ...``; the design aims at about ``rank_failure.POLL_S``, 1 s) and until the whole job has
-exited. ``tests/e2e/test_rank_failure.py`` checks only that both happen before the collective timeout; how soon is
-measured here, on a machine whose load is printed beside the figures.
+(``[ds_strategy] PeerFailedError: rank 0: ...``; the design aims at about ``rank_failure.POLL_S``, 1 s) and until the
+whole job has exited. ``tests/e2e/test_rank_failure.py`` checks only that both happen before the collective
+timeout; how soon is measured here, on a machine whose load is printed beside the figures.
 
     python benchmarks/failure_detection.py              # 5 runs of each mode
     python benchmarks/failure_detection.py --runs 1 --modes sigkill

@@ -80,12 +80,13 @@ def diagnosis(error: BaseException) -> str | None:
 
 
 def announced(what: str, why: str) -> PeerFailedError:
-    """The error for ``what`` (``rank R: ...``) failing because ``why``, said on stderr at once: a launcher that saw
-    the other rank exit may SIGKILL this one before its traceback prints."""
+    """The error for ``what`` (``rank R: ...``) failing because ``why``, said on stderr at once, named as its
+    traceback would name it: a launcher that saw the other rank exit (Lightning's) may SIGKILL this one before its
+    traceback prints, and then this line is all the log holds."""
     failed = PeerFailedError(
         f"{what} failed because {why}. That rank's own error is the cause; this one is its consequence."
     )
-    print(f"[ds_strategy] {failed}", file=sys.stderr, flush=True)
+    print(f"[ds_strategy] {type(failed).__name__}: {failed}", file=sys.stderr, flush=True)
     return failed
 
 

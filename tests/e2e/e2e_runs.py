@@ -61,7 +61,7 @@ def run_lightning_fault(mode: str, out: Path) -> tuple[subprocess.CompletedProce
     ended = time.time()
     reader.join(timeout=10)
     result = subprocess.CompletedProcess(cmd, proc.returncode, stdout, "".join(line for _, line in lines))
-    said = [at for at, line in lines if line.startswith("[ds_strategy] rank 0: ")]
+    said = [at for at, line in lines if line.startswith("[ds_strategy] PeerFailedError: rank 0: ")]
     return result, float(Path(out, "failed_at").read_text()), said[0] if said else None, ended
 
 

@@ -15,6 +15,7 @@ from e2e_runs import SCRIPTS, output, run, run_lightning_fault
 
 pytestmark = pytest.mark.slow  # multi-rank scenarios of tens of seconds: not in the fast tier
 
+ANNOUNCED = "[ds_strategy] PeerFailedError: rank 0: "  # peer_failures.announced
 COLLECTIVE_TIMEOUT_S = 300.0  # lightning_faults.py's collective_timeout: a job that waited it out was not told
 
 
@@ -34,9 +35,9 @@ def test_the_surviving_rank_leaves_its_collective_before_the_timeout_naming_rank
     mode, result, failed_at, said_at, _ = failed_run
     assert said_at is not None, output(result)[-4000:]
     assert said_at - failed_at < COLLECTIVE_TIMEOUT_S, (said_at - failed_at, output(result)[-2000:])
-    message = next(line for line in result.stderr.splitlines() if line.startswith("[ds_strategy] rank 0: "))
+    # The line said at once, not the traceback: Lightning's launcher may SIGKILL rank 0 before that prints.
+    message = next(line for line in result.stderr.splitlines() if line.startswith(ANNOUNCED))
     assert EXPECTED[mode] in message, message
-    assert "PeerFailedError" in result.stderr or mode == "sigkill", output(result)[-3000:]
     assert "did not complete within" not in result.stderr  # not diagnosed as mismatched collectives
 
 
@@ -61,7 +62,7 @@ def test_a_rank_killed_in_a_lightning_checkpoint_save_is_named_and_the_save_left
     assert result.returncode != 0 and ended - failed_at < COLLECTIVE_TIMEOUT_S, output(result)[-3000:]
     assert said_at is not None and said_at - failed_at < COLLECTIVE_TIMEOUT_S, output(result)[-3000:]
     saving = f"saving the checkpoint {out / 'ckpts' / 'epoch=1-step=2.ckpt'} failed because rank 1 died without raising"
-    assert saving in result.stderr and "PeerFailedError" in result.stderr, output(result)[-3000:]
+    assert ANNOUNCED + saving in result.stderr, output(result)[-3000:]
     assert sorted(os.listdir(out / "ckpts")) == [".epoch=1-step=2.ckpt.partial", "epoch=0-step=1.ckpt", "last.ckpt"]
 
 

@@ -67,7 +67,7 @@ def test_rank_0_raises_peer_failed_naming_rank_1_and_how_it_failed(cells, moment
     assert error is not None, result["stderr0"][-3000:]
     assert error["type"] == "PeerFailedError", (error, result["stderr0"][-3000:])
     assert all(said.format(moment=moment) in error["message"] for said in SAID[fault]), error["message"]
-    assert "[ds_strategy] rank 0: " in result["stderr0"]  # said at once, before a launcher can kill it
+    assert "[ds_strategy] PeerFailedError: rank 0: " in result["stderr0"]  # said at once, before a launcher can kill it
     assert error["at"] - result["faulted_at"] < TIMEOUT_S, error
 
 
