@@ -34,7 +34,7 @@ from .replaced_parameters import adopt_replaced_parameters
 from .schedule_interface import ScheduleInterface
 from .sharded_optimizers import ShardedOptimizers, as_optimizer_list
 from .step_runner import StepContext, StepRunner, StepRunnerFactory, runner_factory
-from .unit import Unit
+from .unit import Unit, units_by_flat_param
 from .wrap_policy import select_unit_modules
 
 
@@ -146,6 +146,7 @@ class ZeroEngine:
             for u in layout.units
         ]
         self.flat_params = [fp for unit in self.units for fp in unit.flat_params]
+        self.unit_of = units_by_flat_param(self.units)
 
     def _build_step(self) -> None:
         """The stage-3 gatherer and the gradient reducer, which calls it from autograd's hooks, then the optimizer
@@ -160,10 +161,10 @@ class ZeroEngine:
             self.gatherer = ParamGatherer(
                 self.units, self.units[0], config.reshard_after_forward, prefetch, sizes.max_live, self.working_set
             )
-        self.gathering = Gathering(self.module, self.units, self.gatherer, self.weight_gather)
+        self.gathering = Gathering(self.module, self.units, self.unit_of, self.gatherer, self.weight_gather)
         self.reducer = self._gradient_reducer(sizes.reduce_bucket)
         self.reducer.register_hooks()
-        refresher = ParamRefresh(self.units, sizes.reduce_bucket, config.allgather_bucket_size)
+        refresher = ParamRefresh(self.flat_params, self.unit_of, sizes.reduce_bucket, config.allgather_bucket_size)
         self.optimizer_step = OptimizerStep(
             self.flat_params,
             self.sharded_optimizers,
@@ -188,6 +189,7 @@ class ZeroEngine:
             qgz = functools.partial(reduce_scatter_quantized, self.collectives, bits=cfg.zero_quantized_gradients_bits)
         return GradReducer(
             self.flat_params,
+            self.unit_of,
             self.collectives,
             overlap=cfg.overlap_comm,
             bucket_numel=bucket_numel,
@@ -198,13 +200,6 @@ class ZeroEngine:
             on_reduced=self.step_runner.on_reduced,
             quantized_reduce_scatter=qgz,
             gradients=self.step_runner.gradients,
-            collectives_of={
-                fp.index: unit.collectives
-                for unit in self.units
-                if unit.collectives is not self.collectives
-                for fp in unit.flat_params
-            },
-            fences=[i if unit.partitioned else -1 for i, unit in enumerate(self.units) for _ in unit.flat_params],
         )
 
     @property

@@ -26,17 +26,23 @@ def _modules_owning(root: nn.Module, flat_params: list[FlatParam]) -> list[nn.Mo
 
 
 class Gathering:
-    """``units``: root first; ``gatherer``: the stage-3 gatherer (None below stage 3: nothing is ever freed);
+    """``units``: root first; ``unit_of``: each flat buffer's unit, by ``fp.index`` (Note: [Unit ownership] in
+    :mod:`.unit`); ``gatherer``: the stage-3 gatherer (None below stage 3: nothing is ever freed);
     ``weight_gather``: qwZ/hpZ's secondary copies, dropped with the gathered units."""
 
     def __init__(
-        self, module: nn.Module, units: list[Unit], gatherer: ParamGatherer | None, weight_gather: WeightGather | None
+        self,
+        module: nn.Module,
+        units: list[Unit],
+        unit_of: list[Unit],
+        gatherer: ParamGatherer | None,
+        weight_gather: WeightGather | None,
     ):
         self.module = module
         self.units = units
         self.gatherer = gatherer
         self.weight_gather = weight_gather
-        self._unit_of = [unit for unit in units for _ in unit.flat_params]  # by fp.index
+        self._unit_of = unit_of
         self._launched_per_unit: dict[Unit, int] = {}
         self._hooks: list = []
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import NamedTuple
 
@@ -17,6 +17,7 @@ from .compile_boundary import eager_hook
 from .flat_param import FlatParam, ParamSlot
 from .memory_report import WorkingSetPeak
 from .step_runner import DeviceGradients, GradientStore
+from .unit import Unit
 
 QuantizedReduceScatter = Callable[..., PendingCollective]  # qgZ: (out fp32, full, label=...) -> PendingCollective
 
@@ -128,6 +129,7 @@ class GradReducer:
     def __init__(
         self,
         flat_params: list[FlatParam],
+        unit_of: Sequence[Unit],
         collectives: Collectives,
         overlap: bool,
         bucket_numel: int,
@@ -138,8 +140,6 @@ class GradReducer:
         on_reduced: Callable[[FlatParam, torch.Tensor], None] | None = None,
         quantized_reduce_scatter: QuantizedReduceScatter | None = None,
         gradients: GradientStore | None = None,
-        collectives_of: Mapping[int, Collectives] | None = None,
-        fences: Sequence[int] | None = None,
     ):
         """``on_launched(fp)``: fp's reduction is in flight (stage 3 frees the unit's weights). ``on_backward_end()``:
         every reduction of this backward has finished. ``on_reduced(fp, grad)``: a synced reduction into a stage 0/1
@@ -147,15 +147,15 @@ class GradReducer:
         ``quantized_reduce_scatter``: qgZ, used instead of the plain reduce-scatter at stage 2/3. ``gradients``:
         where partitioned (stage 2/3) gradients are summed, the step runner's (by default on the device).
         ``flat_params`` are the engine's, in order (``fp.index`` is each one's position), their gradient buffers
-        allocated (``FlatParam.allocate_grads``). ``collectives_of``: by ``fp.index``, the flat buffers reduced over
-        another group than ``collectives`` (experts: Note: [Expert units] in :mod:`.engine`), still divided by
-        ``divide_factor``; they never share a bucket with another group's buffers. ``fences``: per flat buffer,
-        buffers of different values never share a bucket (the engine keeps a stage-3 unit's whole buffers from
-        sharing one with other units': such a bucket would stay open while the unit's partitioned buffers fill
-        theirs); None: no fences."""
+        allocated (``FlatParam.allocate_grads``). ``unit_of``: each one's unit, by ``fp.index`` (Note: [Unit
+        ownership] in :mod:`.unit`). A buffer is reduced over its unit's group, which may be another than
+        ``collectives`` (experts: Note: [Expert units] in :mod:`.engine`), still divided by ``divide_factor``, and
+        never shares a bucket with another group's buffers; a partitioned (stage-3) unit's whole buffers share
+        buckets only with each other: a bucket shared with other units' would stay open while the unit's
+        partitioned buffers fill theirs."""
         self.order = list(reversed(flat_params))
         self.collectives = collectives
-        self.collectives_of = dict(collectives_of or {})
+        self._unit_of = unit_of
         self.comm_dtype = comm_dtype
         self.overlap = overlap
         self.bucket_numel = bucket_numel
@@ -169,7 +169,6 @@ class GradReducer:
         self.on_reduced = on_reduced
         self.quantized_reduce_scatter = quantized_reduce_scatter
         self.gradients = gradients or DeviceGradients()
-        self._fences = fences if fences is not None else [0] * len(flat_params)
         self.buckets = plan_buckets(self.order, bucket_numel, self._bucket_key)
         self._bucket_of = bucket_of = {fp.index: b for b, bucket in enumerate(self.buckets) for fp in bucket}
         self._params_in = [sum(len(fp.params) for fp in bucket) for bucket in self.buckets]
@@ -195,18 +194,19 @@ class GradReducer:
         units] in :mod:`.buckets`)."""
         if fp.policy.params or fp.regions is not None or (fp.policy.grads and self.quantized_reduce_scatter):
             return None
+        unit = self._unit_of[fp.index]
         return (
             fp.policy.grads,
             fp.policy.optimizer,
             self._comm_dtype(fp),
             fp.grad_dtype,
             fp.device,
-            self._fences[fp.index],
-            id(self._collectives_for(fp)),
+            id(unit) if unit.partitioned else None,
+            id(unit.collectives),
         )
 
     def _collectives_for(self, fp: FlatParam) -> Collectives:
-        return self.collectives_of.get(fp.index, self.collectives)
+        return self._unit_of[fp.index].collectives
 
     def register_hooks(self) -> None:
         for fp in self.order:

@@ -19,10 +19,11 @@ class ParamRefresh:
     :mod:`.engine`).
     """
 
-    def __init__(self, units: list[Unit], bucket_numel: int, in_flight_numel: int):
+    def __init__(self, flat_params: list[FlatParam], unit_of: list[Unit], bucket_numel: int, in_flight_numel: int):
+        """``unit_of``: each buffer's unit, by ``fp.index`` (Note: [Unit ownership] in :mod:`.unit`)."""
         self.in_flight_numel = in_flight_numel
-        self._unit_of = {fp.index: unit for unit in units for fp in unit.flat_params}
-        stale = [fp for unit in units for fp in unit.flat_params if fp.policy.optimizer and not fp.policy.params]
+        self._unit_of = unit_of
+        stale = [fp for fp in flat_params if fp.policy.optimizer and not fp.policy.params]
         self.buckets = plan_buckets(stale, min(bucket_numel, in_flight_numel), self._bucket_key)
 
     def _bucket_key(self, fp: FlatParam):

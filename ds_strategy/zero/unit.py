@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 
 from torch import nn
 
@@ -138,3 +139,15 @@ class Unit:
 
     def __repr__(self) -> str:
         return f"Unit({self.name!r}, numel={self.numel}, {self.sharded_state.value}/{self.training_state.value})"
+
+
+def units_by_flat_param(units: Sequence[Unit]) -> list[Unit]:
+    """Each flat buffer's unit, by ``fp.index``.
+
+    Note: [Unit ownership]
+    The engine's flat buffers are its units' in unit order, so ``fp.index`` indexes this list. It is the one map
+    from a buffer to its unit: the gradient reducer reads a buffer's group (experts' units reduce over theirs) and
+    whether its unit is partitioned from it, the stage 1/2 refresh which units a bucket's gather completes, the
+    stage-3 gathering which unit a launched reduction frees. Built once, after the units exist.
+    """
+    return [unit for unit in units for _ in unit.flat_params]
