@@ -6,6 +6,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from distributed import run_ranks, set_lightning_environment
+from quiet_trainer import QUIET
 from test_full_state_dict import BATCH, _model, _optimizer
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -33,10 +34,7 @@ def _trainer(strategy, devices: int, max_steps: int) -> pl.Trainer:
         devices=devices,
         strategy=strategy,
         max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET,
         use_distributed_sampler=False,
         num_sanity_val_steps=0,
     )

@@ -11,6 +11,7 @@ import lightning as L
 import pytest
 import torch
 from distributed import run_ranks, set_lightning_environment
+from quiet_trainer import QUIET
 from test_deepspeed_optimizer_sections import SCHEDULES, STEPS, NoOptimizerModule, _dataset, _formula, _lrs
 from torch.utils.data import DataLoader
 
@@ -73,10 +74,7 @@ def _fit_with_both(rank: int, world_size: int) -> dict:
         accelerator="cpu",
         devices=world_size,
         max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET,
         strategy=ZeroStrategy.from_deepspeed_config(CONFIG),
     )
     with warnings.catch_warnings(record=True) as caught:

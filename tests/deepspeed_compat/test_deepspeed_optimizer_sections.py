@@ -11,6 +11,7 @@ import models
 import pytest
 import torch
 from distributed import run_ranks, set_lightning_environment
+from quiet_trainer import QUIET
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from ds_strategy import ZeroFabricStrategy, ZeroStrategy
@@ -214,10 +215,7 @@ def _trainer(**kwargs):
         accelerator="cpu",
         devices=WORLD,
         max_steps=LIGHTNING_STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET,
         use_distributed_sampler=False,
         **kwargs,
     )

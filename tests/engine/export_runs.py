@@ -17,6 +17,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from distributed import set_lightning_environment, set_torchrun_environment
+from quiet_trainer import QUIET
 from torch import nn
 
 LR = 1e-6  # Adam moves each weight by about LR a step: far below a bf16 (or fp16) half-ulp of a weight near 0.1
@@ -181,10 +182,7 @@ def _trainer(world_size: int, strategy, **kwargs) -> L.Trainer:
         devices=world_size,
         strategy=strategy,
         max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET,
         use_distributed_sampler=False,
         **kwargs,
     )

@@ -21,6 +21,7 @@ import os
 import hf_models
 import torch
 from distributed import set_lightning_environment, set_torchrun_environment
+from quiet_trainer import QUIET
 from torch.nn.parallel import DistributedDataParallel
 
 from ds_strategy import checkpoint
@@ -197,10 +198,7 @@ def lightning(rank: int, world_size: int, fields: dict, save_to: str | None = No
         devices=world_size,
         strategy=ds_strategy.ZeroStrategy(**fields),
         max_epochs=1,  # one epoch of STEPS batches (max_steps would count each optimizer's steps)
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET,
         use_distributed_sampler=False,
     )
     module = MuonRecipe()

@@ -16,6 +16,7 @@ import models
 import pytest
 import torch
 from distributed import run_ranks, set_lightning_environment, set_torchrun_environment
+from quiet_trainer import QUIET
 from test_lightning_strategy import ACCUMULATE, BATCH, STEPS, WORLD, MLPModule, _dataset, _reference
 from torch.utils.data import DataLoader, Subset
 from training_loops import drive_micro_batch
@@ -100,11 +101,8 @@ def _lightning_runs(rank: int, world_size: int) -> dict:
             accelerator="cpu",
             devices=world_size,
             max_steps=STEPS,
-            logger=False,
             strategy=ds_strategy.ZeroStrategy(_config(stage, reduction)),
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
+            **QUIET,
             use_distributed_sampler=False,
         )
         trainer.fit(module, DataLoader(Subset(_dataset(), range(rank, len(_dataset()), WORLD)), batch_size=BATCH))

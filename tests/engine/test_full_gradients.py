@@ -8,6 +8,7 @@ import pytest
 import torch
 from distributed import run_ranks, set_lightning_environment
 from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
+from quiet_trainer import QUIET
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -68,10 +69,7 @@ def _gradients(rank: int, world_size: int) -> dict:
         devices=world_size,
         strategy=ZeroStrategy(stage=3),
         max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET,
         use_distributed_sampler=False,
     )
     trainer.fit(module, DataLoader(TensorDataset(mine), batch_size=len(mine)))

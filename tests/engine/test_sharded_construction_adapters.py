@@ -11,6 +11,7 @@ import lightning as L
 import pytest
 import torch
 from distributed import run_ranks, set_lightning_environment
+from quiet_trainer import QUIET
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -64,10 +65,7 @@ def _trainer(world_size: int) -> L.Trainer:
         devices=world_size,
         strategy=ZeroStrategy(**ZERO3),
         max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET,
         use_distributed_sampler=False,
     )
 

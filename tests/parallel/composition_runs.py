@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from distributed import set_lightning_environment
 from pipeline_runs import batches, loss_fn, tiny_llama
+from quiet_trainer import QUIET
 
 STEPS, GLOBAL_BATCH, BLOCKS, HEADS = 3, 8, 4, 4
 MODEL = "llama"
@@ -607,10 +608,7 @@ def _lightning_entry(
         strategy=ds_strategy.ZeroStrategy(**fields),
         max_steps=STEPS,
         max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET,
         use_distributed_sampler=False,
         num_sanity_val_steps=0,
     )

@@ -9,6 +9,7 @@ import pytest
 import torch
 from distributed import run_ranks, set_lightning_environment
 from hf_models import SEQ, VOCAB
+from quiet_trainer import QUIET
 from torch.utils.data import DataLoader, TensorDataset
 
 import ds_strategy
@@ -58,10 +59,7 @@ def _fit(rank: int, world_size: int, name: str, stage: int, ep: int) -> dict:
         strategy=ds_strategy.ZeroStrategy(stage=stage, expert_parallel_size=ep),
         max_steps=STEPS,
         gradient_clip_val=CLIP,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET,
     )
     trainer.fit(module, DataLoader(_data(), batch_size=PER_RANK))
     return {

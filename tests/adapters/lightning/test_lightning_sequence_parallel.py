@@ -11,6 +11,7 @@ import lightning as L
 import pytest
 import torch
 from distributed import run_ranks, set_lightning_environment
+from quiet_trainer import QUIET
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -84,10 +85,7 @@ def _fit(rank: int, world_size: int, stage: int, **tensor_parallel) -> dict:
         strategy=ds_strategy.ZeroStrategy(stage=stage, sequence_parallel_size=SP, **tensor_parallel),
         max_steps=STEPS,
         gradient_clip_val=CLIP,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET,
     )
     trainer.fit(module, DataLoader(_data(), batch_size=PER_RANK))
     engine = trainer.strategy.engine

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_ranks, set_lightning_environment
+from quiet_trainer import QUIET
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 import ds_strategy  # noqa: F401  (registers the strategy names)
@@ -60,10 +61,7 @@ def _fit(rank: int, world_size: int, strategy: str) -> dict:
         gradient_clip_val=1.0,
         limit_val_batches=2,
         val_check_interval=ACCUMULATE * 2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET,
         use_distributed_sampler=False,
     )
     mine = Subset(_dataset(), range(rank, len(_dataset()), world_size))  # what a DistributedSampler gives rank r

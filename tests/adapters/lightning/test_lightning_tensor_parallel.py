@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_ranks, set_lightning_environment
+from quiet_trainer import QUIET
 from tensor_parallel_llama import LAYER_PLAN, LLAMA, PER_RANK, STEPS, reference_run, token_data
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
@@ -57,10 +58,7 @@ def _fit(rank: int, world_size: int, stage: int, tp: int, **tensor_parallel) -> 
         devices=world_size,
         strategy=ds_strategy.ZeroStrategy(stage=stage, tensor_parallel_size=tp, **tensor_parallel),
         max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET,
     )
     dp = world_size // tp
     trainer.fit(module, DataLoader(TensorDataset(token_data(dp)), batch_size=PER_RANK))

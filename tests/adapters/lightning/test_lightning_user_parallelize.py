@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import torchmetrics
 from distributed import run_ranks, set_lightning_environment
+from quiet_trainer import QUIET
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -84,10 +85,7 @@ def _fit(stage: int) -> dict:
         devices=2,
         strategy=ds_strategy.ZeroStrategy(stage=stage, tensor_parallel_size=2),
         max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET,
     )
     trainer.fit(module, DataLoader(TensorDataset(data()), batch_size=BATCH))
     final = trainer.strategy.engine.full_state_dict(rank0_only=False)

@@ -15,6 +15,7 @@ import pytest
 import torch
 from distributed import run_ranks, set_lightning_environment
 from lightning.pytorch.demos.boring_classes import BoringModel
+from quiet_trainer import QUIET
 
 import ds_strategy
 from ds_strategy.checkpoint import CheckpointError
@@ -29,10 +30,7 @@ def _trainer(world_size: int, strategy="zero3", **kwargs) -> L.Trainer:
         accelerator="cpu",
         devices=world_size,
         strategy=strategy,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET,
         **settings,
     )
 
