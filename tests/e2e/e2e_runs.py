@@ -47,6 +47,10 @@ def run(
     return result
 
 
+# How a surviving rank 0 says at once that a peer's failure failed its collective (peer_failures.announced).
+ANNOUNCED = "[ds_strategy] PeerFailedError: rank 0: "
+
+
 def run_lightning_fault(mode: str, out: Path) -> tuple[subprocess.CompletedProcess, float, float | None, float]:
     """``scripts/lightning_faults.py MODE OUT``: its result, when rank 1 failed, when rank 0 first named the
     failure (``None`` if it never did) and when the job had ended, as ``time.time()`` values."""
@@ -61,7 +65,7 @@ def run_lightning_fault(mode: str, out: Path) -> tuple[subprocess.CompletedProce
     ended = time.time()
     reader.join(timeout=10)
     result = subprocess.CompletedProcess(cmd, proc.returncode, stdout, "".join(line for _, line in lines))
-    said = [at for at, line in lines if line.startswith("[ds_strategy] PeerFailedError: rank 0: ")]
+    said = [at for at, line in lines if line.startswith(ANNOUNCED)]
     return result, float(Path(out, "failed_at").read_text()), said[0] if said else None, ended
 
 

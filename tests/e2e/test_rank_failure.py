@@ -11,11 +11,10 @@ import sys
 
 import pytest
 import torch
-from e2e_runs import SCRIPTS, output, run, run_lightning_fault
+from e2e_runs import ANNOUNCED, SCRIPTS, output, run, run_lightning_fault
 
 pytestmark = pytest.mark.slow  # multi-rank scenarios of tens of seconds: not in the fast tier
 
-ANNOUNCED = "[ds_strategy] PeerFailedError: rank 0: "  # peer_failures.announced
 COLLECTIVE_TIMEOUT_S = 300.0  # lightning_faults.py's collective_timeout: a job that waited it out was not told
 
 

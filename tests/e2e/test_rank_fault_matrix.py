@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from distributed import run_ranks
+from e2e_runs import ANNOUNCED
 from rank_fault_runs import (
     FAULT_STEP,
     FAULTS,
@@ -67,7 +68,7 @@ def test_rank_0_raises_peer_failed_naming_rank_1_and_how_it_failed(cells, moment
     assert error is not None, result["stderr0"][-3000:]
     assert error["type"] == "PeerFailedError", (error, result["stderr0"][-3000:])
     assert all(said.format(moment=moment) in error["message"] for said in SAID[fault]), error["message"]
-    assert "[ds_strategy] PeerFailedError: rank 0: " in result["stderr0"]  # said at once, before a launcher can kill it
+    assert ANNOUNCED in result["stderr0"]  # said at once, before a launcher can kill it
     assert error["at"] - result["faulted_at"] < TIMEOUT_S, error
 
 
